@@ -1,0 +1,45 @@
+"""Engine settings: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    role: str = "both"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 256
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_speculative_tokens: int | None = None  # None: 1 when the checkpoint has an MTP layer, else 0
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 8:
+            raise ValueError("num_speculative_tokens must be in [0, 8]")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,372 @@
+"""The engine: one step is schedule -> execute -> update.
+
+Request lifecycle (see sequence.py): waiting -> running (prefill chunks, then decode
+steps with MTP drafts verified by the target) -> finished. Roles:
+- both: offline or single-process serving.
+- prefill: a request stops after its first token and is HELD; export_kv() hands its
+  blocks out as one contiguous buffer and release() frees them.
+- decode: add_prefilled() imports such a buffer and continues decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.checkpoint.loader import load_model
+from shared.engine import sampler
+from shared.engine.block_manager import BlockManager
+from shared.engine.config import EngineConfig
+from shared.engine.kv_cache import KVCache
+from shared.engine.runner import Chunk, build_batch
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from shared.engine.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob
+from shared.engine.spec_decode import verify
+from shared.model.deepseek import DeepseekForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (too long, duplicate id, ...)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class NoCapacity(RuntimeError):
+    """Not enough free KV blocks right now; the caller may retry later."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prefill_done: bool = False  # prefill role: the request is HELD, its KV ready to export
+    num_prompt_tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    num_seqs: int = 0
+    num_tokens: int = 0
+    num_decode: int = 0
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    draft_s: float = 0.0
+    total_s: float = 0.0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def host_s(self) -> float:
+        return self.total_s - self.forward_s - self.draft_s
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, model: DeepseekForCausalLM | None = None):
+        self.cfg = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = torch.device(cfg.device)
+        self.model = model if model is not None else load_model(cfg.model, cfg.torch_dtype, self.device)
+        mcfg = self.model_config = self.model.cfg
+        self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        k = cfg.num_speculative_tokens
+        self.num_spec = (1 if mcfg.has_mtp else 0) if k is None else (k if mcfg.has_mtp else 0)
+        if k and not mcfg.has_mtp:
+            log.warning("num_speculative_tokens=%d ignored: the checkpoint has no MTP layer", k)
+        self.use_mtp = mcfg.has_mtp and self.num_spec > 0
+        num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
+        self.kv = KVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_spec)
+        self.scheduler = Scheduler(sched_cfg, self.blocks)
+        self.seqs: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}
+        self.eos_ids = set(mcfg.eos_token_ids)
+        self.last_stats = StepStats()
+        self.num_drafted_total = 0
+        self.num_accepted_total = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Share of MTP draft tokens the target accepted, since start."""
+        return self.num_accepted_total / self.num_drafted_total if self.num_drafted_total else None
+
+    def _blocks_from_memory(self) -> int:
+        per = KVCache.bytes_per_block(self.model_config, self.cfg.block_size, self.cfg.torch_dtype)
+        by_mem = max(1, self.cfg.kv_cache_memory_mb * (1 << 20) // per)
+        per_seq = -(-self.max_model_len // self.cfg.block_size) + 2
+        return int(min(by_mem, self.cfg.max_num_seqs * per_seq))
+
+    # ---- requests ---------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("prompt is empty", "prompt")
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {n} tokens but the model's context is {self.max_model_len}; "
+                f"prompt plus output must fit", "prompt")
+        vocab = self.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        need = self.blocks.blocks_for(min(n + params.max_tokens, self.max_model_len) + 2 * self.num_spec)
+        if need > self.blocks.num_blocks:
+            raise RequestError(
+                f"request needs {need} KV blocks but the cache holds {self.blocks.num_blocks}", "max_tokens")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.seqs or request_id in self.held:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        self.check_request(prompt_ids, params)
+        seq = Sequence(request_id, list(prompt_ids), params)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            return True
+        return self.release(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- prefill / decode roles ---------------------------------------------------
+    def export_kv(self, request_id: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[num_cache_layers, n_blocks, block_size, D] for the held request's computed prefix."""
+        seq = self.held[request_id]
+        n = self.blocks.blocks_for(seq.num_computed)
+        return self.kv.export_blocks(seq.block_ids[:n], out)
+
+    def held_sequence(self, request_id: str) -> Sequence:
+        return self.held[request_id]
+
+    def release(self, request_id: str) -> bool:
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.blocks.free(seq.block_ids)
+        seq.block_ids = []
+        seq.status = SeqStatus.FINISHED
+        return True
+
+    def can_import(self, num_prompt_tokens: int) -> bool:
+        return self.blocks.can_allocate(self.blocks.blocks_for(num_prompt_tokens))
+
+    def add_prefilled(
+        self, request_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams, kv: torch.Tensor
+    ) -> None:
+        """Continue a request whose prompt KV was computed elsewhere. token_ids = prompt
+        plus the tokens sampled there (at least the first)."""
+        if request_id in self.seqs:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        self.check_request(token_ids[:num_prompt_tokens], params)
+        if len(token_ids) <= num_prompt_tokens:
+            raise RequestError("a prefilled request must carry its first sampled token")
+        n_blocks = self.blocks.blocks_for(num_prompt_tokens)
+        if kv.shape[1] != n_blocks:
+            raise RequestError(f"KV buffer holds {kv.shape[1]} blocks, {n_blocks} expected")
+        if not self.blocks.can_allocate(n_blocks):
+            raise NoCapacity(f"{n_blocks} KV blocks needed, {self.blocks.num_free_blocks} free")
+        seq = Sequence(request_id, list(token_ids), params, num_prompt_tokens=num_prompt_tokens)
+        seq.block_ids = self.blocks.allocate(n_blocks)
+        try:
+            self.kv.import_blocks(seq.block_ids, kv)
+        except Exception:
+            self.blocks.free(seq.block_ids)
+            raise
+        seq.num_computed = len(token_ids) - 1
+        self.seqs[request_id] = seq
+        self.scheduler.add_running(seq)
+
+    # ---- the step -------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        st = StepStats()
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        st.preempted = [s.request_id for s in sched.preempted]
+        t1 = time.perf_counter()
+        st.schedule_s = t1 - t0
+        if sched.empty:
+            self.last_stats = st
+            return []
+        chunks = [self._chunk(s) for s in sched.scheduled]
+        batch = build_batch(chunks, self.cfg.block_size, self.device)
+        st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
+        t2 = time.perf_counter()
+        st.prepare_s = t2 - t1
+        hidden = self.model(batch, self.kv.tensor)
+        t3 = time.perf_counter()
+        st.forward_s = t3 - t2
+        outputs, mtp_work = self._update(chunks, hidden, st)
+        t4 = time.perf_counter()
+        st.sample_s = t4 - t3
+        if self.use_mtp and mtp_work:
+            self._propose(mtp_work, hidden)
+            st.draft_s = time.perf_counter() - t4
+        st.total_s = time.perf_counter() - t0
+        self.last_stats = st
+        self.num_drafted_total += st.num_drafted
+        self.num_accepted_total += st.num_accepted
+        return outputs
+
+    def _chunk(self, s: ScheduledSeq) -> Chunk:
+        seq = s.seq
+        n_real = s.num_new_tokens - s.num_draft_tokens
+        ids = seq.token_ids[seq.num_computed : seq.num_computed + n_real] + seq.draft_ids[: s.num_draft_tokens]
+        return Chunk(seq, seq.num_computed, ids)
+
+    def _update(self, chunks: list[Chunk], hidden: torch.Tensor, st: StepStats):
+        sample_rows: list[int] = []
+        samplers: list[tuple[Chunk, int, int]] = []  # chunk, first logits row, num rows
+        for c in chunks:
+            seq = c.seq
+            n_draft = c.q_len - (min(seq.num_tokens, c.start + c.q_len) - c.start)
+            if c.start + c.q_len - n_draft == seq.num_tokens:  # caught up: this chunk samples
+                rows = list(range(c.row + c.q_len - n_draft - 1, c.row + c.q_len))
+                samplers.append((c, len(sample_rows), len(rows)))
+                sample_rows += rows
+        logits = self.model.compute_logits(hidden[sample_rows]).cpu() if sample_rows else None
+
+        # Plain (non-speculative) rows are sampled together; draft verification is per sequence.
+        plain = [(c, r) for c, r, n in samplers if n == 1]
+        new_tokens: dict[int, list[int]] = {}
+        if plain:
+            idx = [r for _, r in plain]
+            seqs = [c.seq for c, _ in plain]
+            toks = sampler.sample(logits[idx], [s.params for s in seqs], [self._gen(s) for s in seqs]).tolist()
+            for (c, r), t in zip(plain, toks):
+                new_tokens[id(c)] = [t]
+        for c, r, n in samplers:
+            if n > 1:
+                drafts = c.token_ids[c.q_len - (n - 1):]
+                toks = verify(logits[r : r + n], drafts, c.seq.params, self._gen(c.seq))
+                new_tokens[id(c)] = toks
+                c.seq.num_drafted += len(drafts)
+                c.seq.num_accepted += len(toks) - 1
+                st.num_drafted += len(drafts)
+                st.num_accepted += len(toks) - 1
+
+        outputs: list[RequestOutput] = []
+        mtp_work: list[tuple[Chunk, int]] = []  # chunk, number of valid positions computed
+        row_of = {id(c): (r, n) for c, r, n in samplers}
+        for c in chunks:
+            seq = c.seq
+            seq.draft_ids = []
+            toks = new_tokens.get(id(c))
+            if toks is None:  # a prefill chunk that does not reach the end of the prompt
+                seq.num_computed += c.q_len
+                mtp_work.append((c, c.q_len))
+                continue
+            seq.num_computed = c.start + (c.q_len - (row_of[id(c)][1] - 1)) + (len(toks) - 1)
+            lp = self._logprobs(seq, logits, row_of[id(c)][0], toks)
+            emitted = self._append(seq, toks)
+            out = RequestOutput(seq.request_id, emitted, logprobs=lp[: len(emitted)] if lp else None,
+                                num_prompt_tokens=seq.num_prompt_tokens)
+            if seq.is_finished:
+                out.finished, out.finish_reason = True, seq.finish_reason
+                self.seqs.pop(seq.request_id, None)
+            else:
+                mtp_work.append((c, seq.num_computed - c.start))
+                if self.cfg.role == "prefill":
+                    self.scheduler.detach(seq)
+                    self.seqs.pop(seq.request_id, None)
+                    self.held[seq.request_id] = seq
+                    out.prefill_done = True
+            outputs.append(out)
+        return outputs, mtp_work
+
+    def _gen(self, seq: Sequence) -> torch.Generator | None:
+        # Keyed by output position, so a seeded request draws the same numbers whether it
+        # is sampled here or on another worker, and however it was batched.
+        if seq.params.seed is None:
+            return None
+        return torch.Generator().manual_seed((seq.params.seed * 1_000_003 + seq.num_output_tokens) & (2**63 - 1))
+
+    def _logprobs(self, seq: Sequence, logits, row: int, toks: list[int]):
+        n = seq.params.logprobs
+        if n is None:
+            return None
+        rows = logits[row : row + len(toks)]
+        return sampler.logprobs_of(rows, torch.tensor(toks), [n] * len(toks))
+
+    def _append(self, seq: Sequence, toks: list[int]) -> list[int]:
+        p = seq.params
+        emitted = []
+        for t in toks:
+            seq.token_ids.append(t)
+            emitted.append(t)
+            n_out = seq.num_output_tokens
+            stop = n_out >= p.min_tokens and (
+                (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids)
+            if stop:
+                self.scheduler.finish(seq, FinishReason.STOP)
+                break
+            if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+                break
+        return emitted
+
+    # ---- MTP drafting ------------------------------------------------------------------
+    def _propose(self, work: list[tuple[Chunk, int]], hidden: torch.Tensor) -> None:
+        """Run the MTP layer over every position the target just computed (filling its KV)
+        and, for sequences that will decode next, chain num_spec greedy drafts."""
+        chunks, prev_rows = [], []
+        for c, n_valid in work:
+            seq = c.seq
+            if seq.status == SeqStatus.FINISHED:
+                continue
+            ids = seq.token_ids[c.start + 1 : c.start + n_valid + 1]
+            chunks.append(Chunk(seq, c.start, ids))
+            prev_rows.append(torch.arange(c.row, c.row + n_valid))
+        if not chunks:
+            return
+        order = {id(ch.seq): i for i, ch in enumerate(chunks)}
+        batch = build_batch(chunks, self.cfg.block_size, self.device)
+        prev = hidden[torch.cat([prev_rows[order[id(ch.seq)]] for ch in chunks])]
+        h = self.model.mtp_forward(batch, prev, self.kv.tensor)
+        want = [ch for ch in chunks if ch.seq.status == SeqStatus.RUNNING and ch.seq.in_decode and self.num_spec]
+        for step in range(self.num_spec):
+            live = [ch for ch in want if len(ch.seq.draft_ids) == step and self._draft_budget(ch.seq) > step]
+            if not live:
+                return
+            last = torch.tensor([ch.row + ch.q_len - 1 for ch in live])
+            drafts = self.model.mtp_logits(h[last]).argmax(dim=-1).tolist()
+            for ch, d in zip(live, drafts):
+                ch.seq.draft_ids.append(d)
+            if step + 1 == self.num_spec:
+                return
+            nxt = [Chunk(ch.seq, ch.seq.num_tokens - 1 + step, [d]) for ch, d in zip(live, drafts)]
+            prev_h = h[last]
+            batch = build_batch(nxt, self.cfg.block_size, self.device)  # all q_len 1: order kept
+            h = self.model.mtp_forward(batch, prev_h, self.kv.tensor)
+            want = nxt
+
+    def _draft_budget(self, seq: Sequence) -> int:
+        left_out = seq.params.max_tokens - seq.num_output_tokens - 1
+        left_ctx = self.max_model_len - seq.num_tokens - 1
+        return max(0, min(left_out, left_ctx))

@@ -1,0 +1,44 @@
+"""The paged latent KV cache and its export/import as contiguous buffers.
+
+Layout: [num_cache_layers, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim].
+The MTP layer's cache is the last layer. A request's export is the same layout
+restricted to its blocks: [num_cache_layers, n, block_size, D], one contiguous buffer
+that a transport can move as raw bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.model.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.tensor = torch.zeros(
+            cfg.num_cache_layers, num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device
+        )
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return cfg.num_cache_layers * block_size * cfg.kv_cache_dim * dtype.itemsize
+
+    def block_shape(self) -> tuple[int, ...]:
+        layers, _, bs, d = self.tensor.shape
+        return (layers, bs, d)
+
+    def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        idx = torch.tensor(block_ids, device=self.tensor.device)
+        if out is None:
+            return self.tensor.index_select(1, idx)
+        torch.index_select(self.tensor, 1, idx, out=out)
+        return out
+
+    def import_blocks(self, block_ids: list[int], buf: torch.Tensor) -> None:
+        expect = (self.tensor.shape[0], len(block_ids), *self.tensor.shape[2:])
+        if tuple(buf.shape) != expect:
+            raise ValueError(f"KV buffer has shape {tuple(buf.shape)}, expected {expect}")
+        idx = torch.tensor(block_ids, device=self.tensor.device)
+        self.tensor.index_copy_(1, idx, buf.to(self.tensor.dtype))

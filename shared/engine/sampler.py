@@ -1,0 +1,80 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+N = rows to sample, V = vocabulary. Rows come from different requests, each with its
+own parameters; the common transforms are vectorised and only the draw itself is per
+row when a request carries its own seeded generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.sequence import TokenLogprob
+
+
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Apply temperature, top-k and top-p. logits [N, V] fp32 -> probs [N, V].
+    Greedy rows come back one-hot on their argmax."""
+    N, V = logits.shape
+    temps = torch.tensor([max(p.temperature, 1e-5) for p in params], dtype=logits.dtype)
+    x = logits / temps[:, None]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    if (top_k < V).any() or (top_p < 1).any():
+        sorted_x, idx = x.sort(dim=-1, descending=True)
+        ranks = torch.arange(V)[None, :]
+        drop = ranks >= top_k[:, None]
+        probs_sorted = sorted_x.softmax(dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop |= (probs_sorted.cumsum(dim=-1) - probs_sorted) >= top_p[:, None]
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(1, idx, sorted_x)
+    probs = x.softmax(dim=-1)
+    greedy = torch.tensor([p.greedy for p in params])
+    if greedy.any():
+        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], onehot, probs)
+    return probs
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row. Seeded rows draw from their own generator, so a request's
+    output depends only on its seed, not on what it was batched with."""
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        out[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = torch.multinomial(probs[i], 1, generator=g).item()
+    return out
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    greedy = torch.tensor([p.greedy for p in params])
+    if bool(greedy.all()):
+        return logits.argmax(dim=-1)
+    probs = processed_probs(logits, params)
+    tokens = draw(probs, generators)
+    return torch.where(greedy, logits.argmax(dim=-1), tokens)
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int | None]) -> list[TokenLogprob | None]:
+    """Logprobs under the model's raw distribution, as OpenAI reports them."""
+    if all(n is None for n in num_top):
+        return [None] * len(num_top)
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    k = max(n or 0 for n in num_top)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+    out: list[TokenLogprob | None] = []
+    for r, n in enumerate(num_top):
+        if n is None:
+            out.append(None)
+            continue
+        t = int(tokens[r])
+        top = [(int(top_i[r, j]), float(top_v[r, j])) for j in range(n)] if n else []
+        out.append(TokenLogprob(t, float(lp[r, t]), top))
+    return out

@@ -1,0 +1,158 @@
+"""Continuous batching with a per-step token budget, chunked prefill and preemption.
+
+Each step: running sequences first, in arrival order (decode tokens and draft tokens to
+verify, or the next prefill chunk), then waiting sequences in arrival order while the
+budget and free blocks last. When a running sequence cannot get the blocks it needs,
+the newest running sequence is preempted: its blocks are freed and it will be
+recomputed from its tokens. This keeps the oldest requests moving.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.sequence import FinishReason, Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    num_spec_tokens: int = 0  # draft tokens verified per decode step
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_spec_tokens < 0:
+            raise ValueError("num_spec_tokens must be >= 0")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, draft tokens included
+    num_draft_tokens: int = 0
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager):
+        self.cfg = cfg
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # ---- queue management --------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in the cache (imported from a prefill worker)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self.running.sort(key=lambda s: s.arrival)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status == SeqStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def detach(self, seq: Sequence) -> None:
+        """Take a running sequence out of scheduling but keep its blocks (HELD)."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.HELD
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        k = self.cfg.num_spec_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = seq.num_tokens - seq.num_computed
+            drafts = 0
+            if seq.in_decode and seq.draft_ids:
+                drafts = min(len(seq.draft_ids), budget - 1)
+                num_new += drafts
+            num_new = min(num_new, budget)
+            if not self._ensure_blocks(seq, seq.num_computed + num_new + max(k - 1, 0), out):
+                if seq.status != SeqStatus.RUNNING:  # preempted itself
+                    continue
+                break
+            out.scheduled.append(ScheduledSeq(seq, num_new, drafts))
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            need = self.blocks.blocks_for(seq.num_computed + num_new + max(k - 1, 0)) - len(seq.block_ids)
+            if not self.blocks.can_allocate(need):
+                break
+            seq.block_ids += self.blocks.allocate(need)
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return out
+
+    def _ensure_blocks(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
+        need = self.blocks.blocks_for(num_slots) - len(seq.block_ids)
+        while need > self.blocks.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_ids += self.blocks.allocate(need)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed = 0
+        seq.draft_ids = []
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.block_ids:
+            self.blocks.free(seq.block_ids)
+            seq.block_ids = []

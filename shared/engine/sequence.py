@@ -1,0 +1,86 @@
+"""A request as the engine sees it.
+
+Lifecycle: WAITING -> RUNNING -> FINISHED. A running sequence that is preempted goes
+back to WAITING with its blocks freed and is recomputed from its tokens. In the
+prefill-only role a sequence whose prompt is done becomes HELD: its blocks stay
+allocated until the decode side has pulled them, then it is released.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    HELD = "held"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    num_prompt_tokens: int = -1
+    num_computed: int = 0  # positions whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    draft_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    num_preemptions: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    def __post_init__(self):
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    @property
+    def in_decode(self) -> bool:
+        """All tokens but the newest are cached: the next step computes one token."""
+        return self.num_computed == self.num_tokens - 1 and self.num_output_tokens > 0

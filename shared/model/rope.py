@@ -1,0 +1,90 @@
+"""Rotary position embedding for the rope part of MLA's queries and keys, with YaRN.
+
+DeepSeek lays rope dimensions out in interleaved pairs (x0, x1), (x2, x3), ...; with
+`rope_interleave: false` the pairs are (x_i, x_{i+d/2}) instead. Either way the output
+is written as [rotated firsts, rotated seconds]: queries and keys get the same
+permutation, so attention scores are unchanged and the cache stays in one layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shared.model.config import ModelConfig, RopeConfig
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def inv_freq_and_attention_factor(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if rope.kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor = rope.factor
+    if rope.attention_factor is not None:
+        attention_factor = float(rope.attention_factor)
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
+    else:
+        attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(rope.theta)
+        )
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    scale = cfg.qk_head_dim**-0.5
+    if cfg.rope.kind != "default" and cfg.rope.mscale_all_dim:
+        m = _yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim)
+        scale = scale * m * m
+    return scale
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Holds cos/sin tables for every position up to the model's context length."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.interleave = cfg.rope_interleave
+        dim = cfg.qk_rope_head_dim
+        inv_freq, attn_factor = inv_freq_and_attention_factor(cfg.rope, dim)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, dim/2]
+        self.register_buffer("cos", freqs.cos() * attn_factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attn_factor, persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotate each x of shape [T, ..., dim] by the angles of `positions` [T]."""
+        out = []
+        for x in xs:
+            cos = self.cos[positions].to(x.dtype)
+            sin = self.sin[positions].to(x.dtype)
+            while cos.dim() < x.dim():
+                cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+            out.append(apply_rotary(x, cos, sin, self.interleave))
+        return tuple(out)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    if interleave:
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)

@@ -1,0 +1,39 @@
+"""Shared fixtures: small random-weight checkpoints, written once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from shared.checkpoint.writer import init_model
+
+    return str(init_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_v2_model(tmp_path_factory) -> str:
+    from shared.checkpoint.writer import init_model
+
+    return str(init_model(tmp_path_factory.mktemp("tiny-v2"), "tiny-v2", seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_factory(tiny_model):
+    """Builds engines on the tiny model, reusing one loaded copy of the weights."""
+    from shared.checkpoint.loader import load_model
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+
+    model = load_model(tiny_model)
+
+    def make(**kw) -> LLMEngine:
+        kw.setdefault("num_kv_blocks", 512)
+        return LLMEngine(EngineConfig(model=tiny_model, **kw), model=model)
+
+    return make

@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+from shared.engine import sampler
+from shared.engine.sampling_params import SamplingParamError, SamplingParams
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
+    toks = sampler.sample(logits, [SamplingParams(temperature=0)] * 2, [None, None])
+    assert toks.tolist() == [1, 0]
+
+
+def test_top_k_and_top_p_restrict_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = sampler.processed_probs(logits, [SamplingParams(top_k=2)])
+    assert (p[0, 2:] == 0).all() and p[0, :2].sum() == pytest.approx(1)
+    p = sampler.processed_probs(logits, [SamplingParams(top_p=0.7)])
+    assert (p[0, 2:] == 0).all()  # 0.5 + 0.3 reaches 0.7; the rest is cut
+    p = sampler.processed_probs(logits, [SamplingParams(top_p=0.4)])
+    assert p[0, 0] == 1  # the top token always survives
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[1.0, 2.0]])
+    hot = sampler.processed_probs(logits, [SamplingParams(temperature=2.0)])[0, 1]
+    cold = sampler.processed_probs(logits, [SamplingParams(temperature=0.5)])[0, 1]
+    assert cold > hot
+
+
+def test_seeded_rows_are_reproducible_regardless_of_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=1.0, seed=5)] * 3
+    a = sampler.sample(logits, params, [torch.Generator().manual_seed(5) for _ in range(3)])
+    b = sampler.sample(logits[1:2], params[:1], [torch.Generator().manual_seed(5)])
+    assert a[1] == b[0]
+
+
+def test_logprobs_report_chosen_and_top():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    lp = sampler.logprobs_of(logits, torch.tensor([1]), [2])[0]
+    assert lp.token_id == 1 and lp.logprob == pytest.approx(torch.log(torch.tensor(0.2)).item(), abs=1e-5)
+    assert [t for t, _ in lp.top] == [0, 1]
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"seed": 1.5}, "seed"), ({"stop": ("",)}, "stop"), ({"logprobs": 99}, "logprobs"),
+    ({"max_tokens": True}, "max_tokens"), ({"temperature": float("nan")}, "temperature"),
+])
+def test_bad_parameters_name_themselves(kw, param):
+    with pytest.raises(SamplingParamError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param

@@ -1,0 +1,45 @@
+from shared.tokenizer.detokenizer import IncrementalDetokenizer
+from shared.tokenizer.tokenizer import Tokenizer
+
+
+def _stream(tok, ids, stop=()):
+    d = IncrementalDetokenizer(tok, stop)
+    parts = [d.add([i]) for i in ids]
+    parts.append(d.flush())
+    return parts, d
+
+
+def test_streamed_text_equals_full_decode_and_never_splits_characters(tiny_model):
+    tok = Tokenizer(tiny_model)
+    text = "Ünïcode → 日本語 and emoji 🙂🙂 mixed with the model tokens"
+    ids = tok.encode(text, add_special_tokens=False)
+    parts, _ = _stream(tok, ids)
+    assert "".join(parts) == text
+    assert all("\ufffd" not in p for p in parts)
+    # byte-level tokens for a 4-byte emoji arrive one by one: nothing is released mid-character
+    emoji = [i for i in tok.encode("🙂", add_special_tokens=False)]
+    parts, _ = _stream(tok, emoji)
+    assert parts[-2] == "🙂" or "".join(parts) == "🙂"
+    assert all(p in ("", "🙂") for p in parts)
+
+
+def test_stop_string_is_cut_and_nothing_after_is_released(tiny_model):
+    tok = Tokenizer(tiny_model)
+    ids = tok.encode("the model decode STOP cache layer", add_special_tokens=False)
+    parts, d = _stream(tok, ids, stop=("STOP",))
+    assert "".join(parts) == "the model decode "
+    assert d.stopped
+
+
+def test_partial_stop_prefix_is_held_until_ruled_out(tiny_model):
+    tok = Tokenizer(tiny_model)
+    ids = tok.encode("abc STO and more", add_special_tokens=False)
+    parts, d = _stream(tok, ids, stop=("STOP",))
+    assert "".join(parts) == "abc STO and more" and not d.stopped
+
+
+def test_chat_template_and_specials(tiny_model):
+    tok = Tokenizer(tiny_model)
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert tok.decode(ids) == "hi"
