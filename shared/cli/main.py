@@ -7,9 +7,9 @@ import argparse
 import logging
 import sys
 
-from shared.cli import cmd_bench, cmd_generate, cmd_init_model
+from shared.cli import cmd_bench, cmd_generate, cmd_init_model, cmd_services, cmd_trace, cmd_up
 
-COMMANDS = [cmd_init_model, cmd_generate, cmd_bench]
+COMMANDS = [cmd_up, cmd_init_model, cmd_generate, cmd_bench, cmd_trace, cmd_services]
 
 
 def build_parser() -> argparse.ArgumentParser:

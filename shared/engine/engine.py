@@ -68,6 +68,7 @@ class StepStats:
     num_drafted: int = 0
     num_accepted: int = 0
     preempted: list[str] = field(default_factory=list)
+    scheduled: list[str] = field(default_factory=list)  # request ids computed in this step
 
     @property
     def host_s(self) -> float:
@@ -128,11 +129,15 @@ class LLMEngine:
             raise RequestError(
                 f"request needs {need} KV blocks but the cache holds {self.blocks.num_blocks}", "max_tokens")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, output_ids: list[int] = ()
+    ) -> None:
+        """output_ids: tokens already generated elsewhere (a decode worker recomputing a
+        prompt whose KV transfer failed); they are recomputed with the prompt."""
         if request_id in self.seqs or request_id in self.held:
             raise RequestError(f"duplicate request id {request_id!r}")
         self.check_request(prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params)
+        seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, num_prompt_tokens=len(prompt_ids))
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -145,6 +150,13 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def load(self) -> tuple[int, int, int, int, int]:
+        """(running, waiting, free blocks, total blocks, tokens still to generate).
+        Call only while no step is running."""
+        outstanding = sum(max(0, s.params.max_tokens - s.num_output_tokens) for s in self.seqs.values())
+        return (len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.num_free_blocks,
+                self.blocks.num_blocks, outstanding)
 
     @property
     def num_running(self) -> int:
@@ -217,6 +229,7 @@ class LLMEngine:
         chunks = [self._chunk(s) for s in sched.scheduled]
         batch = build_batch(chunks, self.cfg.block_size, self.device)
         st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
+        st.scheduled = [c.seq.request_id for c in chunks]
         t2 = time.perf_counter()
         st.prepare_s = t2 - t1
         hidden = self.model(batch, self.kv.tensor)

@@ -1,0 +1,215 @@
+"""The decode worker.
+
+Request lifecycle here:
+1. announced: KVReady arrives from a prefill worker; validated and acknowledged.
+2. pulling: staging memory is reserved, a UCX receive is posted, KVPull goes to the
+   prefill worker, which sends the bytes (kv_pull.py).
+3. importing: between two engine steps the bytes are scattered into freshly allocated
+   cache blocks (waiting for free blocks if needed); the staging range is freed.
+4. running: continuous batching; new tokens go to the gateway once per step.
+5. finished or aborted: blocks freed.
+If step 2 fails: "recompute" re-runs the prompt here, "fail" ends the request with an
+error; a KVRelease tells the prefill worker to drop its lease either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from services.decode.config import DecodeConfig
+from services.decode.kv_pull import Pull, PullState, pull_kv
+from shared.engine.engine import RequestError, RequestOutput, StepStats
+from shared.engine.sampling_params import SamplingParamError
+from shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVRelease, TokenUpdate
+from shared.service.nats_io import publish
+from shared.service.runtime import WorkerRuntime, logprobs_wire
+from shared.telemetry.propagation import inject_headers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Active:
+    gateway_id: str
+    span: trace.Span
+    t0: float
+    steps: int = 0
+
+
+class DecodeService:
+    def __init__(self, cfg: DecodeConfig, engine=None):
+        self.cfg = cfg
+        self.rt = WorkerRuntime(cfg, "decode")
+        self._engine = engine
+        self.pulls: dict[str, Pull] = {}
+        self.active: dict[str, Active] = {}
+        self._job_subs = []
+
+    async def __aenter__(self) -> "DecodeService":
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        rt = self.rt
+        await rt.start(self._on_outputs, self._engine)
+        rt.extra_stats = lambda: {"num_transfers": len(self.pulls)}
+        s = rt.subjects
+        self._job_subs.append(await rt.sub(s.decode_kv_ready(rt.worker_id), KVReady, self._on_ready))
+        await rt.sub(s.abort, Abort, self._on_abort)
+        m = rt.metrics
+        self.m_pull = m.histogram("kv_pull_seconds", "time to pull one request's KV")
+        self.m_pull_bytes = m.counter("kv_bytes_received_total", "KV bytes received")
+        self.m_pull_fail = m.counter("kv_pull_failures_total", "KV pulls that failed", ("action",))
+        self.m_step = m.histogram("decode_step_seconds", "decode engine step time")
+        log.info("decode worker %s ready (model %s)", rt.worker_id, self.cfg.model_name)
+
+    async def drain(self) -> None:
+        await self.rt.begin_drain(self._job_subs)
+        while self.pulls or self.active:
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        await self.rt.close()
+
+    # ---- hand-off from prefill --------------------------------------------------------
+    async def _on_ready(self, r: KVReady, msg, ctx):
+        rt = self.rt
+        if rt.draining:
+            return ErrorReply("worker is draining", "unavailable")
+        if r.layout != rt.layout:
+            return ErrorReply(f"incompatible KV layout: mine {rt.layout}, sent {r.layout}", "bad_request")
+        try:
+            r.sampling.to_params()
+        except SamplingParamError as e:
+            return ErrorReply(str(e), "bad_request")
+        if not r.output_ids:
+            return ErrorReply("KVReady must carry the first sampled token", "bad_request")
+        if r.request_id in self.pulls or r.request_id in self.active:
+            return ErrorReply(f"duplicate request {r.request_id}", "bad_request")
+        span = rt.tracer.start_span("decode", context=ctx, attributes={
+            "request.id": r.request_id, "worker.id": rt.worker_id, "prompt.tokens": len(r.prompt_ids)})
+        self.active[r.request_id] = Active(r.gateway_id, span, time.monotonic())
+        pull = self.pulls[r.request_id] = Pull(r)
+        rt.spawn(self._pull_and_import(pull, span), f"pull-{r.request_id}")
+        return Ack()
+
+    async def _pull_and_import(self, pull: Pull, parent: trace.Span) -> None:
+        rt, r = self.rt, pull.ready
+        ctx = trace.set_span_in_context(parent)
+        with rt.tracer.start_as_current_span("kv.transfer", context=ctx, attributes={
+                "kv.bytes": r.nbytes, "kv.blocks": r.num_blocks, "prefill.id": r.prefill_id}) as span:
+            t0 = time.perf_counter()
+            await pull_kv(rt, pull, self.cfg.transfer_timeout_s, inject_headers(context=trace.set_span_in_context(span)))
+            dt = time.perf_counter() - t0
+            span.set_attribute("kv.seconds", dt)
+            if pull.state == PullState.FAILED:
+                span.set_status(trace.StatusCode.ERROR, pull.error)
+        if pull.state == PullState.ARRIVED:
+            self.m_pull.observe(dt)
+            self.m_pull_bytes.inc(r.nbytes)
+        else:
+            await self._release_remote(r, ok=False)
+        if pull.aborted:
+            self._drop_pull(pull)
+            return
+        params = r.sampling.to_params()
+        if pull.state == PullState.FAILED:
+            action = self.cfg.on_transfer_failure
+            self.m_pull_fail.labels(action).inc()
+            log.warning("KV pull for %s failed (%s); %s", r.request_id, pull.error, action)
+            parent.add_event("kv_pull_failed", {"error": pull.error, "action": action})
+            if action == "recompute":
+                try:
+                    await rt.loop.call(lambda e: e.add_request(r.request_id, r.prompt_ids, params, r.output_ids))
+                except RequestError as e:
+                    await self._fail(r.request_id, f"recompute refused: {e}")
+                self.pulls.pop(r.request_id, None)
+            else:
+                self.pulls.pop(r.request_id, None)
+                await self._fail(r.request_id, f"KV transfer failed: {pull.error}")
+            return
+        kv = rt.engine.kv.tensor
+        shape = (kv.shape[0], r.num_blocks, *kv.shape[2:])
+
+        def attempt(engine) -> bool:
+            if pull.aborted:
+                self._drop_pull(pull)
+                return True
+            if not engine.can_import(len(r.prompt_ids)):
+                return False  # wait for blocks to free up
+            try:
+                engine.add_prefilled(r.request_id, r.prompt_ids + r.output_ids, len(r.prompt_ids), params,
+                                     pull.slot.typed(kv.dtype, shape))
+            except RequestError as e:
+                rt.spawn(self._fail(r.request_id, f"import refused: {e}"), "fail")
+            finally:
+                if not pull.aborted:
+                    self._drop_pull(pull)
+            return True
+
+        rt.loop.retry_each_step(attempt)
+
+    def _drop_pull(self, pull: Pull) -> None:
+        if pull.slot is not None:
+            self.rt.staging.free(pull.slot)
+            pull.slot = None
+        self.pulls.pop(pull.ready.request_id, None)
+
+    async def _release_remote(self, r: KVReady, ok: bool) -> None:
+        try:
+            await publish(self.rt.nc, self.rt.subjects.kv_release(r.prefill_id),
+                          KVRelease(r.request_id, r.lease_id, ok))
+        except Exception as e:  # the prefill lease expires on its own
+            log.debug("release not sent: %s", e)
+
+    async def _fail(self, request_id: str, error: str) -> None:
+        act = self.active.pop(request_id, None)
+        if act is None:
+            return
+        act.span.set_status(trace.StatusCode.ERROR, error)
+        act.span.end()
+        self.rt.tokens.add(act.gateway_id, TokenUpdate(request_id, [], "error", error=error))
+        await self.rt.tokens.flush()
+
+    # ---- steps ------------------------------------------------------------------------------
+    async def _on_outputs(self, outputs: list[RequestOutput], stats: StepStats) -> None:
+        rt = self.rt
+        if stats.num_seqs:
+            self.m_step.observe(stats.total_s)
+        for out in outputs:
+            act = self.active.get(out.request_id)
+            if act is None:
+                continue
+            act.steps += 1
+            reason = out.finish_reason.value if out.finished else None
+            rt.tokens.add(act.gateway_id, TokenUpdate(out.request_id, out.new_token_ids, reason,
+                                                      num_prompt_tokens=out.num_prompt_tokens,
+                                                      logprobs=logprobs_wire(out.logprobs)))
+            if out.finished:
+                del self.active[out.request_id]
+                act.span.set_attributes({"decode.steps": act.steps, "finish.reason": reason})
+                act.span.end()
+        await rt.tokens.flush()
+
+    async def _on_abort(self, a: Abort, msg, ctx) -> None:
+        for rid in a.request_ids:
+            pull = self.pulls.get(rid)
+            if pull is not None:
+                pull.aborted = True
+            act = self.active.pop(rid, None)
+            if act is not None:
+                act.span.add_event("aborted", {"reason": a.reason})
+                act.span.end()
+                await self.rt.loop.call(lambda e, r=rid: e.abort(r))

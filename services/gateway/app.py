@@ -1,0 +1,296 @@
+"""The HTTP surface: OpenAI-compatible routes on Starlette.
+
+Request lifecycle at the gateway:
+1. parsed and validated (400 naming the parameter), model checked (404), context
+   length checked (400 with the numbers), admitted (429 with Retry-After when full);
+2. routed: a decode worker is chosen and the job handed to the prefill queue group
+   (503 when no worker is alive);
+3. streamed: token updates are detokenized into SSE chunks, or collected;
+4. finished, or aborted on the workers when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.gateway import openai_api as api
+from services.gateway.config import GatewayConfig
+from services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
+from services.gateway.openapi import OPENAPI
+from services.gateway.stream import events
+from shared.model.config import ModelConfig
+from shared.telemetry.metrics import Metrics
+from shared.telemetry.propagation import extract_context, inject_headers
+from shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
+from shared.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayState:
+    cfg: GatewayConfig
+    mesh: MeshClient
+    tok: Tokenizer
+    max_model_len: int
+    tracer: Any
+    metrics: Metrics
+    inflight: int = 0
+    draining: bool = False
+    m: dict = field(default_factory=dict)
+
+
+def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        provider = setup_tracing("moemesh-gateway", cfg.trace_file or None, cfg.otlp_endpoint or None)
+        tok = Tokenizer(cfg.model)
+        mcfg = ModelConfig.from_dir(cfg.model)
+        mesh = MeshClient(cfg, gateway_id)
+        await mesh.start()
+        metrics = Metrics()
+        st = GatewayState(cfg, mesh, tok, min(cfg.max_model_len or mcfg.max_position_embeddings,
+                                              mcfg.max_position_embeddings),
+                          get_tracer(provider, "moemesh.gateway"), metrics)
+        st.m = {
+            "requests": metrics.counter("requests_total", "HTTP requests by route and status",
+                                        ("route", "status")),
+            "ttft": metrics.histogram("ttft_seconds", "time to first token"),
+            "e2e": metrics.histogram("request_seconds", "request latency, end to end"),
+            "tokens": metrics.counter("output_tokens_total", "tokens streamed to clients"),
+            "inflight": metrics.gauge("inflight_requests", "admitted requests in flight"),
+        }
+        app.state.gw = st
+        try:
+            yield {"gw": st}
+        finally:
+            await mesh.close()
+            shutdown_tracing(provider)
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/health/ready", ready, methods=["GET"]),
+            Route("/metrics", metrics_route, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, api.ApiError: _api_error},
+    )
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gw
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    err = api.ApiError(exc.status_code, exc.detail or "error", type_="invalid_request_error")
+    return JSONResponse(err.body(), status_code=exc.status_code)
+
+
+async def _api_error(request: Request, exc: api.ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, "chat")
+
+
+async def _generate(request: Request, kind: str) -> Response:
+    st = _state(request)
+    route = request.url.path
+    ctx = extract_context(request.headers)
+    span = st.tracer.start_span(f"POST {route}", context=ctx, kind=trace.SpanKind.SERVER)
+    t0 = time.perf_counter()
+    try:
+        req = await _admit(request, st, kind, span)
+    except api.ApiError as e:
+        span.set_status(trace.StatusCode.ERROR, e.message)
+        span.set_attribute("http.status_code", e.status)
+        span.end()
+        st.m["requests"].labels(route, str(e.status)).inc()
+        raise
+    st.inflight += 1
+    st.m["inflight"].set(st.inflight)
+    handle_done = asyncio.Event()
+
+    def done(status: int) -> None:
+        if handle_done.is_set():
+            return
+        handle_done.set()
+        st.inflight -= 1
+        st.m["inflight"].set(st.inflight)
+        st.m["requests"].labels(route, str(status)).inc()
+        st.m["e2e"].observe(time.perf_counter() - t0)
+        span.set_attribute("http.status_code", status)
+        span.end()
+
+    try:
+        headers = inject_headers(context=trace.set_span_in_context(span))
+        handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
+    except NoWorkers as e:
+        done(503)
+        raise api.ApiError(503, str(e), type_="service_unavailable", code="no_workers",
+                           headers={"Retry-After": str(st.cfg.retry_after_s)}) from None
+    except Rejected as e:
+        done(400)
+        raise api.ApiError(400, str(e)) from None
+    span.set_attribute("decode.id", handle.decode_id)
+    if req.stream:
+        return StreamingResponse(_sse(st, req, handle, span, t0, done), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": req.request_id})
+    return await _collect(request, st, req, handle, span, t0, done)
+
+
+async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.GenerateRequest:
+    if st.draining:
+        raise api.ApiError(503, "gateway is shutting down", type_="service_unavailable",
+                           headers={"Retry-After": str(st.cfg.retry_after_s)})
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise api.ApiError(400, f"request body is not valid JSON: {e}") from None
+    parse = api.parse_chat if kind == "chat" else api.parse_completion
+    req = parse(body, st.tok, st.cfg.default_max_tokens)
+    if req.model != st.cfg.model_name:
+        raise api.ApiError(404, f"model {req.model!r} does not exist; this server serves {st.cfg.model_name!r}",
+                           "model", code="model_not_found")
+    n, m = len(req.prompt_ids), req.params.max_tokens
+    if n + m > st.max_model_len:
+        raise api.ApiError(400, f"This model's maximum context length is {st.max_model_len} tokens. However, you "
+                                f"requested {n + m} tokens ({n} in the prompt, {m} for the completion).",
+                           "messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+    if st.inflight >= st.cfg.max_inflight:
+        raise api.ApiError(429, f"server is at capacity ({st.cfg.max_inflight} requests in flight)",
+                           type_="rate_limit_error", code="capacity",
+                           headers={"Retry-After": str(st.cfg.retry_after_s)})
+    span.set_attributes({"request.id": req.request_id, "prompt.tokens": n, "max_tokens": m, "stream": req.stream})
+    return req
+
+
+async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: float, done):
+    first, n_out, finished = True, 0, False
+    stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
+    try:
+        async for ev in events(st.mesh, st.tok, req, handle, st.cfg.inactivity_timeout_s):
+            if first and ev.num_tokens:
+                st.m["ttft"].observe(time.perf_counter() - t0)
+                stream_span.add_event("first_token")
+            n_out += ev.num_tokens
+            st.m["tokens"].inc(ev.num_tokens)
+            if ev.error:
+                stream_span.set_status(trace.StatusCode.ERROR, ev.error)
+                yield _sse_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]})
+                break
+            lp = api.logprobs_payload(req, st.tok, ev.logprobs)
+            if ev.text or ev.finish or first or lp:
+                yield _sse_data(api.chunk(req, ev.text, ev.finish, first, lp))
+                first = False
+            if ev.finish:
+                break
+        if req.include_usage:
+            yield _sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out))
+        yield b"data: [DONE]\n\n"
+        finished = True
+    finally:
+        if not finished:  # the client went away (or the stream broke): stop the work
+            st.mesh.abort_soon(req.request_id)
+            stream_span.add_event("client_disconnected")
+        stream_span.set_attribute("completion.tokens", n_out)
+        stream_span.end()
+        done(200)
+
+
+def _sse_data(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest, handle, span, t0, done):
+    async def gather():
+        text, n_out, lps, finish, error, first = [], 0, [], "stop", None, True
+        async for ev in events(st.mesh, st.tok, req, handle, st.cfg.inactivity_timeout_s):
+            if first and ev.num_tokens:
+                st.m["ttft"].observe(time.perf_counter() - t0)
+                first = False
+            text.append(ev.text)
+            n_out += ev.num_tokens
+            lps += ev.logprobs
+            if ev.finish:
+                finish, error = ev.finish, ev.error
+        return "".join(text), n_out, lps, finish, error
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(gather())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not work.done():
+        work.cancel()
+        await st.mesh.abort(req.request_id)
+        done(499)
+        return Response(status_code=499)
+    text, n_out, lps, finish, error = work.result()
+    st.m["tokens"].inc(n_out)
+    if error:
+        done(500)
+        return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
+    done(200)
+    lp = api.logprobs_payload(req, st.tok, lps)
+    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp))
+
+
+async def models(request: Request) -> JSONResponse:
+    st = _state(request)
+    return JSONResponse({"object": "list", "data": [
+        {"id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "moemesh",
+         "max_model_len": st.max_model_len}]})
+
+
+def _readiness(st: GatewayState) -> dict:
+    n_pre, n_dec = len(st.mesh.live("prefill")), len(st.mesh.live("decode"))
+    return {"ready": n_pre > 0 and n_dec > 0 and not st.draining,
+            "workers": {"prefill": n_pre, "decode": n_dec}, "inflight": st.inflight}
+
+
+async def health(request: Request) -> JSONResponse:
+    """Liveness: 200 while the process serves HTTP; readiness is reported alongside."""
+    return JSONResponse({"status": "ok", **_readiness(_state(request))})
+
+
+async def ready(request: Request) -> JSONResponse:
+    r = _readiness(_state(request))
+    return JSONResponse({"status": "ready" if r["ready"] else "not_ready", **r}, status_code=200 if r["ready"] else 503)
+
+
+async def metrics_route(request: Request) -> Response:
+    body, ctype = _state(request).metrics.render()
+    return Response(body, media_type=ctype)
+
+
+async def openapi(request: Request) -> JSONResponse:
+    return JSONResponse(OPENAPI)

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config.common import ServiceConfig
+
+
+@dataclass(frozen=True)
+class GatewayConfig(ServiceConfig):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_inflight: int = 512  # admitted requests; beyond this, 429 with Retry-After
+    retry_after_s: int = 1
+    prefill_timeout_s: float = 5.0  # for a prefill worker to accept a job
+    inactivity_timeout_s: float = 60.0  # no token for this long: the request fails
+    default_max_tokens: int = 256
+    max_model_len: int = 0  # 0: the model's own
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.model:
+            raise ValueError("model is required: the gateway tokenizes with the model's tokenizer")
+        if not 0 < self.port < 65536 and self.port != 0:
+            raise ValueError("port must be in [0, 65535]")
+        if self.max_inflight < 1:
+            raise ValueError("max_inflight must be >= 1")

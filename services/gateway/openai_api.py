@@ -1,0 +1,221 @@
+"""The OpenAI-compatible request schema: parsing, validation and response shapes.
+
+Everything a client can get wrong is caught here and raised as ApiError, which the
+app turns into OpenAI's error object: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.engine.sampling_params import SamplingParamError, SamplingParams
+from shared.tokenizer.tokenizer import Tokenizer, TokenizerError
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class GenerateRequest:
+    kind: str  # "chat" | "completion"
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # number of alternatives per token, when requested
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
+
+
+_UNSUPPORTED = {  # parameter -> the value we can honour
+    "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
+    "tools": None, "tool_choice": None, "functions": None, "logit_bias": None,
+}
+
+
+def _get(body: dict, name: str, types: tuple, default=None, *, allow_none: bool = True):
+    if name not in body or (body[name] is None and allow_none):
+        return default
+    v = body[name]
+    if isinstance(v, bool) and bool not in types:
+        raise ApiError(400, f"'{name}' must be {_names(types)}, got a boolean", name)
+    if not isinstance(v, types):
+        raise ApiError(400, f"'{name}' must be {_names(types)}, got {type(v).__name__}", name)
+    return v
+
+
+def _names(types: tuple) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
+             dict: "an object"}
+    return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
+
+
+def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") -> tuple[SamplingParams, dict]:
+    for name, ok in _UNSUPPORTED.items():
+        if name in body and body[name] not in (ok, None) and not (name == "n" and body[name] == 1):
+            raise ApiError(400, f"'{name}' is not supported by this server (use {ok!r} or leave it out)", name)
+    stop = _get(body, "stop", (str, list), [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "'stop' must be a string or an array of non-empty strings", "stop")
+    stream_opts = _get(body, "stream_options", (dict,), {})
+    max_tokens = _get(body, max_key, (int,), None)
+    if max_tokens is None and max_key != "max_tokens":
+        max_tokens = _get(body, "max_tokens", (int,), None)
+    try:
+        params = SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=float(_get(body, "temperature", (int, float), 1.0)),
+            top_p=float(_get(body, "top_p", (int, float), 1.0)),
+            top_k=max(0, _get(body, "top_k", (int,), 0)),
+            seed=_get(body, "seed", (int,), None),
+            stop=tuple(stop),
+            stop_token_ids=tuple(_get(body, "stop_token_ids", (list,), [])),
+            ignore_eos=_get(body, "ignore_eos", (bool,), False),
+            min_tokens=_get(body, "min_tokens", (int,), 0),
+        )
+    except SamplingParamError as e:
+        param = max_key if e.param == "max_tokens" else e.param
+        raise ApiError(400, str(e).replace("max_tokens", param, 1), param) from None
+    return params, {"stream": _get(body, "stream", (bool,), False),
+                    "include_usage": bool(stream_opts.get("include_usage", False))}
+
+
+def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int) -> GenerateRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    model = _get(body, "model", (str,), None)
+    if model is None:
+        raise ApiError(400, "'model' is required", "model")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    elif prompt is None:
+        raise ApiError(400, "'prompt' is required", "prompt")
+    else:
+        raise ApiError(400, "'prompt' must be a string, an array of token ids, or a one-element array of either",
+                       "prompt")
+    params, opts = _common(body, default_max_tokens)
+    lp = _get(body, "logprobs", (int,), None)
+    if lp is not None and not 0 <= lp <= 20:
+        raise ApiError(400, "'logprobs' must be in [0, 20]", "logprobs")
+    if lp is not None:
+        params = _with_logprobs(params, lp)
+    return GenerateRequest("completion", model, ids, params, logprobs=lp, **opts)
+
+
+def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int) -> GenerateRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    model = _get(body, "model", (str,), None)
+    if model is None:
+        raise ApiError(400, "'model' is required", "model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array", "messages")
+    norm = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+            raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        norm.append({"role": role, "content": content})
+    try:
+        ids = tok.encode_chat(norm)
+    except TokenizerError as e:
+        raise ApiError(400, str(e), "messages") from None
+    params, opts = _common(body, default_max_tokens, "max_completion_tokens")
+    lp = None
+    if _get(body, "logprobs", (bool,), False):
+        lp = _get(body, "top_logprobs", (int,), 0)
+        if not 0 <= lp <= 20:
+            raise ApiError(400, "'top_logprobs' must be in [0, 20]", "top_logprobs")
+        params = _with_logprobs(params, lp)
+    return GenerateRequest("chat", model, ids, params, logprobs=lp, **opts)
+
+
+def _with_logprobs(p: SamplingParams, n: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(p, logprobs=n)
+
+
+# ---- responses -------------------------------------------------------------------------
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chunk(req: GenerateRequest, text: str, finish: str | None, first: bool = False,
+          logprobs: Any = None) -> dict[str, Any]:
+    if req.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text or first:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        obj = "text_completion"
+    return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
+
+
+def usage_chunk(req: GenerateRequest, prompt: int, completion: int) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model, "choices": [],
+            "usage": usage(prompt, completion)}
+
+
+def final(req: GenerateRequest, text: str, finish: str, prompt: int, completion: int,
+          logprobs: Any = None) -> dict[str, Any]:
+    if req.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                  "logprobs": logprobs}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        obj = "text_completion"
+    return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
+            "choices": [choice], "usage": usage(prompt, completion)}
+
+
+def logprobs_payload(req: GenerateRequest, tok: Tokenizer, lps: list) -> Any:
+    """OpenAI's two logprob shapes: chat's `content` list, completions' parallel arrays."""
+    if req.logprobs is None or not lps:
+        return None
+    def text(t: int) -> str:
+        return tok.decode([int(t)], skip_special_tokens=False)
+    if req.kind == "chat":
+        return {"content": [
+            {"token": text(lp.token_id), "logprob": lp.logprob, "bytes": list(text(lp.token_id).encode()),
+             "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())} for t, v in lp.top]}
+            for lp in lps]}
+    return {"tokens": [text(lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in lps]}

@@ -1,0 +1,220 @@
+"""The prefill worker.
+
+Request lifecycle here:
+1. queued: a PrefillJob arrives through the `prefill` queue group, is validated and
+   acknowledged, and enters the engine.
+2. prefilling: the prompt is computed, in chunks, batched with other prompts.
+3. held: the first token is sampled. It goes straight to the gateway; the KV blocks
+   stay allocated under a lease, and KVReady goes to the decode worker the gateway chose.
+4. pulled: the decode worker sends KVPull; the blocks are gathered into staging
+   memory, sent over UCX, and freed.
+   Or expired (no pull before the lease ends), or aborted: the blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from services.prefill.config import PrefillConfig
+from services.prefill.leases import LeaseTable
+from shared.engine.engine import RequestError, RequestOutput, StepStats
+from shared.engine.sampling_params import SamplingParamError
+from shared.protocol.messages import (
+    Abort, Ack, ErrorReply, KVPull, KVPullReply, KVReady, KVRelease, PrefillJob, TokenUpdate,
+)
+from shared.service.nats_io import RemoteError, Unreachable, request
+from shared.service.runtime import WorkerRuntime, logprobs_wire
+from shared.telemetry.propagation import inject_headers
+from shared.transport.base import TransferError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobState:
+    job: PrefillJob
+    span: trace.Span
+    t0: float
+    scheduled: bool = False
+
+
+class PrefillService:
+    def __init__(self, cfg: PrefillConfig, engine=None):
+        self.cfg = cfg
+        self.rt = WorkerRuntime(cfg, "prefill")
+        self._engine = engine
+        self.jobs: dict[str, JobState] = {}
+        self.leases = LeaseTable(cfg.lease_timeout_s)
+        self._job_subs = []
+
+    async def __aenter__(self) -> "PrefillService":
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        rt = self.rt
+        await rt.start(self._on_outputs, self._engine)
+        rt.extra_stats = lambda: {"num_held": len(self.leases)}
+        s = rt.subjects
+        self._job_subs.append(await rt.sub(s.prefill_jobs, PrefillJob, self._on_job, queue=s.prefill_queue_group))
+        await rt.sub(s.kv_pull(rt.worker_id), KVPull, self._on_pull)
+        await rt.sub(s.kv_release(rt.worker_id), KVRelease, self._on_release)
+        await rt.sub(s.abort, Abort, self._on_abort)
+        rt.spawn(self._reap_leases(), "lease-reaper")
+        m = rt.metrics
+        self.m_prefill = m.histogram("prefill_seconds", "queue + compute time per prompt")
+        self.m_sent = m.counter("kv_bytes_sent_total", "KV bytes sent to decode workers")
+        self.m_expired = m.counter("kv_leases_expired_total", "held KV freed because nobody pulled it")
+        log.info("prefill worker %s ready (model %s)", rt.worker_id, self.cfg.model_name)
+
+    async def drain(self) -> None:
+        await self.rt.begin_drain(self._job_subs)
+        while self.jobs or len(self.leases):
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        await self.rt.close()
+
+    # ---- jobs ---------------------------------------------------------------------
+    async def _on_job(self, job: PrefillJob, msg, ctx):
+        if self.rt.draining:
+            return ErrorReply("worker is draining", "unavailable")
+        try:
+            params = job.sampling.to_params()
+        except SamplingParamError as e:
+            return ErrorReply(str(e), "bad_request")
+        span = self.rt.tracer.start_span("prefill", context=ctx, attributes={
+            "request.id": job.request_id, "prompt.tokens": len(job.prompt_ids), "worker.id": self.rt.worker_id})
+        try:
+            await self.rt.loop.call(lambda e: e.add_request(job.request_id, job.prompt_ids, params))
+        except RequestError as e:
+            span.set_status(trace.StatusCode.ERROR, str(e))
+            span.end()
+            return ErrorReply(str(e), "bad_request")
+        self.jobs[job.request_id] = JobState(job, span, time.monotonic())
+        return Ack()
+
+    async def _on_outputs(self, outputs: list[RequestOutput], stats: StepStats) -> None:
+        rt = self.rt
+        for rid in stats.scheduled:
+            st = self.jobs.get(rid)
+            if st is not None and not st.scheduled:
+                st.scheduled = True
+                st.span.add_event("scheduled", {"batch.tokens": stats.num_tokens, "batch.seqs": stats.num_seqs})
+        handoffs = []
+        for out in outputs:
+            st = self.jobs.pop(out.request_id, None)
+            if st is None:
+                continue
+            job, span = st.job, st.span
+            self.m_prefill.observe(time.monotonic() - st.t0)
+            span.set_attribute("prefill.first_token", out.new_token_ids[0] if out.new_token_ids else -1)
+            reason = out.finish_reason.value if out.finished else None
+            rt.tokens.add(job.gateway_id, TokenUpdate(job.request_id, out.new_token_ids, reason,
+                                                      num_prompt_tokens=out.num_prompt_tokens,
+                                                      logprobs=logprobs_wire(out.logprobs)))
+            if out.prefill_done:
+                seq = rt.engine.held_sequence(job.request_id)
+                n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)
+                nbytes = n_blocks * rt.engine.kv.tensor[:, 0].numel() * rt.engine.kv.tensor.element_size()
+                lease = self.leases.grant(job, n_blocks, nbytes)
+                handoffs.append((job, span, lease, list(out.new_token_ids)))
+            else:
+                span.end()
+        await rt.tokens.flush()
+        for h in handoffs:
+            rt.spawn(self._hand_off(*h), f"handoff-{h[0].request_id}")
+
+    async def _hand_off(self, job: PrefillJob, span, lease, output_ids: list[int]) -> None:
+        """Tell the chosen decode worker that the KV is ready to pull."""
+        rt = self.rt
+        ready = KVReady(
+            request_id=job.request_id, prompt_ids=job.prompt_ids, output_ids=output_ids, sampling=job.sampling,
+            gateway_id=job.gateway_id, prefill_id=rt.worker_id, prefill_address=rt.transport.address,
+            lease_id=lease.lease_id, num_blocks=lease.num_blocks, nbytes=lease.nbytes, layout=rt.layout,
+            lease_expires_in_s=self.cfg.lease_timeout_s,
+        )
+        headers = inject_headers(context=trace.set_span_in_context(span))
+        try:
+            await request(rt.nc, rt.subjects.decode_kv_ready(job.decode_id), ready, Ack,
+                          self.cfg.kv_ready_timeout_s, headers)
+            span.add_event("kv_ready_sent", {"decode.id": job.decode_id, "kv.bytes": lease.nbytes})
+        except (Unreachable, RemoteError) as e:
+            log.warning("decode worker %s did not take %s: %s", job.decode_id, job.request_id, e)
+            span.set_status(trace.StatusCode.ERROR, f"handoff failed: {e}")
+            await self._free_lease(job.request_id)
+            rt.tokens.add(job.gateway_id, TokenUpdate(job.request_id, [], "error",
+                                                      error=f"decode worker {job.decode_id} unavailable: {e}"))
+            await rt.tokens.flush()
+        finally:
+            span.end()
+
+    # ---- KV pulls -----------------------------------------------------------------
+    async def _on_pull(self, p: KVPull, msg, ctx) -> KVPullReply:
+        rt = self.rt
+        lease = self.leases.get(p.request_id, p.lease_id)
+        if lease is None:
+            return KVPullReply(False, error=f"no live lease {p.lease_id} for {p.request_id} (expired or released)")
+        if p.nbytes != lease.nbytes:
+            return KVPullReply(False, error=f"size mismatch: lease holds {lease.nbytes} bytes, asked {p.nbytes}")
+        if self.cfg.debug_kv_fault == "error":
+            return KVPullReply(False, error="injected fault")
+        slot = rt.staging.alloc(lease.nbytes)
+        if slot is None:
+            return KVPullReply(False, error="prefill staging memory is full")
+        lease.pulling = True
+        with rt.tracer.start_as_current_span("kv.send", context=ctx, attributes={
+                "request.id": p.request_id, "kv.bytes": lease.nbytes}) as span:
+            try:
+                kv = rt.engine.kv.tensor
+                shape = (kv.shape[0], lease.num_blocks, *kv.shape[2:])
+                await rt.loop.call(lambda e: e.export_kv(p.request_id, out=slot.typed(kv.dtype, shape)))
+                if self.cfg.debug_kv_fault != "drop":
+                    await rt.transport.send(p.decode_address, slot.buffer(), p.tag, self.cfg.transfer_timeout_s)
+                self.m_sent.inc(lease.nbytes)
+                return KVPullReply(True, lease.nbytes)
+            except (TransferError, KeyError) as e:
+                span.set_status(trace.StatusCode.ERROR, str(e))
+                return KVPullReply(False, error=str(e))
+            finally:
+                rt.staging.free(slot)
+                await self._free_lease(p.request_id)
+
+    async def _on_release(self, r: KVRelease, msg, ctx) -> Ack:
+        if self.leases.get(r.request_id, r.lease_id) is not None:
+            await self._free_lease(r.request_id)
+        return Ack()
+
+    async def _free_lease(self, request_id: str) -> None:
+        if self.leases.pop(request_id) is not None:
+            await self.rt.loop.call(lambda e: e.release(request_id))
+
+    async def _reap_leases(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.cfg.lease_timeout_s / 2))
+            for lease in self.leases.expired():
+                log.warning("lease on %s expired unpulled; freeing its KV", lease.job.request_id)
+                self.m_expired.inc()
+                await self._free_lease(lease.job.request_id)
+
+    async def _on_abort(self, a: Abort, msg, ctx) -> None:
+        for rid in a.request_ids:
+            if rid in self.leases.by_request and not self.leases.by_request[rid].pulling:
+                await self._free_lease(rid)
+            st = self.jobs.pop(rid, None)
+            if st is not None:
+                st.span.add_event("aborted", {"reason": a.reason})
+                st.span.end()
+                await self.rt.loop.call(lambda e, r=rid: e.abort(r))

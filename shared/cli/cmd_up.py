@@ -1,0 +1,64 @@
+"""`moemesh up`: bring a whole local mesh up in the foreground; Ctrl-C stops it all."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+
+def register(sub) -> None:
+    p = sub.add_parser("up", help="start NATS, a gateway, a prefill and a decode worker")
+    p.add_argument("--model", default="", help="model directory (default: a tiny random model, made on first use)")
+    p.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--log-dir", default="")
+    p.add_argument("--trace-file", default="", help="write every service's spans to this JSON-lines file")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="setting passed to every worker (e.g. --set max_num_seqs=32)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shared.launch.nats_server import NatsServerNotFound
+    from shared.launch.up import Mesh, UpConfig
+
+    cfg = UpConfig(model=args.model, nats_url=args.nats_url, host=args.host, port=args.port,
+                   num_prefill=args.prefill, num_decode=args.decode, log_dir=args.log_dir,
+                   service_args=tuple(args.set), trace_file=args.trace_file)
+    stop = False
+
+    def on_signal(signum, frame):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        mesh = Mesh(cfg)
+        print(f"starting moemesh (logs in {mesh.log_dir}) ...", flush=True)
+        with mesh:
+            print(f"moemesh is up: {mesh.url}  (model {mesh.model}, NATS {mesh.nats_url})")
+            name = mesh.model.rstrip("/").split("/")[-1]
+            print(f"try:\n  curl -N {mesh.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+                  f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+                  f"\"stream\": true, \"max_tokens\": 32}}'")
+            print("Ctrl-C stops everything.", flush=True)
+            while not stop:
+                dead = mesh.group.dead()
+                if dead:
+                    print(f"moemesh: {dead[0].name} exited (code {dead[0].popen.returncode}); stopping",
+                          file=sys.stderr)
+                    print(dead[0].log_tail(), file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+            print("stopping ...", flush=True)
+    except (NatsServerNotFound, RuntimeError, TimeoutError) as e:
+        print(f"moemesh up: error: {e}", file=sys.stderr)
+        return 1
+    print("stopped.")
+    return 0

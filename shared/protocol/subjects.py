@@ -1,0 +1,58 @@
+"""Every NATS subject the mesh uses. `{prefix}` defaults to "mm".
+
+| subject                                 | kind          | from -> to        | message (reply)                   |
+|-----------------------------------------|---------------|-------------------|-----------------------------------|
+| {p}.prefill.jobs   (queue group prefill)| request/reply | gateway -> prefill| PrefillJob (Ack)                  |
+| {p}.decode.{worker}.kv_ready            | request/reply | prefill -> decode | KVReady (Ack)                     |
+| {p}.prefill.{worker}.kv.pull            | request/reply | decode -> prefill | KVPull (KVPullReply)              |
+| {p}.prefill.{worker}.kv.release         | request/reply | decode -> prefill | KVRelease (Ack)                   |
+| {p}.gateway.{gateway}.tokens            | publish       | workers -> gateway| TokenBatch, one per step          |
+| {p}.requests.abort                      | publish       | gateway -> all    | Abort                             |
+| {p}.heartbeat.{role}.{worker}           | publish       | workers -> all    | Heartbeat, every interval         |
+| {p}.worker.{worker}.stats               | request/reply | anyone -> worker  | StatsRequest (WorkerStats)        |
+
+Any request whose payload does not validate is answered with an ErrorReply and
+logged; the service keeps serving. Trace context travels in the NATS message headers
+(`traceparent`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subjects:
+    prefix: str = "mm"
+
+    @property
+    def prefill_jobs(self) -> str:
+        return f"{self.prefix}.prefill.jobs"
+
+    prefill_queue_group = "prefill"
+
+    def decode_kv_ready(self, worker: str) -> str:
+        return f"{self.prefix}.decode.{worker}.kv_ready"
+
+    def kv_pull(self, worker: str) -> str:
+        return f"{self.prefix}.prefill.{worker}.kv.pull"
+
+    def kv_release(self, worker: str) -> str:
+        return f"{self.prefix}.prefill.{worker}.kv.release"
+
+    def gateway_tokens(self, gateway: str) -> str:
+        return f"{self.prefix}.gateway.{gateway}.tokens"
+
+    @property
+    def abort(self) -> str:
+        return f"{self.prefix}.requests.abort"
+
+    def heartbeat(self, role: str, worker: str) -> str:
+        return f"{self.prefix}.heartbeat.{role}.{worker}"
+
+    @property
+    def heartbeat_all(self) -> str:
+        return f"{self.prefix}.heartbeat.>"
+
+    def stats(self, worker: str) -> str:
+        return f"{self.prefix}.worker.{worker}.stats"

@@ -1,0 +1,91 @@
+"""Periodic liveness and load announcements, and the registry that listens to them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from nats.aio.client import Client as NATS
+
+from shared.protocol.messages import Heartbeat
+from shared.protocol.subjects import Subjects
+from shared.protocol.wire import encode
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeater:
+    """Publishes make_heartbeat() every interval until stopped; publish_now() for changes."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, make_heartbeat: Callable[[], Heartbeat], interval_s: float):
+        self._nc, self._subjects, self._make, self._interval = nc, subjects, make_heartbeat, interval_s
+        self._task: asyncio.Task | None = None
+
+    async def publish_now(self) -> None:
+        hb = self._make()
+        hb.sent_at = time.time()
+        hb.interval_s = self._interval
+        try:
+            await self._nc.publish(self._subjects.heartbeat(hb.role, hb.worker_id), encode(hb))
+        except Exception as e:  # while NATS reconnects; the next beat will do
+            log.debug("heartbeat not sent: %s", e)
+
+    async def _run(self) -> None:
+        while True:
+            await self.publish_now()
+            await asyncio.sleep(self._interval)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="heartbeat")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+
+@dataclass
+class LiveWorker:
+    beat: Heartbeat
+    last_seen: float  # monotonic
+
+
+class WorkerRegistry:
+    """Workers seen by heartbeat. A worker is forgotten when it has been silent for
+    `miss_factor` of its own announced intervals (at least `min_timeout_s`)."""
+
+    def __init__(self, miss_factor: float = 3.0, min_timeout_s: float = 2.0):
+        self.workers: dict[str, LiveWorker] = {}
+        self._miss = miss_factor
+        self._min = min_timeout_s
+
+    def observe(self, hb: Heartbeat, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if hb.draining:
+            self.workers.pop(hb.worker_id, None)
+            return
+        self.workers[hb.worker_id] = LiveWorker(hb, now)
+
+    def prune(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        dead = [w for w, lw in self.workers.items()
+                if now - lw.last_seen > max(self._min, self._miss * lw.beat.interval_s)]
+        for w in dead:
+            del self.workers[w]
+        return dead
+
+    def live(self, role: str, model: str | None = None) -> list[Heartbeat]:
+        self.prune()
+        return [lw.beat for lw in self.workers.values()
+                if lw.beat.role == role and (model is None or lw.beat.model == model)]
+
+    def get(self, worker_id: str) -> Heartbeat | None:
+        lw = self.workers.get(worker_id)
+        return lw.beat if lw else None

@@ -1,0 +1,54 @@
+"""`main()` for every service: uvloop, signals, an exit stack, and a clean drain.
+
+SIGTERM or SIGINT sets a stop event; the service's `drain()` then runs (stop taking
+new work, finish what is in flight, bounded by its drain timeout) and its context
+manager closes. A second signal skips the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from contextlib import AsyncExitStack
+from typing import Any, Callable
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("nats", "ucx", "ucxx"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+async def serve(make_service: Callable[[], Any], drain_timeout_s: float) -> None:
+    stop = asyncio.Event()
+    hits = 0
+
+    def on_signal() -> None:
+        nonlocal hits
+        hits += 1
+        stop.set()
+        if hits > 1:
+            logging.getLogger(__name__).warning("second signal: exiting without draining")
+            raise SystemExit(1)
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    async with AsyncExitStack() as stack:
+        svc = await stack.enter_async_context(make_service())
+        await stop.wait()
+        logging.getLogger(__name__).info("stopping: draining in-flight work (up to %.0fs)", drain_timeout_s)
+        try:
+            await asyncio.wait_for(svc.drain(), drain_timeout_s)
+        except asyncio.TimeoutError:
+            logging.getLogger(__name__).warning("drain timed out; closing with work in flight")
+
+
+def run(make_service: Callable[[], Any], drain_timeout_s: float) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(serve(make_service, drain_timeout_s))
+    except ImportError:  # uvloop is a dependency; this only protects odd platforms
+        asyncio.run(serve(make_service, drain_timeout_s))

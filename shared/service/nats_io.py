@@ -1,0 +1,114 @@
+"""NATS plumbing shared by the services: connect, typed subscriptions, typed requests.
+
+A subscription handler receives an already-validated message object. A payload that
+does not validate is logged and, when the sender asked for a reply, answered with an
+ErrorReply; the handler never sees it and the service keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable, TypeVar
+
+import msgpack
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+
+from shared.config.common import ServiceConfig
+from shared.protocol.messages import ErrorReply
+from shared.protocol.wire import ProtocolError, decode, encode, from_plain
+from shared.telemetry.propagation import extract_context
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Handler = Callable[[Any, Msg, Any], Awaitable[Any]]
+
+
+class RemoteError(RuntimeError):
+    """The peer answered with an ErrorReply."""
+
+    def __init__(self, reply: ErrorReply):
+        super().__init__(f"{reply.code}: {reply.error}")
+        self.reply = reply
+
+
+class Unreachable(RuntimeError):
+    """Nobody answered: no responders, or the request timed out."""
+
+
+async def connect(cfg: ServiceConfig, name: str) -> NATS:
+    async def on_error(e: Exception) -> None:
+        log.warning("NATS error: %s", e)
+
+    async def on_disconnect() -> None:
+        log.warning("NATS disconnected; reconnecting")
+
+    async def on_reconnect() -> None:
+        log.info("NATS reconnected")
+
+    kw: dict[str, Any] = dict(
+        servers=[cfg.nats_url], name=name, connect_timeout=5, reconnect_time_wait=0.5,
+        max_reconnect_attempts=-1, allow_reconnect=True, error_cb=on_error,
+        disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, ping_interval=5,
+    )
+    if cfg.nats_user:
+        kw.update(user=cfg.nats_user, password=cfg.nats_password)
+    if cfg.nats_creds:
+        kw["user_credentials"] = cfg.nats_creds
+    return await nats.connect(**kw)
+
+
+async def subscribe(nc: NATS, subject: str, cls: type, handler: Handler, queue: str = ""):
+    """Subscribe with validation. handler(obj, msg, trace_context) may return a reply
+    message object, which is sent when the sender asked for one."""
+
+    async def cb(msg: Msg) -> None:
+        try:
+            obj = decode(msg.data, cls)
+        except ProtocolError as e:
+            log.warning("rejected message on %s: %s", msg.subject, e)
+            await _respond(msg, ErrorReply(str(e), "bad_request"))
+            return
+        try:
+            reply = await handler(obj, msg, extract_context(msg.headers))
+        except Exception as e:  # a handler bug must not take the subscription down
+            log.exception("handler for %s failed", msg.subject)
+            await _respond(msg, ErrorReply(f"{type(e).__name__}: {e}", "internal"))
+            return
+        if reply is not None:
+            await _respond(msg, reply)
+
+    return await nc.subscribe(subject, queue=queue, cb=cb)
+
+
+async def _respond(msg: Msg, obj: Any) -> None:
+    if not msg.reply:
+        return
+    try:
+        await msg.respond(encode(obj))
+    except Exception as e:  # connection lost while replying; the requester times out
+        log.warning("could not reply on %s: %s", msg.subject, e)
+
+
+async def request(nc: NATS, subject: str, obj: Any, reply_cls: type[T], timeout: float,
+                  headers: dict | None = None) -> T:
+    try:
+        msg = await nc.request(subject, encode(obj), timeout=timeout, headers=headers)
+    except NoRespondersError:
+        raise Unreachable(f"no responders on {subject}") from None
+    except (NatsTimeout, asyncio.TimeoutError):
+        raise Unreachable(f"no reply on {subject} within {timeout:.1f}s") from None
+    try:
+        raw = msgpack.unpackb(msg.data, raw=False)
+    except Exception:
+        raise ProtocolError(f"reply on {subject} is not valid MessagePack") from None
+    if isinstance(raw, dict) and "code" in raw and "error" in raw and reply_cls is not ErrorReply:
+        raise RemoteError(from_plain(raw, ErrorReply))
+    return from_plain(raw, reply_cls)
+
+
+async def publish(nc: NATS, subject: str, obj: Any, headers: dict | None = None) -> None:
+    await nc.publish(subject, encode(obj), headers=headers)

@@ -1,0 +1,171 @@
+"""What every engine worker (prefill or decode) holds, composed rather than inherited:
+a NATS connection, the engine and its loop, the UCX transport with its staging memory,
+tracing, metrics, heartbeats, and the per-step token publisher."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+
+from nats.aio.client import Client as NATS
+
+from shared.config.common import WorkerConfig
+from shared.engine.engine import LLMEngine
+from shared.protocol.messages import (
+    Heartbeat, KVLayout, StatsRequest, TokenBatch, TokenLogprobWire, TokenUpdate, WorkerLoad, WorkerStats,
+)
+from shared.protocol.subjects import Subjects
+from shared.protocol.wire import encode
+from shared.service.engine_loop import EngineLoop, OutputSink
+from shared.service.heartbeat import Heartbeater
+from shared.service.nats_io import connect, subscribe
+from shared.telemetry.metrics import Metrics
+from shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
+from shared.transport.staging import StagingPool
+from shared.transport.ucx import UcxTransport
+
+log = logging.getLogger(__name__)
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    layers, _, bs, dim = engine.kv.tensor.shape
+    cfg = engine.model_config
+    fp = f"{cfg.model_type}:{cfg.hidden_size}x{cfg.num_hidden_layers}:{cfg.vocab_size}:{cfg.kv_lora_rank}"
+    return KVLayout(layers, bs, dim, str(engine.kv.tensor.dtype).removeprefix("torch."), fp)
+
+
+class TokenPublisher:
+    """Collects one step's token updates and sends one message per gateway."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, worker_id: str):
+        self._nc, self._subjects, self._worker = nc, subjects, worker_id
+        self._pending: dict[str, list[TokenUpdate]] = defaultdict(list)
+
+    def add(self, gateway_id: str, update: TokenUpdate) -> None:
+        update.worker_id = self._worker
+        self._pending[gateway_id].append(update)
+
+    async def flush(self) -> None:
+        pending, self._pending = self._pending, defaultdict(list)
+        now = time.time()
+        for gw, updates in pending.items():
+            try:
+                await self._nc.publish(self._subjects.gateway_tokens(gw), encode(TokenBatch(updates, now)))
+            except Exception as e:  # NATS down: the gateway's inactivity timeout covers the request
+                log.warning("token batch for gateway %s not sent: %s", gw, e)
+
+
+def logprobs_wire(lps) -> list[TokenLogprobWire] | None:
+    if not lps:
+        return None
+    return [TokenLogprobWire(lp.token_id, lp.logprob, [[float(t), v] for t, v in lp.top]) for lp in lps]
+
+
+class WorkerRuntime:
+    def __init__(self, cfg: WorkerConfig, role: str):
+        self.cfg = cfg
+        self.role = role
+        self.worker_id = cfg.worker_id
+        self.subjects = Subjects(cfg.subject_prefix)
+        self.nc: NATS | None = None
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.transport: UcxTransport | None = None
+        self.staging: StagingPool | None = None
+        self.tokens: TokenPublisher | None = None
+        self.heartbeat: Heartbeater | None = None
+        self.draining = False
+        self.metrics = Metrics()
+        self.tracer_provider = None
+        self.tracer = None
+        self._tasks: list[asyncio.Task] = []
+        self._subs = []
+        self._load = WorkerLoad()
+        self._closed = False
+
+    async def start(self, on_outputs: OutputSink, engine: LLMEngine | None = None) -> None:
+        cfg = self.cfg
+        self.tracer_provider = setup_tracing(f"moemesh-{self.role}", cfg.trace_file or None, cfg.otlp_endpoint or None)
+        self.tracer = get_tracer(self.tracer_provider, f"moemesh.{self.role}")
+        self.engine = engine or await asyncio.to_thread(LLMEngine, cfg.engine_config(self.role))
+        self.layout = kv_layout(self.engine)
+        self.transport = UcxTransport(cfg.ucx_net_devices, cfg.ucx_tls)
+        await self.transport.start()
+        self.staging = StagingPool(cfg.staging_mb << 20, "cpu")
+        self.nc = await connect(cfg, f"moemesh-{self.role}-{self.worker_id}")
+        self.tokens = TokenPublisher(self.nc, self.subjects, self.worker_id)
+        self.loop = EngineLoop(self.engine, on_outputs)
+        self.loop.after_ops = self.refresh_load
+        self.refresh_load()
+        self.spawn(self.loop.run(), "engine-loop")
+        await self.sub(self.subjects.stats(self.worker_id), StatsRequest, self._on_stats)
+        self.heartbeat = Heartbeater(self.nc, self.subjects, self._beat, cfg.heartbeat_interval_s)
+        self.heartbeat.start()
+
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        t = asyncio.create_task(coro, name=name)
+        self._tasks.append(t)
+        t.add_done_callback(_log_crash)
+        return t
+
+    async def sub(self, subject: str, cls, handler, queue: str = ""):
+        s = await subscribe(self.nc, subject, cls, handler, queue)
+        self._subs.append(s)
+        return s
+
+    def refresh_load(self) -> None:
+        """Snapshot the engine's load. Only from the engine loop: between steps or in an op."""
+        r, w, free, total, out = self.engine.load()
+        self._load = WorkerLoad(r, w, free, total, out)
+
+    def _beat(self) -> Heartbeat:
+        return Heartbeat(
+            worker_id=self.worker_id, role=self.role, model=self.cfg.model_name, load=self._load,
+            address=self.transport.address, draining=self.draining,
+        )
+
+    def extra_stats(self) -> dict:
+        return {}
+
+    async def _on_stats(self, req: StatsRequest, msg, ctx) -> WorkerStats:
+        load = await self.loop.call(lambda e: WorkerLoad(*e.load()))
+        return WorkerStats(self.worker_id, self.role, load, staging_bytes_used=self.staging.bytes_used,
+                           **self.extra_stats())
+
+    async def begin_drain(self, job_subs) -> None:
+        """Stop taking new work and tell the mesh so, at once."""
+        self.draining = True
+        for s in job_subs:
+            try:
+                await s.unsubscribe()
+            except Exception:
+                pass
+        await self.heartbeat.publish_now()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.heartbeat:
+            await self.heartbeat.stop()
+        if self.loop:
+            self.loop.stop()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.nc is not None:
+            try:
+                await self.nc.drain()
+            except Exception:
+                await self.nc.close()
+        if self.transport:
+            await self.transport.close()
+        if self.tracer_provider is not None:
+            shutdown_tracing(self.tracer_provider)
+
+
+def _log_crash(t: asyncio.Task) -> None:
+    if not t.cancelled() and t.exception() is not None:
+        log.error("background task %s crashed", t.get_name(), exc_info=t.exception())

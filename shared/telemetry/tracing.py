@@ -1,0 +1,81 @@
+"""One TracerProvider per service.
+
+Tests run gateway, prefill and decode in one process, so nothing here touches the global
+provider: each service calls `setup_tracing`, keeps the provider it gets back, takes its
+tracers from it with `get_tracer`, and calls `shutdown` when it stops. Parent/child links
+across services still work because the active span lives in the (process-wide) context,
+not in a provider.
+
+Span names the services emit (attributes in brackets):
+    gateway  "http.request"   [http.method, http.route, http.status_code, request.id]
+             "stream"         events: one per chunk sent
+    prefill  "queue.wait"     [request.id]
+             "prefill.batch"  [batch.num_requests, batch.num_tokens]
+             "kv.transfer"    [kv.num_blocks, kv.num_bytes]
+    decode   "queue.wait", "kv.transfer"
+             "decode"         per request; events: one per engine step
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.trace import Tracer
+
+from shared.telemetry.jsonl_exporter import JsonLinesSpanExporter
+
+OTLP_TRACES_PATH = "v1/traces"
+
+_shut_down: weakref.WeakSet[TracerProvider] = weakref.WeakSet()
+
+
+def setup_tracing(service_name: str, jsonl_path: str | os.PathLike | None = None,
+                  otlp_endpoint: str | None = None) -> TracerProvider:
+    """Builds a new provider for one service; never installs it globally.
+
+    Args:
+        service_name: the `service.name` resource attribute; one process row in a Chrome trace.
+        jsonl_path: append finished spans here as JSON lines (see `jsonl_exporter`).
+        otlp_endpoint: OTLP/HTTP collector base URL, e.g. "http://collector:4318"; when None,
+            OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT turn OTLP on.
+    Returns:
+        The provider. With neither exporter it still creates real spans (and ids to propagate);
+        they are simply dropped.
+    """
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+    if jsonl_path is not None:
+        # Synchronous on purpose: the file holds a request's spans as soon as the request ends.
+        provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(jsonl_path)))
+    if otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") \
+            or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        # Imported here so that services without a collector do not load the HTTP stack.
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        # Batched: a network round trip per span would stall the event loop.
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=_traces_url(otlp_endpoint))))
+    return provider
+
+
+def _traces_url(endpoint: str | None) -> str | None:
+    """The exporter wants the full signal URL, while the env var convention is a base URL."""
+    if not endpoint:
+        return None  # the exporter resolves the env vars itself
+    if endpoint.rstrip("/").endswith("/" + OTLP_TRACES_PATH):
+        return endpoint
+    return endpoint.rstrip("/") + "/" + OTLP_TRACES_PATH
+
+
+def get_tracer(provider: TracerProvider, name: str) -> Tracer:
+    return provider.get_tracer(name)
+
+
+def shutdown(provider: TracerProvider) -> None:
+    """Exports what is still queued, then closes every exporter; safe to call twice."""
+    if provider in _shut_down:
+        return
+    _shut_down.add(provider)
+    provider.shutdown()

@@ -1,0 +1,73 @@
+"""The data-plane seam: moving raw bytes between workers.
+
+A transport sends a buffer to a peer, identified by its worker address, under a
+64-bit tag, and receives into a buffer that was allocated ahead of time. Every
+receive is a Transfer whose state can be polled; nothing blocks without a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from typing import Protocol
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"  # receive posted, nothing arrived yet
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class Transfer:
+    """A posted receive. `state` can be polled; `wait(timeout)` raises TransferError."""
+
+    def __init__(self, task: asyncio.Future, nbytes: int):
+        self._task = task
+        self.nbytes = nbytes
+        self.error: str | None = None
+
+    @property
+    def state(self) -> TransferState:
+        if not self._task.done():
+            return TransferState.PENDING
+        if self._task.cancelled() or self._task.exception() is not None:
+            return TransferState.FAILED
+        return TransferState.DONE
+
+    async def wait(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        except asyncio.TimeoutError:
+            self.error = f"no data within {timeout:.1f}s"
+            raise TransferError(self.error) from None
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            raise TransferError(self.error) from None
+
+    def add_done_callback(self, fn) -> None:
+        self._task.add_done_callback(lambda _t: fn(self))
+
+
+class KVTransport(Protocol):
+    address: bytes  # this worker's address, shared with peers over NATS
+
+    async def start(self) -> None:
+        """Bring the transport up. Args: none. Returns when `address` is valid."""
+
+    async def close(self) -> None:
+        """Tear down endpoints; safe to call twice."""
+
+    def post_recv(self, buf, tag: int) -> Transfer:
+        """Post a receive of exactly len(buf) bytes under `tag` into `buf`.
+
+        Args: buf: host buffer or CUDA array allocated ahead of time; tag: 64-bit id.
+        Returns: a Transfer to poll or wait on."""
+
+    async def send(self, peer: bytes, buf, tag: int, timeout: float) -> None:
+        """Send `buf` to the worker at address `peer` under `tag`.
+
+        Raises TransferError on failure or when `timeout` seconds pass."""

@@ -1,0 +1,103 @@
+"""A real mesh for end-to-end tests: nats-server on a free port, and the gateway,
+prefill and decode services as separate processes, exactly as `moemesh up` runs them."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shared.launch.nats_server import start_nats
+from shared.launch.procs import ProcessGroup, free_port
+
+
+@dataclass
+class RunningMesh:
+    url: str
+    nats_url: str
+    model: str
+    trace_file: Path
+    group: ProcessGroup
+    prefix: str = "mm"
+    prefill_id: str = "prefill-t"
+    decode_id: str = "decode-t"
+    gateway_id: str = "gw-t"
+
+
+def _wait_ready(url: str, group: ProcessGroup, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in group.dead():
+            raise RuntimeError(f"{c.name} died during start-up:\n{c.log_tail(40)}")
+        try:
+            with urllib.request.urlopen(url + "/health/ready", timeout=2) as r:
+                if r.status == 200 and json.loads(r.read())["ready"]:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("mesh did not become ready")
+
+
+def start_mesh(tmp: Path, model: str, prefill_set=(), decode_set=(), gateway_set=()) -> RunningMesh:
+    group = ProcessGroup(tmp / "logs")
+    port = free_port()
+    start_nats(group, port)
+    nats_url = f"nats://127.0.0.1:{port}"
+    trace = tmp / "trace.jsonl"
+    http = free_port()
+    m = RunningMesh(f"http://127.0.0.1:{http}", nats_url, model, trace, group)
+    common = ["--model", model, "--nats-url", nats_url, "--trace-file", str(trace), "--served-model-name", "tiny",
+              "--set", "num_kv_blocks=256", "--set", "staging_mb=16"]
+    py = [sys.executable, "-m"]
+
+    def sets(items):
+        return [a for s in items for a in ("--set", s)]
+
+    try:
+        group.start("prefill", py + ["services.prefill", *common, "--worker-id", m.prefill_id, *sets(prefill_set)])
+        group.start("decode", py + ["services.decode", *common, "--worker-id", m.decode_id, *sets(decode_set)])
+        group.start("gateway", py + ["services.gateway", "--model", model, "--nats-url", nats_url,
+                                     "--trace-file", str(trace), "--port", str(http), "--worker-id", m.gateway_id,
+                                     "--served-model-name", "tiny",
+                                     *sets(gateway_set)])
+        _wait_ready(m.url, group)
+    except BaseException:
+        group.stop()
+        raise
+    return m
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model, tmp_path_factory):
+    m = start_mesh(tmp_path_factory.mktemp("mesh"), tiny_model)
+    yield m
+    m.group.stop()
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_model):
+    """The offline engine, for outputs the mesh must reproduce exactly."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm import LLM
+
+    return LLM(EngineConfig(model=tiny_model, num_kv_blocks=512))
+
+
+async def worker_stats(nats_url: str, worker_id: str, prefix: str = "mm"):
+    import nats
+
+    from shared.protocol.messages import StatsRequest, WorkerStats
+    from shared.protocol.subjects import Subjects
+    from shared.service.nats_io import request
+
+    nc = await nats.connect(nats_url)
+    try:
+        return await request(nc, Subjects(prefix).stats(worker_id), StatsRequest(), WorkerStats, 5)
+    finally:
+        await nc.close()

@@ -1,0 +1,125 @@
+"""The gateway through the official openai client, over real HTTP, NATS and UCX."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from shared.engine.sampling_params import SamplingParams
+
+PROMPTS = [f"The expert number {i} routes tokens to the mesh" + " and more" * (i % 5) for i in range(32)]
+
+
+@pytest.fixture
+def request_cleanup():
+    clients = []
+    yield clients.append
+    for c in clients:
+        c.close()
+
+
+def _client(mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_completions_and_chat_stream_and_non_stream(mesh, offline, request_cleanup):
+    c = _client(mesh)
+    request_cleanup(c)
+    want = offline.generate(["Hello world"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    r = c.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    parts = list(c.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(p.choices[0].text for p in parts) == want.text
+    assert parts[-1].choices[0].finish_reason == "length"
+
+    msgs = [{"role": "user", "content": "hi there"}]
+    ids = offline.tokenizer.encode_chat(msgs)
+    want = offline.generate([ids], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids)
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_32_concurrent_streams_match_the_offline_engine(mesh, offline):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.text for o in offline.generate(PROMPTS, params)]
+    client = openai.AsyncOpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(p: str) -> str:
+        stream = await client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        return "".join([ch.choices[0].text async for ch in stream])
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+        finally:
+            await client.close()
+
+    got = asyncio.run(main())
+    assert got == want
+
+
+def test_logprobs_stop_strings_and_seeds(mesh, offline, request_cleanup):
+    c = _client(mesh)
+    request_cleanup(c)
+    r = c.completions.create(model="tiny", prompt="The model", max_tokens=5, temperature=0, logprobs=2,
+                             extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 5 and all(len(t) == 2 for t in lp.top_logprobs)
+    full = offline.generate(["The model"], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].text
+    stop = full[4:7]
+    r = c.completions.create(model="tiny", prompt="The model", max_tokens=20, temperature=0, stop=[stop],
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    a = c.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=1, seed=7)
+    b = c.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=1, seed=7)
+    assert a.choices[0].text == b.choices[0].text
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 100000}, 400, "prompt"),
+])
+def test_errors_use_openai_shape(mesh, body, status, param):
+    r = httpx.post(mesh.url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"]
+    if "100000" in str(body):
+        assert "maximum context length is 4096" in err["message"]
+
+
+def test_malformed_http_and_unsupported_shapes(mesh):
+    r = httpx.post(mesh.url + "/v1/chat/completions", content=b"{nope", timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(mesh.url + "/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.get(mesh.url + "/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_models_health_metrics_openapi(mesh):
+    assert httpx.get(mesh.url + "/v1/models").json()["data"][0]["id"] == "tiny"
+    h = httpx.get(mesh.url + "/health").json()
+    assert h["status"] == "ok" and h["ready"] and h["workers"] == {"prefill": 1, "decode": 1}
+    assert httpx.get(mesh.url + "/health/ready").status_code == 200
+    m = httpx.get(mesh.url + "/metrics").text
+    assert "moemesh_ttft_seconds_bucket" in m and "moemesh_requests_total" in m
+    spec = httpx.get(mesh.url + "/openapi.json").json()
+    assert "/v1/chat/completions" in spec["paths"]

@@ -1,0 +1,47 @@
+"""Per-service Prometheus registries and the /metrics text they render."""
+
+import pytest
+
+from shared.telemetry.metrics import DEFAULT_LATENCY_BUCKETS, Metrics
+
+
+def test_render_contains_the_histogram():
+    m = Metrics()
+    h = m.histogram("ttft_seconds", "time to first token", labels=("model",))
+    h.labels(model="tiny").observe(0.0003)
+    h.labels(model="tiny").observe(12.0)
+    m.counter("requests", "requests served").inc(3)
+    m.gauge("num_running", "running sequences").set(5)
+    body, content_type = m.render()
+    text = body.decode()
+    assert content_type.startswith("text/plain")
+    assert "# TYPE moemesh_ttft_seconds histogram" in text
+    assert 'moemesh_ttft_seconds_bucket{le="0.0005",model="tiny"} 1.0' in text
+    assert 'moemesh_ttft_seconds_bucket{le="10.0",model="tiny"} 1.0' in text
+    assert 'moemesh_ttft_seconds_bucket{le="+Inf",model="tiny"} 2.0' in text
+    assert 'moemesh_ttft_seconds_count{model="tiny"} 2.0' in text
+    assert "moemesh_requests_total 3.0" in text and "moemesh_num_running 5.0" in text
+
+
+def test_default_buckets_cover_microseconds_to_a_minute():
+    assert list(DEFAULT_LATENCY_BUCKETS) == sorted(DEFAULT_LATENCY_BUCKETS)
+    assert DEFAULT_LATENCY_BUCKETS[0] <= 0.0005 and DEFAULT_LATENCY_BUCKETS[-1] >= 60
+
+
+def test_services_in_one_process_do_not_clash():
+    a, b = Metrics(), Metrics()
+    a.counter("requests", "r").inc()
+    b.counter("requests", "r").inc(2)  # on the global registry this would raise
+    assert b"moemesh_requests_total 1.0" in a.render()[0]
+    assert b"moemesh_requests_total 2.0" in b.render()[0]
+
+
+def test_same_name_returns_the_same_metric_and_conflicts_raise():
+    m = Metrics(namespace="")
+    assert m.histogram("step_seconds", "s") is m.histogram("step_seconds", "s")
+    with pytest.raises(ValueError, match="step_seconds"):
+        m.counter("step_seconds", "s")
+    with pytest.raises(ValueError, match="step_seconds"):
+        m.histogram("step_seconds", "s", labels=("phase",))
+    m.histogram("step_seconds", "s").observe(1)
+    assert b"\nstep_seconds_count 1.0" in m.render()[0]
