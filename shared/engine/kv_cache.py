@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.kernels.kv_pack import kv_gather, kv_scatter
 from shared.model.config import ModelConfig
 
 
@@ -31,14 +32,11 @@ class KVCache:
 
     def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         idx = torch.tensor(block_ids, device=self.tensor.device)
-        if out is None:
-            return self.tensor.index_select(1, idx)
-        torch.index_select(self.tensor, 1, idx, out=out)
-        return out
+        return kv_gather(self.tensor, idx, out)
 
     def import_blocks(self, block_ids: list[int], buf: torch.Tensor) -> None:
         expect = (self.tensor.shape[0], len(block_ids), *self.tensor.shape[2:])
         if tuple(buf.shape) != expect:
             raise ValueError(f"KV buffer has shape {tuple(buf.shape)}, expected {expect}")
         idx = torch.tensor(block_ids, device=self.tensor.device)
-        self.tensor.index_copy_(1, idx, buf.to(self.tensor.dtype))
+        kv_scatter(self.tensor, idx, buf)

@@ -29,8 +29,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, rope: RotaryEmbedding
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), batch, kv_cache, rope)
+        h, x = self.post_attention_layernorm(h, residual=x)  # the residual add rides in the norm kernel
+        return x + self.mlp(h)
 
 
 class SharedHead(nn.Module):

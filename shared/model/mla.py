@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.kernels.mla_decode import mla_decode
 from shared.model.batch import ForwardBatch
 from shared.model.config import ModelConfig
 from shared.model.layers import RMSNorm
@@ -78,7 +79,7 @@ class MLAttention(nn.Module):
     def _decode(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
     ) -> torch.Tensor:
-        return mla_decode_ref(
+        return mla_decode(
             q_nope, q_pe, kv_cache, batch.decode_block_tables, batch.decode_context_lens, *self._w_uk_uv(),
             self.scale,
         )
@@ -100,28 +101,3 @@ class MLAttention(nn.Module):
         )
         return o.transpose(0, 1)  # [Q, H, V]
 
-
-def mla_decode_ref(
-    q_nope: torch.Tensor,  # [B, H, N]
-    q_pe: torch.Tensor,  # [B, H, R]
-    kv_cache: torch.Tensor,  # [num_blocks, block_size, C + R]
-    block_tables: torch.Tensor,  # [B, max_blocks]
-    context_lens: torch.Tensor,  # [B]
-    w_uk: torch.Tensor,  # [H, N, C]
-    w_uv: torch.Tensor,  # [H, V, C]
-    scale: float,
-) -> torch.Tensor:
-    """Absorbed-weight MLA decode in plain torch. Returns [B, H, V]."""
-    B = q_nope.shape[0]
-    C = w_uk.shape[-1]
-    bs = kv_cache.shape[1]
-    ctx = kv_cache[block_tables].view(B, -1, kv_cache.shape[-1]).to(q_nope.dtype)  # [B, L, C + R]
-    lat, k_pe = ctx[..., :C], ctx[..., C:]
-    q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
-    scores = (torch.einsum("bhc,blc->bhl", q_lat, lat) + torch.einsum("bhr,blr->bhl", q_pe, k_pe)) * scale
-    L = block_tables.shape[1] * bs
-    valid = torch.arange(L, device=ctx.device)[None, :] < context_lens[:, None]  # [B, L]
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    p = torch.softmax(scores.float(), dim=-1).to(q_nope.dtype)
-    o_lat = torch.einsum("bhl,blc->bhc", p, lat)
-    return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels.fused_moe import fused_moe_ref
+from shared.kernels.fused_moe import fused_moe
 from shared.model.config import ModelConfig
 from shared.model.layers import MLP
 
@@ -122,7 +122,7 @@ class MoE(nn.Module):
         if self.runner is not None:
             out = self.runner(x, weights, ids)
         else:
-            out = fused_moe_ref(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
+            out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from shared.kernels.rotary import rotary
 from shared.model.config import ModelConfig, RopeConfig
 
 
@@ -71,20 +72,4 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x of shape [T, ..., dim] by the angles of `positions` [T]."""
-        out = []
-        for x in xs:
-            cos = self.cos[positions].to(x.dtype)
-            sin = self.sin[positions].to(x.dtype)
-            while cos.dim() < x.dim():
-                cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-            out.append(apply_rotary(x, cos, sin, self.interleave))
-        return tuple(out)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    if interleave:
-        a, b = x[..., 0::2], x[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        a, b = x[..., :half], x[..., half:]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+        return tuple(rotary(x, self.cos, self.sin, positions, self.interleave) for x in xs)

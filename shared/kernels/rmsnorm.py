@@ -1,0 +1,84 @@
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+M = rows (tokens), D = hidden size. The fused form takes the block output `x` and the
+running `residual`, and returns (rmsnorm(x + residual), x + residual): one read of
+each input and one write of each output instead of a separate add.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.kernels._triton import jit, next_pow2, tl
+from shared.kernels.dispatch import use_triton
+
+
+def rms_norm_ref(
+    x: torch.Tensor,  # [..., D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., D]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual
+    # Normalise in fp32 and cast back before the weight, as the reference models do:
+    # the order matters for bf16 agreement.
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(dtype)
+    return out if residual is None else (out, x)
+
+
+@jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    D, stride_x, stride_res, stride_out, stride_res_out, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = x + r  # in the input dtype, as the unfused add rounds
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    y = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as rms_norm_ref; CUDA tensors (or MOEMESH_KERNELS=triton) run the kernel."""
+    if not use_triton(x):
+        return rms_norm_ref(x, weight, eps, residual)
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({D},)")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    x2 = _rows(x)
+    res2 = _rows(residual) if residual is not None else x2
+    M = x2.shape[0]
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    if M:
+        block_d = next_pow2(D)
+        _rms_norm_kernel[(M,)](
+            x2, res2, weight.contiguous(), out, res_out,
+            D, x2.stride(0), res2.stride(0), D, res_out.stride(0), eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_D=block_d,
+            num_warps=min(16, max(1, block_d // 256)),
+        )
+    return out if residual is None else (out, res_out.view(x.shape))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., D] as [M, D] with unit column stride, copying only when a view cannot do it."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()

@@ -1,0 +1,85 @@
+"""Compile every kernel for sm_90 (H100/H200) with the tiles its launcher picks, on any
+machine: triton's own LLVM and bundled ptxas need no GPU. Run it as a script, without
+TRITON_INTERPRET, so that triton builds its standard library for the compiler:
+
+    python -m tests.kernels.compile_check
+
+Prints one JSON object: for each kernel configuration, ptxas's registers and spill bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+
+from shared.kernels import fused_moe, kv_pack, mla_decode, rmsnorm, rotary
+
+ARCH = 90
+BF16 = "bf16"  # the serving dtype; fp32 and fp16 only change the element type
+
+
+def _compile(lazy, pointers: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+             floats: tuple[str, ...] = ()) -> dict:
+    lazy.fn.__globals__["tl"] = tl
+    fn = triton.jit(lazy.fn)
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + pointers.get(name, BF16)
+        else:
+            sig[name] = "fp32" if name in floats else "i32"
+    src = triton.compiler.ASTSource(fn, sig, constexprs=dict(constexprs))
+    opts = dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True)
+    kernel = triton.compile(src, target=GPUTarget("cuda", ARCH, 32), options=opts)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        log = subprocess.run([get_ptxas(ARCH).path, "-v", f"--gpu-name=sm_{ARCH}a", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True)
+    text = log.stdout + log.stderr
+    return {"registers": int(re.search(r"Used (\d+) registers", text).group(1)),
+            "spill_bytes": int(re.search(r"(\d+) bytes spill stores", text).group(1)),
+            "shared_bytes": kernel.metadata.shared}
+
+
+def main() -> dict:
+    out = {}
+    C, R = 512, 64  # DeepSeek-V2/V3 latent and rope widths
+    for res in (False, True):
+        out[f"rms_norm residual={res}"] = _compile(rmsnorm._rms_norm_kernel, {}, dict(HAS_RESIDUAL=res, BLOCK_D=8192),
+                                                    num_warps=16, floats=("eps",))
+    for il in (False, True):
+        out[f"rotary interleave={il}"] = _compile(rotary._rotary_kernel, {"cos_ptr": "fp32", "sin_ptr": "fp32",
+                                                  "pos_ptr": "i64"}, dict(INTERLEAVE=il, BLOCK_H=16, BLOCK_HALF=R // 2),
+                                                  num_warps=1)
+    for sc in (False, True):
+        out[f"kv_pack scatter={sc}"] = _compile(kv_pack._kv_pack_kernel, {"ids_ptr": "i64"},
+                                                dict(SCATTER=sc, BLOCK=2048))
+    tiles = mla_decode._tiles(C, R, torch.bfloat16)
+    launch = {k: tiles.pop(k) for k in ("num_warps", "num_stages")}
+    part = {"bt_ptr": "i64", "lens_ptr": "i64", "part_o_ptr": "fp32", "part_lse_ptr": "fp32"}
+    out["mla_decode"] = _compile(mla_decode._mla_decode_kernel, part, tiles, floats=("scale",), **launch)
+    out["mla_decode_reduce"] = _compile(mla_decode._mla_decode_reduce_kernel, part, dict(BLOCK_S=64, BLOCK_C=128))
+    moe = {"pairs_ptr": "i64", "block_slot_ptr": "i64", "topk_w_ptr": "fp32"}
+    for bm, (bn, bk, warps) in fused_moe._TILES.items():
+        for gate_up in (True, False):
+            out[f"fused_moe M={bm} gate_up={gate_up}"] = _compile(
+                fused_moe._fused_moe_kernel, moe,
+                dict(GATE_UP=gate_up, A_PER_TOKEN=gate_up, PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
+                num_warps=warps)
+    out["moe_combine"] = _compile(fused_moe._moe_combine_kernel, {"ids_ptr": "i64"}, dict(BLOCK_K=8, BLOCK_D=1024))
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
