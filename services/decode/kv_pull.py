@@ -1,9 +1,9 @@
 """Pulling one request's KV from its prefill worker into staging memory.
 
-States: announced -> pulling -> arrived | failed. The receive is posted before the
-pull request goes out, so the sender never waits for the receiver. A receive that
-timed out may still complete later; its staging range is quarantined until it does,
-so late bytes never land in memory that was handed to someone else.
+States: announced -> pulling -> arrived | failed. The receive is set up before the
+pull request goes out, so the sender never waits for the receiver. On failure the
+receive is abandoned first (the transport guarantees no late bytes land afterwards)
+and only then is the staging range freed.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import enum
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shared.protocol.messages import KVPull, KVPullReply, KVReady
 from shared.service.nats_io import RemoteError, Unreachable, request
 from shared.service.runtime import WorkerRuntime
-from shared.transport.base import TransferError, TransferState
+from shared.transport.base import TransferError
 from shared.transport.staging import StagingSlot
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,6 @@ class Pull:
     slot: StagingSlot | None = None
     error: str = ""
     aborted: bool = False
-    quarantined: list = field(default_factory=list)
 
 
 async def pull_kv(rt: WorkerRuntime, pull: Pull, timeout_s: float, headers: dict | None) -> None:
@@ -60,8 +59,8 @@ async def pull_kv(rt: WorkerRuntime, pull: Pull, timeout_s: float, headers: dict
     except (TransferError, Unreachable, RemoteError) as e:
         pull.state, pull.error = PullState.FAILED, str(e)
         pull.slot = None
-        if transfer.state == TransferState.PENDING:
-            log.warning("quarantining %d staging bytes of a receive that never completed", slot.nbytes)
-            transfer.add_done_callback(lambda _t, s=slot: rt.staging.free(s))
-        else:
+        if await transfer.abandon(timeout_s):
             rt.staging.free(slot)
+        else:  # a receive still writing: free the range only once it is done
+            log.warning("a receive into %d staging bytes is still running; freeing when it ends", slot.nbytes)
+            transfer.add_done_callback(lambda _t, s=slot: rt.staging.free(s))

@@ -31,6 +31,7 @@ from shared.service.runtime import WorkerRuntime, logprobs_wire
 from shared.telemetry.propagation import inject_headers
 
 log = logging.getLogger(__name__)
+MAX_STEP_EVENTS = 512  # per request span; a long generation keeps its counts in attributes
 
 
 @dataclass
@@ -193,6 +194,8 @@ class DecodeService:
             if act is None:
                 continue
             act.steps += 1
+            if act.steps <= MAX_STEP_EVENTS:
+                act.span.add_event("step", {"tokens": len(out.new_token_ids), "batch.num_seqs": stats.num_seqs})
             reason = out.finish_reason.value if out.finished else None
             rt.tokens.add(act.gateway_id, TokenUpdate(out.request_id, out.new_token_ids, reason,
                                                       num_prompt_tokens=out.num_prompt_tokens,

@@ -25,8 +25,9 @@ from services.prefill.leases import LeaseTable
 from shared.engine.engine import RequestError, RequestOutput, StepStats
 from shared.engine.sampling_params import SamplingParamError
 from shared.protocol.messages import (
-    Abort, Ack, ErrorReply, KVPull, KVPullReply, KVReady, KVRelease, PrefillJob, TokenUpdate,
+    Abort, Ack, ErrorReply, Heartbeat, KVPull, KVPullReply, KVReady, KVRelease, PrefillJob, TokenUpdate,
 )
+from shared.service.heartbeat import WorkerRegistry
 from shared.service.nats_io import RemoteError, Unreachable, request
 from shared.service.runtime import WorkerRuntime, logprobs_wire
 from shared.telemetry.propagation import inject_headers
@@ -35,11 +36,17 @@ from shared.transport.base import TransferError
 log = logging.getLogger(__name__)
 
 
+def start_time_ns(stats: StepStats) -> int:
+    """Wall-clock start of the step these stats describe."""
+    return time.time_ns() - int(stats.total_s * 1e9)
+
+
 @dataclass
 class JobState:
     job: PrefillJob
-    span: trace.Span
+    span: trace.Span  # the request's span on this worker
     t0: float
+    phase: trace.Span  # "queue.wait" until first scheduled, then "prefill.batch"
     scheduled: bool = False
 
 
@@ -50,6 +57,7 @@ class PrefillService:
         self._engine = engine
         self.jobs: dict[str, JobState] = {}
         self.leases = LeaseTable(cfg.lease_timeout_s)
+        self.peers = WorkerRegistry()  # decode workers, to vet the UCX addresses we send to
         self._job_subs = []
 
     async def __aenter__(self) -> "PrefillService":
@@ -72,6 +80,7 @@ class PrefillService:
         await rt.sub(s.kv_pull(rt.worker_id), KVPull, self._on_pull)
         await rt.sub(s.kv_release(rt.worker_id), KVRelease, self._on_release)
         await rt.sub(s.abort, Abort, self._on_abort)
+        await rt.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
         rt.spawn(self._reap_leases(), "lease-reaper")
         m = rt.metrics
         self.m_prefill = m.histogram("prefill_seconds", "queue + compute time per prompt")
@@ -103,7 +112,8 @@ class PrefillService:
             span.set_status(trace.StatusCode.ERROR, str(e))
             span.end()
             return ErrorReply(str(e), "bad_request")
-        self.jobs[job.request_id] = JobState(job, span, time.monotonic())
+        queue = self.rt.tracer.start_span("queue.wait", context=trace.set_span_in_context(span))
+        self.jobs[job.request_id] = JobState(job, span, time.monotonic(), queue)
         return Ack()
 
     async def _on_outputs(self, outputs: list[RequestOutput], stats: StepStats) -> None:
@@ -112,13 +122,17 @@ class PrefillService:
             st = self.jobs.get(rid)
             if st is not None and not st.scheduled:
                 st.scheduled = True
-                st.span.add_event("scheduled", {"batch.tokens": stats.num_tokens, "batch.seqs": stats.num_seqs})
+                st.phase.end(start_time_ns(stats))
+                st.phase = self.rt.tracer.start_span(
+                    "prefill.batch", context=trace.set_span_in_context(st.span), start_time=start_time_ns(stats),
+                    attributes={"batch.num_tokens": stats.num_tokens, "batch.num_seqs": stats.num_seqs})
         handoffs = []
         for out in outputs:
             st = self.jobs.pop(out.request_id, None)
             if st is None:
                 continue
             job, span = st.job, st.span
+            st.phase.end()
             self.m_prefill.observe(time.monotonic() - st.t0)
             span.set_attribute("prefill.first_token", out.new_token_ids[0] if out.new_token_ids else -1)
             reason = out.finish_reason.value if out.finished else None
@@ -162,8 +176,25 @@ class PrefillService:
             span.end()
 
     # ---- KV pulls -----------------------------------------------------------------
+    async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
+        if hb.role == "decode":
+            self.peers.observe(hb)
+
+    async def _known_decode_address(self, address: bytes) -> bool:
+        """UCX aborts the whole process on a malformed worker address, so we only ever
+        connect to addresses that live decode workers announced themselves."""
+        deadline = time.monotonic() + 2 * self.cfg.heartbeat_interval_s + 0.5
+        while True:
+            if any(hb.address == address for hb in self.peers.live("decode")):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)  # a worker that just started may not have beaten yet
+
     async def _on_pull(self, p: KVPull, msg, ctx) -> KVPullReply:
         rt = self.rt
+        if not await self._known_decode_address(p.decode_address):
+            return KVPullReply(False, error="the pulling address belongs to no live decode worker")
         lease = self.leases.get(p.request_id, p.lease_id)
         if lease is None:
             return KVPullReply(False, error=f"no live lease {p.lease_id} for {p.request_id} (expired or released)")
@@ -215,6 +246,7 @@ class PrefillService:
                 await self._free_lease(rid)
             st = self.jobs.pop(rid, None)
             if st is not None:
+                st.phase.end()
                 st.span.add_event("aborted", {"reason": a.reason})
                 st.span.end()
                 await self.rt.loop.call(lambda e, r=rid: e.abort(r))

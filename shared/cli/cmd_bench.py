@@ -29,6 +29,15 @@ def register(sub) -> None:
     f.add_argument("--out", default="bench-results/forward.json")
     f.set_defaults(func=run_forward)
 
+    k = bsub.add_parser("kv-transfer", help="UCX KV transfer throughput vs memory-copy bandwidth")
+    k.add_argument("--sizes", type=_ints, default=None, help="bytes, comma separated")
+    k.add_argument("--iters", type=int, default=20)
+    k.add_argument("--repeats", type=int, default=3)
+    k.add_argument("--nats-url", default="")
+    k.add_argument("--ucx-tls", default="")
+    k.add_argument("--out", default="bench-results/kv_transfer.json")
+    k.set_defaults(func=run_kv)
+
 
 def _save(result: dict, out: str) -> None:
     path = Path(out)
@@ -51,5 +60,17 @@ def run_forward(args: argparse.Namespace) -> int:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
     print(forward.table(result))
+    _save(result, args.out)
+    return 0
+
+
+def run_kv(args: argparse.Namespace) -> int:
+    from shared.bench import kv_transfer
+
+    kw = {"sizes": args.sizes} if args.sizes else {}
+    cfg = kv_transfer.KVBenchConfig(iters=args.iters, repeats=args.repeats, nats_url=args.nats_url,
+                                    tls=args.ucx_tls, **kw)
+    result = kv_transfer.run(cfg)
+    print(kv_transfer.table(result))
     _save(result, args.out)
     return 0

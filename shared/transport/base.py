@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from typing import Protocol
+from typing import Callable, Protocol
 
 
 class TransferState(enum.Enum):
@@ -25,15 +25,20 @@ class TransferError(RuntimeError):
 class Transfer:
     """A posted receive. `state` can be polled; `wait(timeout)` raises TransferError."""
 
-    def __init__(self, task: asyncio.Future, nbytes: int):
+    def __init__(self, task: asyncio.Future, nbytes: int, try_cancel: Callable[[], bool] | None = None):
+        """try_cancel: stops the receive if no bytes can land in the buffer any more
+        and returns True; returns False when a receive is already under way."""
         self._task = task
         self.nbytes = nbytes
         self.error: str | None = None
+        self._try_cancel = try_cancel
 
     @property
     def state(self) -> TransferState:
         if not self._task.done():
             return TransferState.PENDING
+        if self._task.cancelled():
+            return TransferState.FAILED
         if self._task.cancelled() or self._task.exception() is not None:
             return TransferState.FAILED
         return TransferState.DONE
@@ -42,11 +47,27 @@ class Transfer:
         try:
             await asyncio.wait_for(asyncio.shield(self._task), timeout)
         except asyncio.TimeoutError:
+            if self._try_cancel is not None and not self._try_cancel():
+                # The bytes are arriving: let them finish rather than abandon a live receive.
+                return await self.wait(timeout)
             self.error = f"no data within {timeout:.1f}s"
             raise TransferError(self.error) from None
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             raise TransferError(self.error) from None
+
+    async def abandon(self, timeout: float) -> bool:
+        """Give up on this receive. Returns True when the buffer is certainly free
+        again: either nothing can land in it any more, or the receive finished."""
+        if self._task.done():
+            return True
+        if self._try_cancel is not None and self._try_cancel():
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        except Exception:
+            pass
+        return self._task.done()
 
     def add_done_callback(self, fn) -> None:
         self._task.add_done_callback(lambda _t: fn(self))

@@ -39,7 +39,13 @@ class LoopbackTransport:
             fut.set_result(None)
         else:
             self._posted[tag] = (buf, fut)
-        return Transfer(fut, memoryview(buf).nbytes)
+
+        def try_cancel() -> bool:
+            if self._posted.pop(tag, None) is not None:
+                fut.cancel()
+            return True  # copies happen synchronously in send(), so nothing can land later
+
+        return Transfer(fut, memoryview(buf).nbytes, try_cancel)
 
     async def send(self, peer: bytes, buf, tag: int, timeout: float) -> None:
         dst = self.hub.peers.get(peer)

@@ -1,0 +1,47 @@
+import msgpack
+import pytest
+
+from shared.protocol.messages import Heartbeat, KVReady, KVLayout, PrefillJob, TokenBatch, TokenUpdate, WireSampling, WorkerLoad
+from shared.protocol.wire import ProtocolError, decode, encode
+
+
+def test_round_trip_keeps_every_field():
+    job = PrefillJob("r1", [0, 5, 9], WireSampling(max_tokens=7, seed=3, stop_token_ids=[2]), "gw", "dec", 1.5)
+    assert decode(encode(job), PrefillJob) == job
+    ready = KVReady("r1", [1, 2], [3], WireSampling(), "gw", "pre", b"\x00\x01ucx", 9, 2, 4096,
+                    KVLayout(4, 16, 40, "float32", "fp"))
+    assert decode(encode(ready), KVReady) == ready
+    batch = TokenBatch([TokenUpdate("a", [1, 2]), TokenUpdate("b", [], "error", error="boom")], 1.0)
+    assert decode(encode(batch), TokenBatch) == batch
+
+
+@pytest.mark.parametrize("payload,needle", [
+    (b"\xc1", "not valid MessagePack"),
+    (msgpack.packb([1, 2]), "expected an object, got list"),
+    (msgpack.packb({"request_id": "r"}), "missing field"),
+    (msgpack.packb({"request_id": "r", "prompt_ids": [1, "x"], "sampling": {}, "gateway_id": "g",
+                    "decode_id": "d"}), r"PrefillJob.prompt_ids\[1\]: expected int, got str"),
+    (msgpack.packb({"request_id": "r", "prompt_ids": [1], "sampling": {"max_tokens": True}, "gateway_id": "g",
+                    "decode_id": "d"}), "PrefillJob.sampling.max_tokens: expected int, got bool"),
+    (msgpack.packb({"request_id": 5, "prompt_ids": [1], "sampling": {}, "gateway_id": "g", "decode_id": "d"}),
+     "PrefillJob.request_id: expected str, got int"),
+])
+def test_bad_messages_name_the_field(payload, needle):
+    with pytest.raises(ProtocolError, match=needle):
+        decode(payload, PrefillJob)
+
+
+def test_optional_and_nested_defaults():
+    hb = decode(msgpack.packb({"worker_id": "w", "role": "decode", "model": "m", "load": {}}), Heartbeat)
+    assert hb.load == WorkerLoad() and hb.address == b"" and not hb.draining
+    with pytest.raises(ProtocolError, match="Heartbeat.load.num_running: expected int"):
+        decode(msgpack.packb({"worker_id": "w", "role": "d", "model": "m", "load": {"num_running": 1.5}}), Heartbeat)
+
+
+def test_wire_sampling_validates_through_sampling_params():
+    from shared.engine.sampling_params import SamplingParamError
+
+    with pytest.raises(SamplingParamError):
+        WireSampling(max_tokens=0).to_params()
+    p = WireSampling(max_tokens=3, temperature=0.0, stop_token_ids=[9]).to_params()
+    assert p.greedy and p.stop_token_ids == (9,)
