@@ -195,7 +195,10 @@ class DecodeService:
                 continue
             act.steps += 1
             if act.steps <= MAX_STEP_EVENTS:
-                act.span.add_event("step", {"tokens": len(out.new_token_ids), "batch.num_seqs": stats.num_seqs})
+                a = rt.last_account
+                act.span.add_event("step", {"tokens": len(out.new_token_ids), "batch.num_seqs": stats.num_seqs,
+                                            "forward_ms": a.forward_s * 1e3, "host_ms": a.host_s * 1e3,
+                                            "rank_wait_ms": a.rank_wait_s * 1e3})
             reason = out.finish_reason.value if out.finished else None
             rt.tokens.add(act.gateway_id, TokenUpdate(out.request_id, out.new_token_ids, reason,
                                                       num_prompt_tokens=out.num_prompt_tokens,

@@ -158,7 +158,8 @@ async def _generate(request: Request, kind: str) -> Response:
     span.set_attribute("decode.id", handle.decode_id)
     if req.stream:
         return StreamingResponse(_sse(st, req, handle, span, t0, done), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": req.request_id})
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": req.request_id,
+                                          "X-Moemesh-Worker": handle.decode_id})
     return await _collect(request, st, req, handle, span, t0, done)
 
 
@@ -261,7 +262,8 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
     done(200)
     lp = api.logprobs_payload(req, st.tok, lps)
-    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp))
+    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp),
+                        headers={"X-Request-Id": req.request_id, "X-Moemesh-Worker": handle.decode_id})
 
 
 async def models(request: Request) -> JSONResponse:

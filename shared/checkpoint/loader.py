@@ -13,6 +13,7 @@ import logging
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -59,18 +60,25 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> DeepseekForCausalLM:
+def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                num_slots: int | None = None) -> DeepseekForCausalLM:
     """Allocate the model's parameters without initialising them."""
     with torch.device("meta"), _default_dtype(dtype):
-        model = DeepseekForCausalLM(cfg)
+        model = DeepseekForCausalLM(cfg, num_slots)
     model.to_empty(device=device)
     model.rope = RotaryEmbedding(cfg).to(device)
     return model
 
 
+ExpertSlots = Callable[[int], list[int]]  # MoE layer id -> logical expert held in each local slot
+
+
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    expert_slots: ExpertSlots | None = None, num_slots: int | None = None,
 ) -> DeepseekForCausalLM:
+    """expert_slots/num_slots: under expert parallelism, which experts this rank holds;
+    only those are read from disk. By default every expert, slot e holding expert e."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: model directory does not exist")
@@ -85,7 +93,8 @@ def load_model(
         log.warning("%s: config asks for an MTP layer but the checkpoint has none; speculative decoding is off", model_dir)
         cfg = replace(cfg, num_nextn_predict_layers=0)
 
-    model = build_empty(cfg, dtype, device)
+    model = build_empty(cfg, dtype, device, num_slots)
+    slots_of = expert_slots or (lambda layer: list(range(cfg.n_routed_experts)))
     state = dict(model.named_parameters())
     state.update({n: b for n, b in model.named_buffers() if n != "rope.cos" and n != "rope.sin"})
     pending: dict[str, set] = {n: _pieces(n, t) for n, t in state.items()}
@@ -99,8 +108,13 @@ def load_model(
                     if dest is None:
                         raise CheckpointError(
                             f"{f.name}: unexpected tensor {name!r} (no such parameter in {cfg.model_type})")
-                    _copy(dest, target, sf, f.name, name)
-                    _mark(pending, target)
+                    if target.param.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                        layer = _layer_of(target.param, cfg.num_hidden_layers)
+                        _copy_experts(dest, target, slots_of(layer), cfg.n_routed_experts, sf, f.name, name,
+                                      pending[target.param])
+                    else:
+                        _copy(dest, target, sf, f.name, name)
+                        _mark(pending, target)
         except SafetensorsFormatError as e:
             raise CheckpointError(f"{model_dir}/{e}") from None
         except OSError as e:
@@ -133,37 +147,52 @@ def _pieces(name: str, t: torch.Tensor) -> set:
     return {None}
 
 
-def _dest_view(dest: torch.Tensor, target: Target) -> torch.Tensor:
-    if target.slot is None:
-        return dest
-    if target.slot >= dest.shape[0]:
-        raise IndexError(target.slot)
-    view = dest[target.slot]
-    if target.part is None:
-        return view
-    half = view.shape[0] // 2
-    return view[:half] if target.part == "gate" else view[half:]
+def _layer_of(param: str, num_hidden_layers: int) -> int:
+    head, idx = param.split(".")[:2] if param.startswith("mtp.") else param.split(".")[1:3]
+    return int(idx) + (num_hidden_layers if head == "mtp" else 0)
+
+
+def _copy_experts(dest: torch.Tensor, target: Target, slots: list[int], num_experts: int, sf: SafetensorsFile,
+                  fname: str, name: str, pending: set) -> None:
+    """Fill the local slots that hold the tensor's expert(s); others belong to other ranks."""
+    shape = sf.tensors[name].shape
+    if target.slot is None:  # fused: [E, ...]
+        if shape != (num_experts, *dest.shape[1:]):
+            raise CheckpointError(
+                f"{fname}: tensor {name!r} has shape {shape}, expected {(num_experts, *dest.shape[1:])}")
+        with torch.no_grad():
+            for s, e in enumerate(slots):
+                sf.read_row_into(name, e, dest[s])
+        for s in range(len(slots)):
+            pending.difference_update({(s, None), (s, "gate"), (s, "up")})
+        return
+    if target.slot >= num_experts:
+        raise CheckpointError(
+            f"{fname}: tensor {name!r} names expert {target.slot}, but the config has {num_experts}")
+    for s, e in enumerate(slots):
+        if e != target.slot:
+            continue
+        view = dest[s]
+        if target.part is not None:
+            half = view.shape[0] // 2
+            view = view[:half] if target.part == "gate" else view[half:]
+        if tuple(view.shape) != shape:
+            raise CheckpointError(f"{fname}: tensor {name!r} has shape {shape}, expected {tuple(view.shape)}")
+        with torch.no_grad():
+            sf.read_into(name, view)
+        pending.discard((s, target.part))
 
 
 def _copy(dest: torch.Tensor, target: Target, sf: SafetensorsFile, fname: str, name: str) -> None:
-    try:
-        view = _dest_view(dest, target)
-    except IndexError:
-        raise CheckpointError(
-            f"{fname}: tensor {name!r} names expert {target.slot}, but the config has {dest.shape[0]}") from None
     shape = sf.tensors[name].shape
-    if tuple(view.shape) != shape:
-        raise CheckpointError(f"{fname}: tensor {name!r} has shape {shape}, expected {tuple(view.shape)}")
+    if tuple(dest.shape) != shape:
+        raise CheckpointError(f"{fname}: tensor {name!r} has shape {shape}, expected {tuple(dest.shape)}")
     with torch.no_grad():
-        sf.read_into(name, view)
+        sf.read_into(name, dest)
 
 
 def _mark(pending: dict[str, set], target: Target) -> None:
-    left = pending[target.param]
-    if target.slot is None:
-        left.clear()
-    else:
-        left.discard((target.slot, target.part))
+    pending[target.param].clear()
 
 
 def _tie_optional(model: DeepseekForCausalLM, pending: dict[str, set], cfg: ModelConfig) -> None:

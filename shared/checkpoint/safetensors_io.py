@@ -107,6 +107,18 @@ class SafetensorsFile:
             self._pread_into(info, tmp)
             dest.copy_(tmp)
 
+    def read_row_into(self, name: str, row: int, dest: torch.Tensor) -> None:
+        """Copy row `row` of tensor `name` (a slice along dim 0) into dest, reading only it."""
+        info = self.tensors[name]
+        row_bytes = info.nbytes // info.shape[0]
+        part = TensorInfo(info.dtype, info.shape[1:], info.begin + row * row_bytes, row_bytes)
+        if dest.dtype == info.dtype and dest.device.type == "cpu" and dest.is_contiguous():
+            self._pread_into(part, dest)
+        else:
+            tmp = torch.empty(part.shape, dtype=info.dtype)
+            self._pread_into(part, tmp)
+            dest.copy_(tmp)
+
     def read(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
         t = torch.empty(info.shape, dtype=info.dtype)

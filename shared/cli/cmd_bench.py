@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from shared.cli import bench_forward, bench_kv
+from shared.cli import bench_forward, bench_kv, bench_serve
 
-BENCHES = [bench_forward, bench_kv]
+BENCHES = [bench_forward, bench_kv, bench_serve]
 
 
 def register(sub) -> None:

@@ -9,6 +9,7 @@ SERVICES = {
     "gateway": ("services.gateway.config:GatewayConfig", "services.gateway.service:GatewayService"),
     "prefill": ("services.prefill.config:PrefillConfig", "services.prefill.service:PrefillService"),
     "decode": ("services.decode.config:DecodeConfig", "services.decode.service:DecodeService"),
+    "balancer": ("services.balancer.config:BalancerConfig", "services.balancer.service:BalancerService"),
 }
 
 

@@ -14,8 +14,13 @@ def register(sub) -> None:
     p.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
+    p.add_argument("--decode", type=int, default=1, help="number of decode instances")
+    p.add_argument("--dep", type=int, default=1, help="ranks per decode instance (wide expert parallelism)")
+    p.add_argument("--prefill-dep", type=int, default=1, help="ranks per prefill instance")
+    p.add_argument("--redundant", type=int, default=0, help="redundant expert slots per rank")
+    p.add_argument("--balancer", action=argparse.BooleanOptionalAction, default=None,
+                   help="start the expert balancer (default: when an instance is expert-parallel)")
     p.add_argument("--log-dir", default="")
     p.add_argument("--trace-file", default="", help="write every service's spans to this JSON-lines file")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -28,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
     from shared.launch.up import Mesh, UpConfig
 
     cfg = UpConfig(model=args.model, nats_url=args.nats_url, host=args.host, port=args.port,
-                   num_prefill=args.prefill, num_decode=args.decode, log_dir=args.log_dir,
+                   num_prefill=args.prefill, num_decode=args.decode, decode_dp=args.dep,
+                   prefill_dp=args.prefill_dep, eplb_redundant=args.redundant, balancer=args.balancer,
+                   log_dir=args.log_dir,
                    service_args=tuple(args.set), trace_file=args.trace_file)
     stop = False
 

@@ -28,6 +28,8 @@ class ServiceConfig:
     log_level: str = "INFO"
     heartbeat_interval_s: float = 1.0
     drain_timeout_s: float = 30.0
+    metrics_host: str = "127.0.0.1"  # /metrics and /health of services without a web app
+    metrics_port: int = -1  # -1: off, 0: any free port
 
     def __post_init__(self):
         if self.heartbeat_interval_s <= 0:
@@ -54,11 +56,41 @@ class WorkerConfig(ServiceConfig):
     ucx_net_devices: str = ""
     ucx_tls: str = ""
     transfer_timeout_s: float = 10.0
+    # Wide expert parallelism: this process is rank dp_rank of a DEP-dp_size instance.
+    dp_size: int = 1
+    dp_rank: int = 0
+    instance_id: str = ""
+    dist_init: str = ""  # tcp://host:port, the same for every rank of the instance
+    expert_parallel: bool = False  # implied by dp_size > 1; with 1 rank, redundant slots still rebalance
+    eplb_redundant: int = 0  # redundant expert slots per rank
+    load_window_steps: int = 256
+    load_publish_interval_s: float = 1.0
+    dp_timeout_s: float = 60.0
+    move_timeout_s: float = 30.0
+    # Routing skew on purpose, for balanced-vs-skewed benchmarks (see shared/model/skew.py).
+    skew: str = ""
+    draft_skew: str = ""
+    skew_seed: int = 0
+    debug_fail_move: bool = False  # fault injection: this rank fails every expert move
 
     def __post_init__(self):
         super().__post_init__()
         if not self.model:
             raise ValueError("model is required (a Hugging Face layout directory)")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size={self.dp_size})")
+        if self.uses_ep and not self.dist_init:
+            raise ValueError("dist_init (tcp://host:port shared by the ranks) is required with expert parallelism")
+        if self.eplb_redundant < 0:
+            raise ValueError("eplb_redundant must be >= 0")
+
+    @property
+    def uses_ep(self) -> bool:
+        return self.dp_size > 1 or self.expert_parallel
+
+    @property
+    def instance(self) -> str:
+        return self.instance_id or self.worker_id
 
     def engine_config(self, role: str) -> EngineConfig:
         return EngineConfig(

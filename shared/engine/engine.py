@@ -20,6 +20,7 @@ from shared.checkpoint.loader import load_model
 from shared.engine import sampler
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
+from shared.engine.drafter import Drafter
 from shared.engine.kv_cache import KVCache
 from shared.engine.runner import Chunk, build_batch
 from shared.engine.sampling_params import SamplingParams
@@ -76,8 +77,11 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, model: DeepseekForCausalLM | None = None):
+    def __init__(self, cfg: EngineConfig, model: DeepseekForCausalLM | None = None, lockstep: bool = False):
+        """lockstep: every step runs the model, with an empty batch if need be, and a
+        fixed number of MTP passes, as expert-parallel ranks must (collectives)."""
         self.cfg = cfg
+        self.lockstep = lockstep
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)
@@ -97,6 +101,8 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
         self.eos_ids = set(mcfg.eos_token_ids)
+        self.drafter = Drafter(self.model, self.kv.tensor, cfg.block_size, self.num_spec, self.max_model_len,
+                               self.device, lockstep)
         self.last_stats = StepStats()
         self.num_drafted_total = 0
         self.num_accepted_total = 0
@@ -223,7 +229,7 @@ class LLMEngine:
         st.preempted = [s.request_id for s in sched.preempted]
         t1 = time.perf_counter()
         st.schedule_s = t1 - t0
-        if sched.empty:
+        if sched.empty and not self.lockstep:
             self.last_stats = st
             return []
         chunks = [self._chunk(s) for s in sched.scheduled]
@@ -238,8 +244,8 @@ class LLMEngine:
         outputs, mtp_work = self._update(chunks, hidden, st)
         t4 = time.perf_counter()
         st.sample_s = t4 - t3
-        if self.use_mtp and mtp_work:
-            self._propose(mtp_work, hidden)
+        if self.use_mtp and (mtp_work or self.lockstep):
+            self.drafter.propose(mtp_work, hidden)
             st.draft_s = time.perf_counter() - t4
         st.total_s = time.perf_counter() - t0
         self.last_stats = st
@@ -343,43 +349,3 @@ class LLMEngine:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
                 break
         return emitted
-
-    # ---- MTP drafting ------------------------------------------------------------------
-    def _propose(self, work: list[tuple[Chunk, int]], hidden: torch.Tensor) -> None:
-        """Run the MTP layer over every position the target just computed (filling its KV)
-        and, for sequences that will decode next, chain num_spec greedy drafts."""
-        chunks, prev_rows = [], []
-        for c, n_valid in work:
-            seq = c.seq
-            if seq.status == SeqStatus.FINISHED:
-                continue
-            ids = seq.token_ids[c.start + 1 : c.start + n_valid + 1]
-            chunks.append(Chunk(seq, c.start, ids))
-            prev_rows.append(torch.arange(c.row, c.row + n_valid))
-        if not chunks:
-            return
-        order = {id(ch.seq): i for i, ch in enumerate(chunks)}
-        batch = build_batch(chunks, self.cfg.block_size, self.device)
-        prev = hidden[torch.cat([prev_rows[order[id(ch.seq)]] for ch in chunks])]
-        h = self.model.mtp_forward(batch, prev, self.kv.tensor)
-        want = [ch for ch in chunks if ch.seq.status == SeqStatus.RUNNING and ch.seq.in_decode and self.num_spec]
-        for step in range(self.num_spec):
-            live = [ch for ch in want if len(ch.seq.draft_ids) == step and self._draft_budget(ch.seq) > step]
-            if not live:
-                return
-            last = torch.tensor([ch.row + ch.q_len - 1 for ch in live])
-            drafts = self.model.mtp_logits(h[last]).argmax(dim=-1).tolist()
-            for ch, d in zip(live, drafts):
-                ch.seq.draft_ids.append(d)
-            if step + 1 == self.num_spec:
-                return
-            nxt = [Chunk(ch.seq, ch.seq.num_tokens - 1 + step, [d]) for ch, d in zip(live, drafts)]
-            prev_h = h[last]
-            batch = build_batch(nxt, self.cfg.block_size, self.device)  # all q_len 1: order kept
-            h = self.model.mtp_forward(batch, prev_h, self.kv.tensor)
-            want = nxt
-
-    def _draft_budget(self, seq: Sequence) -> int:
-        left_out = seq.params.max_tokens - seq.num_output_tokens - 1
-        left_ctx = self.max_model_len - seq.num_tokens - 1
-        return max(0, min(left_out, left_ctx))

@@ -50,10 +50,11 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
         else:
             ctx = torch.arange(end)
             extends.append(ExtendSeq(c.row, c.q_len, end, blocks[ctx // block_size] * block_size + ctx % block_size))
+    empty = torch.zeros(0, dtype=torch.long)
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.cat(pos),
-        slot_mapping=torch.cat(slots),
+        positions=torch.cat(pos) if pos else empty,
+        slot_mapping=torch.cat(slots) if slots else empty,
         num_decode=len(decode_lens),
         extends=extends,
     )

@@ -33,6 +33,10 @@ class UpConfig:
     port: int = 8000
     num_prefill: int = 1
     num_decode: int = 1
+    decode_dp: int = 1  # ranks per decode instance (DEP-N); each rank is a worker
+    prefill_dp: int = 1
+    eplb_redundant: int = 0  # redundant expert slots per rank
+    balancer: bool | None = None  # None: start one when an instance is expert-parallel
     log_dir: str = ""
     ready_timeout_s: float = 180.0
     service_args: tuple[str, ...] = ()  # extra --set arguments for every worker
@@ -90,10 +94,13 @@ class Mesh:
             common += ["--trace-file", cfg.trace_file]
         extra = [a for s in cfg.service_args for a in ("--set", s)]
         py = [sys.executable, "-m"]
-        for i in range(cfg.num_prefill):
-            self.group.start(f"prefill-{i}", py + ["services.prefill", *common, *extra], cfg.extra_env)
-        for i in range(cfg.num_decode):
-            self.group.start(f"decode-{i}", py + ["services.decode", *common, *extra], cfg.extra_env)
+        for role, n, dp in (("prefill", cfg.num_prefill, cfg.prefill_dp), ("decode", cfg.num_decode, cfg.decode_dp)):
+            for i in range(n):
+                for argv, name in instance_argv(role, i, dp, cfg.eplb_redundant):
+                    self.group.start(name, py + [f"services.{role}", *common, *argv, *extra], cfg.extra_env)
+        if cfg.balancer or (cfg.balancer is None and (cfg.decode_dp > 1 or cfg.prefill_dp > 1 or cfg.eplb_redundant)):
+            self.group.start("balancer", py + ["services.balancer", "--model", self.model, "--nats-url",
+                                               self.nats_url], cfg.extra_env)
         self.group.start("gateway", py + ["services.gateway", *common, "--host", cfg.host, "--port", str(self.port)],
                          cfg.extra_env)
         self.wait_ready(cfg.ready_timeout_s)
@@ -121,6 +128,20 @@ class Mesh:
 
     def stop(self) -> None:
         self.group.stop()
+
+
+def instance_argv(role: str, index: int, dp: int, redundant: int) -> list[tuple[list[str], str]]:
+    """Arguments for each process of one instance: one, or one per DEP rank."""
+    if dp == 1 and not redundant:
+        return [([], f"{role}-{index}")]
+    inst = f"{role}-i{index}"
+    init = f"tcp://127.0.0.1:{free_port()}"
+    out = []
+    for r in range(dp):
+        sets = [f"dp_size={dp}", f"dp_rank={r}", f"instance_id={inst}", f"dist_init={init}",
+                f"eplb_redundant={redundant}", "expert_parallel=true"]
+        out.append((["--worker-id", f"{inst}-r{r}", *[a for x in sets for a in ("--set", x)]], f"{inst}-r{r}"))
+    return out
 
 
 def _busy(port: int) -> bool:

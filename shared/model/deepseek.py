@@ -19,10 +19,10 @@ from shared.model.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, moe: bool):
+    def __init__(self, cfg: ModelConfig, layer_id: int, moe: bool, num_slots: int | None = None):
         super().__init__()
         self.self_attn = MLAttention(cfg)
-        self.mlp: nn.Module = MoE(cfg, layer_id) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = MoE(cfg, layer_id, num_slots) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -45,8 +45,8 @@ class MTPLayer(DecoderLayer):
     """One multi-token-prediction module: from (embedding of token i+1, hidden state at i)
     it predicts token i+2, with a decoder block and an MoE of its own."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int):
-        super().__init__(cfg, layer_id, moe=cfg.n_routed_experts > 0)
+    def __init__(self, cfg: ModelConfig, layer_id: int, num_slots: int | None = None):
+        super().__init__(cfg, layer_id, moe=cfg.n_routed_experts > 0, num_slots=num_slots)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -55,22 +55,25 @@ class MTPLayer(DecoderLayer):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, num_slots: int | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, moe=cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, moe=cfg.is_moe_layer(i), num_slots=num_slots) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, num_slots: int | None = None):
+        """num_slots: routed-expert slots per MoE layer held here (expert parallelism);
+        None holds every expert."""
         super().__init__()
         self.cfg = cfg
-        self.model = DeepseekModel(cfg)
+        self.model = DeepseekModel(cfg, num_slots)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + j) for j in range(cfg.num_nextn_predict_layers))
+        self.mtp = nn.ModuleList(
+            MTPLayer(cfg, cfg.num_hidden_layers + j, num_slots) for j in range(cfg.num_nextn_predict_layers))
         self.rope = RotaryEmbedding(cfg)
 
     def moe_layers(self) -> dict[int, MoE]:

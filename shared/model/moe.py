@@ -104,11 +104,12 @@ ExpertRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, num_slots: int | None = None):
+        """num_slots: expert slots held by this process; all experts unless expert-parallel."""
         super().__init__()
         self.layer_id = layer_id
         self.gate = Router(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = Experts(num_slots or cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )

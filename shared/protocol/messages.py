@@ -178,3 +178,90 @@ class WorkerStats:
     num_transfers: int = 0  # decode: KV pulls in flight
     staging_bytes_used: int = 0
     counters: dict[str, float] = field(default_factory=dict)
+
+
+# ---- expert-parallel load balancing (balancer <-> the ranks of a DEP instance) ----------
+@dataclass
+class ExpertLoad:
+    """A rank's token counts per MoE layer and logical expert over its recent window."""
+
+    instance_id: str
+    rank: int
+    dp_size: int
+    step: int
+    window_steps: int
+    layer_ids: list[int]  # MoE layer ids; ids >= num_target_layers are the MTP draft head's
+    num_target_layers: int
+    num_experts: int
+    counts: bytes  # int64 little-endian [len(layer_ids), num_experts]
+    slots_per_rank: int
+    placement_version: int
+    phy2log: bytes = b""  # int64 [len(layer_ids), dp_size * slots_per_rank], the placement in force
+
+
+@dataclass
+class MovePlan:
+    instance_id: str
+    move_id: int
+    phy2log: bytes  # int64 [layers, P]: the new placement, all layers (unchanged rows included)
+    num_layers: int
+    base_version: int  # the placement the plan was computed against; stale plans are refused
+    timeout_s: float = 30.0
+
+
+@dataclass
+class MoveStaged:
+    instance_id: str
+    move_id: int
+    rank: int
+    ok: bool
+    error: str = ""
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class MoveCommit:
+    instance_id: str
+    move_id: int
+
+
+@dataclass
+class MoveAbort:
+    instance_id: str
+    move_id: int
+    reason: str = ""
+
+
+@dataclass
+class MoveDone:
+    instance_id: str
+    move_id: int
+    rank: int
+    placement_version: int
+    step: int
+    switch_seconds: float = 0.0
+
+
+@dataclass
+class RebalanceRequest:
+    """Ask the balancer to move an instance now: to `phy2log` if given, else to what the
+    policy computes from current loads (ignoring the trigger thresholds)."""
+
+    instance_id: str
+    phy2log: bytes = b""
+    num_layers: int = 0
+
+
+@dataclass
+class RebalanceReply:
+    ok: bool
+    error: str = ""
+    move_id: int = 0
+    ratio_before: float = 0.0
+    ratio_after_expected: float = 0.0
+    policy_seconds: float = 0.0
+    move_seconds: float = 0.0
+    bytes_moved: int = 0
+    slots_changed: int = 0

@@ -10,6 +10,13 @@
 | {p}.requests.abort                      | publish       | gateway -> all    | Abort                             |
 | {p}.heartbeat.{role}.{worker}           | publish       | workers -> all    | Heartbeat, every interval         |
 | {p}.worker.{worker}.stats               | request/reply | anyone -> worker  | StatsRequest (WorkerStats)        |
+| {p}.eplb.{instance}.load                | publish       | ranks -> balancer | ExpertLoad, every publish interval|
+| {p}.eplb.{instance}.plan                | request/reply | balancer -> ranks | MovePlan (Ack)                    |
+| {p}.eplb.{instance}.staged              | publish       | ranks -> balancer | MoveStaged                        |
+| {p}.eplb.{instance}.commit              | publish       | balancer -> ranks | MoveCommit                        |
+| {p}.eplb.{instance}.abort               | publish       | balancer -> ranks | MoveAbort                         |
+| {p}.eplb.{instance}.done                | publish       | ranks -> balancer | MoveDone                          |
+| {p}.eplb.{instance}.rebalance           | request/reply | anyone -> balancer| RebalanceRequest (RebalanceReply) |
 
 Any request whose payload does not validate is answered with an ErrorReply and
 logged; the service keeps serving. Trace context travels in the NATS message headers
@@ -56,3 +63,10 @@ class Subjects:
 
     def stats(self, worker: str) -> str:
         return f"{self.prefix}.worker.{worker}.stats"
+
+    def eplb(self, instance: str, what: str) -> str:
+        """what: load | plan | staged | commit | abort | done | rebalance"""
+        return f"{self.prefix}.eplb.{instance}.{what}"
+
+    def eplb_all(self, what: str) -> str:
+        return f"{self.prefix}.eplb.*.{what}"

@@ -13,13 +13,16 @@ from nats.aio.client import Client as NATS
 
 from shared.config.common import WorkerConfig
 from shared.engine.engine import LLMEngine
+from shared.engine.step_account import StepAccount, account
 from shared.protocol.messages import (
     Heartbeat, KVLayout, StatsRequest, TokenBatch, TokenLogprobWire, TokenUpdate, WorkerLoad, WorkerStats,
 )
 from shared.protocol.subjects import Subjects
 from shared.protocol.wire import encode
+from shared.service.dep_runtime import DepRuntime
 from shared.service.engine_loop import EngineLoop, OutputSink
 from shared.service.heartbeat import Heartbeater
+from shared.service.metrics_http import MetricsServer
 from shared.service.nats_io import connect, subscribe
 from shared.telemetry.metrics import Metrics
 from shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
@@ -84,23 +87,43 @@ class WorkerRuntime:
         self._subs = []
         self._load = WorkerLoad()
         self._closed = False
+        self.dep: DepRuntime | None = None
+        self._loop_task: asyncio.Task | None = None
+        self.metrics_server: MetricsServer | None = None
 
     async def start(self, on_outputs: OutputSink, engine: LLMEngine | None = None) -> None:
         cfg = self.cfg
         self.tracer_provider = setup_tracing(f"moemesh-{self.role}", cfg.trace_file or None, cfg.otlp_endpoint or None)
         self.tracer = get_tracer(self.tracer_provider, f"moemesh.{self.role}")
-        self.engine = engine or await asyncio.to_thread(LLMEngine, cfg.engine_config(self.role))
+        self.dep = DepRuntime(self)
+        if engine is not None:
+            self.engine = engine
+        elif cfg.uses_ep:
+            self.engine = await asyncio.to_thread(self.dep.build_engine, self.role)
+        else:
+            self.engine = await asyncio.to_thread(LLMEngine, cfg.engine_config(self.role))
         self.layout = kv_layout(self.engine)
         self.transport = UcxTransport(cfg.ucx_net_devices, cfg.ucx_tls)
         await self.transport.start()
         self.staging = StagingPool(cfg.staging_mb << 20, "cpu")
+        self.dep.attach(self.engine)
         self.nc = await connect(cfg, f"moemesh-{self.role}-{self.worker_id}")
         self.tokens = TokenPublisher(self.nc, self.subjects, self.worker_id)
-        self.loop = EngineLoop(self.engine, on_outputs)
+        self.loop = EngineLoop(self.engine, on_outputs, lockstep=self.dep.lockstep)
         self.loop.after_ops = self.refresh_load
+        self.loop.after_step.append(self._account_step)
+        self.h_phase = self.metrics.histogram("step_phase_seconds", "engine step time by phase", ("phase",))
+        self.c_steps = self.metrics.counter("steps_total", "engine steps (empty lockstep steps included)")
+        self.last_account: StepAccount | None = None
         self.refresh_load()
-        self.spawn(self.loop.run(), "engine-loop")
+        self._loop_task = self.spawn(self.loop.run(), "engine-loop")
         await self.sub(self.subjects.stats(self.worker_id), StatsRequest, self._on_stats)
+        await self.dep.start()
+        if cfg.metrics_port >= 0:
+            self.metrics_server = MetricsServer(self.metrics.render, lambda: {"status": "ok", "role": self.role,
+                                                                              "draining": self.draining},
+                                                cfg.metrics_host, cfg.metrics_port)
+            await self.metrics_server.start()
         self.heartbeat = Heartbeater(self.nc, self.subjects, self._beat, cfg.heartbeat_interval_s)
         self.heartbeat.start()
 
@@ -115,6 +138,16 @@ class WorkerRuntime:
         self._subs.append(s)
         return s
 
+    def _account_step(self) -> None:
+        dep = self.dep
+        comm = dep.ep.take_comm_s() if dep is not None and dep.ep is not None else 0.0
+        agree = dep.lockstep.last_agree_s if dep is not None and dep.lockstep is not None else 0.0
+        a = self.last_account = account(self.engine.last_stats, comm, agree, self.loop.last_gap_s)
+        self.c_steps.inc()
+        for phase, v in (("forward", a.forward_s), ("host", a.host_s), ("rank_wait", a.rank_wait_s),
+                         ("total", a.total_s)):
+            self.h_phase.labels(phase).observe(v)
+
     def refresh_load(self) -> None:
         """Snapshot the engine's load. Only from the engine loop: between steps or in an op."""
         r, w, free, total, out = self.engine.load()
@@ -123,7 +156,8 @@ class WorkerRuntime:
     def _beat(self) -> Heartbeat:
         return Heartbeat(
             worker_id=self.worker_id, role=self.role, model=self.cfg.model_name, load=self._load,
-            address=self.transport.address, draining=self.draining,
+            address=self.transport.address, draining=self.draining, instance_id=self.cfg.instance,
+            dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size,
         )
 
     def extra_stats(self) -> dict:
@@ -150,11 +184,22 @@ class WorkerRuntime:
         self._closed = True
         if self.heartbeat:
             await self.heartbeat.stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
         if self.loop:
             self.loop.stop()
+            if self.loop.lockstep is not None:
+                # The ranks stop together (a collective decides); cancelling one would
+                # leave the others waiting on it until the group's timeout.
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._loop_task), self.cfg.dp_timeout_s + 5)
+                except (asyncio.TimeoutError, Exception):
+                    pass
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.dep is not None:
+            self.dep.close()
         if self.nc is not None:
             try:
                 await self.nc.drain()

@@ -29,14 +29,15 @@ class RunningMesh:
     gateway_id: str = "gw-t"
 
 
-def _wait_ready(url: str, group: ProcessGroup, timeout: float = 120) -> None:
+def _wait_ready(url: str, group: ProcessGroup, timeout: float = 120, min_decode: int = 1) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for c in group.dead():
             raise RuntimeError(f"{c.name} died during start-up:\n{c.log_tail(40)}")
         try:
             with urllib.request.urlopen(url + "/health/ready", timeout=2) as r:
-                if r.status == 200 and json.loads(r.read())["ready"]:
+                h = json.loads(r.read())
+                if r.status == 200 and h["ready"] and h["workers"]["decode"] >= min_decode:
                     return
         except OSError:
             pass
@@ -44,7 +45,10 @@ def _wait_ready(url: str, group: ProcessGroup, timeout: float = 120) -> None:
     raise TimeoutError("mesh did not become ready")
 
 
-def start_mesh(tmp: Path, model: str, prefill_set=(), decode_set=(), gateway_set=()) -> RunningMesh:
+def start_mesh(tmp: Path, model: str, prefill_set=(), decode_set=(), gateway_set=(), decode_dp: int = 1,
+               rank_set: dict[int, list[str]] | None = None, balancer_set=None) -> RunningMesh:
+    """decode_dp > 1 makes the decode side one DEP instance ("decode-t") of that many rank
+    processes; rank_set adds settings to single ranks; balancer_set starts a balancer."""
     group = ProcessGroup(tmp / "logs")
     port = free_port()
     start_nats(group, port)
@@ -61,12 +65,23 @@ def start_mesh(tmp: Path, model: str, prefill_set=(), decode_set=(), gateway_set
 
     try:
         group.start("prefill", py + ["services.prefill", *common, "--worker-id", m.prefill_id, *sets(prefill_set)])
-        group.start("decode", py + ["services.decode", *common, "--worker-id", m.decode_id, *sets(decode_set)])
+        if decode_dp == 1:
+            group.start("decode", py + ["services.decode", *common, "--worker-id", m.decode_id, *sets(decode_set)])
+        else:
+            init = f"tcp://127.0.0.1:{free_port()}"
+            for r in range(decode_dp):
+                dep = [f"dp_size={decode_dp}", f"dp_rank={r}", f"instance_id={m.decode_id}", f"dist_init={init}",
+                       "expert_parallel=true", *(rank_set or {}).get(r, [])]
+                group.start(f"decode-r{r}", py + ["services.decode", *common, "--worker-id", f"{m.decode_id}-r{r}",
+                                                  *sets(decode_set), *sets(dep)])
+        if balancer_set is not None:
+            group.start("balancer", py + ["services.balancer", "--model", model, "--nats-url", nats_url,
+                                          *sets(balancer_set)])
         group.start("gateway", py + ["services.gateway", "--model", model, "--nats-url", nats_url,
                                      "--trace-file", str(trace), "--port", str(http), "--worker-id", m.gateway_id,
                                      "--served-model-name", "tiny",
                                      *sets(gateway_set)])
-        _wait_ready(m.url, group)
+        _wait_ready(m.url, group, min_decode=decode_dp)
     except BaseException:
         group.stop()
         raise

@@ -131,7 +131,7 @@ def test_spec_decode_with_accepted_drafts_is_exact(ref_v3, monkeypatch):
     from the known answer, with a wrong guess mixed in."""
     ref = ref_v3
     eng = _engine(ref, num_speculative_tokens=3)
-    real_propose = eng._propose
+    real_propose = eng.drafter.propose
 
     def propose(work, hidden):
         real_propose(work, hidden)  # still fills the MTP cache
@@ -143,7 +143,7 @@ def test_spec_decode_with_accepted_drafts_is_exact(ref_v3, monkeypatch):
                 good = ref.outputs[i][n : n + len(seq.draft_ids)]
                 seq.draft_ids = good if n % 3 else good[:1] + [(good[1] + 1) % 1000] if len(good) > 1 else good
 
-    monkeypatch.setattr(eng, "_propose", propose)
+    monkeypatch.setattr(eng.drafter, "propose", propose)
     drafted = accepted = 0
     real_step = eng.step
 

@@ -1,0 +1,235 @@
+"""The request stream of `bench serve`: prompts of controlled length, output lengths and
+arrival offsets, all drawn from seeded RNGs so the same config gives the same stream.
+
+Glossary:
+- session: a unit of work that runs its turns one after another. Every workload is a list
+  of sessions; random, fixed and prefix workloads have sessions of exactly one turn.
+- turn: one request. Turn 1 carries the whole first prompt; a later turn appends its
+  `text` (a "tool output") to the context, which already holds the earlier prompts and
+  the model's answers, so the context grows turn by turn (SemiAnalysis AgentX style).
+- arrival: the start offset of a session in a unit-rate Poisson process; the runner
+  divides it by the requested rate, so one stream serves every rate of a sweep.
+
+Lengths are counted in tokens of the server's tokenizer when one is given (`tokenizer.json`
+loaded with `tokenizers`); otherwise a words-per-token estimate sets the number of words.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KINDS = ("random", "fixed", "prefix", "agentic")
+
+# Common English words: modern BPE vocabularies (32k-200k entries) encode nearly every one
+# of them, with its leading space, as a single token, hence the 1.0 words-per-token default.
+WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which "
+    "but have an they you were her she there one all we their would been has when who will more "
+    "no if out so said what up its about into than them can only other new some could time these "
+    "two may then do first any my now such like our over man me even most made after also did many "
+    "before must through back years where much your way well down should because each just those "
+    "people how too little state good very make world still own see men work long get here between "
+    "both life being under never day same another know while last might us great old year off come "
+    "since against go came right used take three small large house place group number part system "
+    "water hand school point government city company problem fact night story week home family "
+    "money side area service question power country report order level music table result model "
+    "data light river field paper plan reason market letter energy price record value garden "
+    "window voice road station answer figure simple early late open close strong"
+).split()
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A token-length distribution: `N` or `fixed:N`, `uniform:LO-HI`, `normal:MEAN,STD`,
+    `lognormal:MEDIAN,SIGMA`. Samples are rounded and clipped to at least 1."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fixed", "uniform", "normal", "lognormal"):
+            raise ValueError(f"unknown length distribution {self.kind!r}")
+        if self.kind == "fixed" and self.a < 1:
+            raise ValueError("a fixed length must be at least 1")
+        if self.kind == "uniform" and not 1 <= self.a <= self.b:
+            raise ValueError(f"uniform range needs 1 <= LO <= HI, got {self.a}-{self.b}")
+        if self.kind in ("normal", "lognormal") and (self.a < 1 or self.b < 0):
+            raise ValueError(f"{self.kind} needs a centre >= 1 and a spread >= 0")
+
+    @classmethod
+    def parse(cls, spec: str) -> LengthDist:
+        kind, _, rest = spec.partition(":") if ":" in spec else ("fixed", "", spec)
+        try:
+            if kind == "uniform":
+                lo, hi = rest.split("-")
+                return cls(kind, float(lo), float(hi))
+            if kind in ("normal", "lognormal"):
+                c, s = rest.split(",")
+                return cls(kind, float(c), float(s))
+            return cls(kind, float(rest))
+        except ValueError as e:
+            raise ValueError(f"bad length spec {spec!r} ({e}); "
+                             "use N, uniform:LO-HI, normal:MEAN,STD or lognormal:MEDIAN,SIGMA") from None
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            x = self.a
+        elif self.kind == "uniform":
+            x = rng.randint(int(self.a), int(self.b))
+        elif self.kind == "normal":
+            x = rng.gauss(self.a, self.b)
+        else:
+            x = self.a * rng.lognormvariate(0.0, self.b)
+        return max(1, round(x))
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"{self.a:g}"
+        sep = "-" if self.kind == "uniform" else ","
+        return f"{self.kind}:{self.a:g}{sep}{self.b:g}"
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    kind: str = "random"
+    num_requests: int = 100  # random, fixed, prefix
+    isl: LengthDist = field(default_factory=lambda: LengthDist("uniform", 128, 1024))
+    osl: LengthDist = field(default_factory=lambda: LengthDist("uniform", 32, 256))
+    num_prefix_groups: int = 4
+    prefix_len: int = 1024
+    num_sessions: int = 8  # agentic
+    turns: LengthDist = field(default_factory=lambda: LengthDist("fixed", 4))
+    tool_len: LengthDist = field(default_factory=lambda: LengthDist("uniform", 128, 512))
+    words_per_token: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"workload must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind == "fixed" and (self.isl.kind != "fixed" or self.osl.kind != "fixed"):
+            raise ValueError("the fixed workload takes plain integer --isl and --osl")
+        if self.num_requests < 1 or self.num_sessions < 1 or self.num_prefix_groups < 1:
+            raise ValueError("request, session and prefix-group counts must be at least 1")
+        if self.prefix_len < 1 or self.words_per_token <= 0:
+            raise ValueError("prefix length and words-per-token must be positive")
+
+    @property
+    def description(self) -> dict:
+        return {"kind": self.kind, "num_requests": self.num_requests, "isl": str(self.isl),
+                "osl": str(self.osl), "num_prefix_groups": self.num_prefix_groups,
+                "prefix_len": self.prefix_len, "num_sessions": self.num_sessions,
+                "turns": str(self.turns), "tool_len": str(self.tool_len),
+                "words_per_token": self.words_per_token}
+
+
+@dataclass(frozen=True)
+class Turn:
+    text: str  # the whole prompt for turn 1, the appended tool output after
+    input_len: int  # target tokens of `text`
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    session: int
+    turns: tuple[Turn, ...]
+    group: int | None = None  # prefix-sharing group
+
+
+@dataclass(frozen=True)
+class Workload:
+    sessions: tuple[SessionSpec, ...]
+    arrivals: tuple[float, ...]  # unit-rate Poisson start offsets, one per session
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+
+def load_tokenizer(path: str | Path):
+    """A `tokenizers.Tokenizer` from a model directory (its tokenizer.json) or the file."""
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    p = p / "tokenizer.json" if p.is_dir() else p
+    if not p.is_file():
+        raise ValueError(f"no tokenizer.json at {path}")
+    return Tokenizer.from_file(str(p))
+
+
+class TextSource:
+    """Random word text of a target token length."""
+
+    def __init__(self, rng: random.Random, tokenizer=None, words_per_token: float = 1.0):
+        self.rng, self.tokenizer, self.words_per_token = rng, tokenizer, words_per_token
+
+    def _words(self, n: int) -> list[str]:
+        return [self.rng.choice(WORDS) for _ in range(n)]
+
+    def text(self, num_tokens: int) -> str:
+        if self.tokenizer is None:
+            return " ".join(self._words(max(1, round(num_tokens * self.words_per_token))))
+        words = self._words(num_tokens + 8)
+        while True:
+            text = " ".join(words)
+            enc = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(enc.ids) >= num_tokens:
+                # Cutting at a token's end offset gives exactly num_tokens tokens, give or
+                # take a merge across the cut.
+                return text[:enc.offsets[num_tokens - 1][1]]
+            words += self._words(num_tokens - len(enc.ids) + 8)
+
+
+def build(cfg: WorkloadConfig, seed: int, salt: int | str = 0, tokenizer=None) -> Workload:
+    """The request stream for one benchmark point.
+
+    Args:
+        seed: drives lengths, turn counts, prefix groups and arrival offsets.
+        salt: varies only the words, so sweep points get identical shapes but fresh text
+            that a server's prefix cache has not seen at an earlier point.
+    Returns:
+        A Workload; the same (cfg, seed, salt) always gives an equal one.
+    """
+    shape = random.Random(f"moemesh-serve:{seed}:shape")
+    text = TextSource(random.Random(f"moemesh-serve:{seed}:text:{salt}"), tokenizer, cfg.words_per_token)
+    sessions = []
+    if cfg.kind == "agentic":
+        for s in range(cfg.num_sessions):
+            n_turns = cfg.turns.sample(shape)
+            turns = []
+            for k in range(n_turns):
+                n_in = (cfg.isl if k == 0 else cfg.tool_len).sample(shape)
+                body = text.text(n_in)
+                # Separators keep a completion prompt readable; the chat form strips nothing.
+                turns.append(Turn(body if k == 0 else f"\n\n{body}\n\n", n_in, cfg.osl.sample(shape)))
+            sessions.append(SessionSpec(s, tuple(turns)))
+    else:
+        prefixes = []
+        if cfg.kind == "prefix":
+            prefixes = [text.text(cfg.prefix_len) for _ in range(cfg.num_prefix_groups)]
+        for i in range(cfg.num_requests):
+            n_in, n_out = cfg.isl.sample(shape), cfg.osl.sample(shape)
+            if cfg.kind == "prefix":
+                g = i % cfg.num_prefix_groups
+                turn = Turn(f"{prefixes[g]} {text.text(n_in)}", cfg.prefix_len + n_in, n_out)
+                sessions.append(SessionSpec(i, (turn,), g))
+            else:
+                sessions.append(SessionSpec(i, (Turn(text.text(n_in), n_in, n_out),)))
+    arrivals, t = [], 0.0
+    for i in range(len(sessions)):
+        arrivals.append(t)
+        t += shape.expovariate(1.0)
+    return Workload(tuple(sessions), tuple(arrivals))
+
+
+def context_after(messages: list[dict], answer: str, next_turn: Turn) -> list[dict]:
+    """The chat context of the next turn: everything so far, the model's answer, the tool output."""
+    return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": next_turn.text}]
+
+
+def render_completion(messages: list[dict]) -> str:
+    """A completion prompt is the context's text run together, so that each turn's prompt
+    starts with the previous prompt followed by the previous answer."""
+    return "".join(m["content"] for m in messages)

@@ -1,0 +1,36 @@
+"""The lockstep group of a DEP instance's ranks.
+
+Every step the ranks exchange a few integers (who has work, which staged expert move
+is ready) in one small all-gather, so all of them decide the same thing at the same
+step boundary: to run a step (the idle ones with an empty batch), or to switch to a
+new expert placement. Collectives time out, so a dead peer ends the instance instead
+of hanging it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class DPGroup:
+    def __init__(self, rank: int, size: int, init_method: str, device: str = "cpu", timeout_s: float = 60.0):
+        self.rank, self.size = rank, size
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
+        self.data_group = None  # the default group carries the MoE all-to-all
+        self.ctrl_group = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+    def exchange(self, values: list[int]) -> list[list[int]]:
+        """All-gather a short int vector; returns every rank's values, by rank."""
+        mine = torch.tensor(values, dtype=torch.long)
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(out, mine, group=self.ctrl_group)
+        return [t.tolist() for t in out]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

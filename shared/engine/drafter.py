@@ -1,0 +1,64 @@
+"""MTP drafting after each target step.
+
+The MTP layer runs over every position the target just computed (which also fills the
+MTP layer's KV), and for sequences that will decode next it chains `num_spec` greedy
+drafts. Under expert parallelism every rank must run the same number of MTP forwards
+in every step, since each one holds collectives in its MoE layer; `lockstep` makes the
+pass count fixed (1 + num_spec - 1), running empty batches where a rank has no work.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.runner import Chunk, build_batch
+from shared.engine.sequence import Sequence, SeqStatus
+from shared.model.deepseek import DeepseekForCausalLM
+
+
+class Drafter:
+    def __init__(self, model: DeepseekForCausalLM, kv: torch.Tensor, block_size: int, num_spec: int,
+                 max_model_len: int, device, lockstep: bool = False):
+        self.model, self.kv, self.block_size = model, kv, block_size
+        self.num_spec, self.max_model_len, self.device, self.lockstep = num_spec, max_model_len, device, lockstep
+
+    @property
+    def num_passes(self) -> int:
+        return max(1, self.num_spec)
+
+    def propose(self, work: list[tuple[Chunk, int]], hidden: torch.Tensor) -> None:
+        """work: (target chunk, number of its positions whose KV is now valid)."""
+        chunks, prev_rows = [], []
+        for c, n_valid in work:
+            if c.seq.status == SeqStatus.FINISHED:
+                continue
+            chunks.append(Chunk(c.seq, c.start, c.seq.token_ids[c.start + 1 : c.start + n_valid + 1]))
+            prev_rows.append(torch.arange(c.row, c.row + n_valid))
+        if not chunks and not self.lockstep:
+            return
+        order = {id(ch.seq): i for i, ch in enumerate(chunks)}
+        batch = build_batch(chunks, self.block_size, self.device)
+        rows = [prev_rows[order[id(ch.seq)]] for ch in chunks]
+        prev = hidden[torch.cat(rows)] if rows else hidden[:0]
+        h = self.model.mtp_forward(batch, prev, self.kv)
+        want = [ch for ch in chunks if ch.seq.status == SeqStatus.RUNNING and ch.seq.in_decode and self.num_spec]
+        for step in range(self.num_spec):
+            live = [ch for ch in want if len(ch.seq.draft_ids) == step and self._budget(ch.seq) > step]
+            if not live and not self.lockstep:
+                return
+            last = torch.tensor([ch.row + ch.q_len - 1 for ch in live], dtype=torch.long)
+            drafts = self.model.mtp_logits(h[last]).argmax(dim=-1).tolist() if live else []
+            for ch, d in zip(live, drafts):
+                ch.seq.draft_ids.append(d)
+            if step + 1 == self.num_spec:
+                return
+            nxt = [Chunk(ch.seq, ch.seq.num_tokens - 1 + step, [d]) for ch, d in zip(live, drafts)]
+            prev_h = h[last]
+            batch = build_batch(nxt, self.block_size, self.device)  # all q_len 1: order kept
+            h = self.model.mtp_forward(batch, prev_h, self.kv)
+            want = nxt
+
+    def _budget(self, seq: Sequence) -> int:
+        left_out = seq.params.max_tokens - seq.num_output_tokens - 1
+        left_ctx = self.max_model_len - seq.num_tokens - 1
+        return max(0, min(left_out, left_ctx))

@@ -1,0 +1,52 @@
+"""Per-layer, per-logical-expert token counts over a sliding window of engine steps.
+
+The target model's MoE layers and the MTP draft head's are counted side by side but
+reported apart: they route differently, and the balancer places them separately.
+L = MoE layers tracked (target then MTP), E = logical experts, W = window in steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class LoadTracker:
+    def __init__(self, model, window_steps: int):
+        self.layer_ids = sorted(model.moe_layers())
+        self.num_target_layers = model.cfg.num_hidden_layers
+        self._row = {lid: i for i, lid in enumerate(self.layer_ids)}
+        self.num_experts = model.cfg.n_routed_experts
+        self.window_steps = window_steps
+        self._current = torch.zeros(len(self.layer_ids), self.num_experts, dtype=torch.long)  # [L, E]
+        self._steps: deque[torch.Tensor] = deque()
+        self._window = torch.zeros_like(self._current)
+        self.total_steps = 0
+        for lid, moe in model.moe_layers().items():
+            moe.on_route = self._on_route
+
+    def _on_route(self, layer_id: int, ids: torch.Tensor) -> None:
+        if ids.numel():
+            self._current[self._row[layer_id]] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.num_experts)
+
+    def end_step(self) -> None:
+        """Close the current step's counts into the window (call between steps)."""
+        self.total_steps += 1
+        if not int(self._current.sum()):
+            self._steps.append(None)
+        else:
+            self._steps.append(self._current)
+            self._window += self._current
+            self._current = torch.zeros_like(self._current)
+        while len(self._steps) > self.window_steps:
+            old = self._steps.popleft()
+            if old is not None:
+                self._window -= old
+
+    def window(self) -> torch.Tensor:
+        """[L, E] tokens per layer and logical expert over the last window_steps steps."""
+        return self._window.clone()
+
+    def is_draft(self, layer_id: int) -> bool:
+        return layer_id >= self.num_target_layers

@@ -1,0 +1,168 @@
+"""Which rank holds which slot: the second half of our placement policy.
+
+Given every slot's load (its expert's load over the expert's replica count), put
+exactly S slots on each of R ranks so the heaviest rank is as light as possible, never
+two replicas of one expert on one rank (that spends a slot for nothing), and do it for
+all layers at once, as tensor operations over a layer batch:
+
+1. rounds: sort slots heaviest first; in round j the R next slots go one to each rank,
+   the heaviest slot to the lightest rank. S sorts in all, exactly S slots per rank.
+2. deduplicate: while a rank holds an expert twice, swap one copy with the slot
+   elsewhere that keeps the two ranks' max lowest.
+3. pair exchange: pair the i-th heaviest rank with a light rank (the partner rotates
+   each round so a stuck heavy rank meets every light one), and in every pair make the
+   single swap that lowers the pair's max the most. Pairs are disjoint, so all swaps of
+   a round apply at once.
+
+   Where the heaviest rank's pair finds no swap, it searches every rank instead.
+   Swapping stops once every rank is within `target` of the mean: beyond that a
+   swap only fits the window's sampling noise, which the next window does not repeat.
+
+Shapes: L = layers, R = ranks, S = slots per rank, P = R * S, Q = R // 2 pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack(share: torch.Tensor, experts: torch.Tensor, num_ranks: int, *, num_rounds: int = 24,
+         target: float = 0.999, warm: bool = False) -> torch.Tensor:
+    """Arranges slots onto ranks.
+
+    Args:
+        share: [L, P] load of each slot.
+        experts: [L, P] logical expert of each slot.
+        num_ranks: R; P must be a multiple of it.
+        num_rounds: most pair-exchange rounds.
+        target: stop once every rank's load is under mean / target.
+        warm: the input order already is a placement (rank p // S): skip step 1 and
+            only repair it, so few slots change.
+    Returns:
+        [L, P] order: position p of the result (rank p // S) takes input slot order[:, p].
+    """
+    num_layers, num_slots = share.shape
+    per_rank = num_slots // num_ranks
+    start = torch.arange(num_slots).expand(num_layers, -1) if warm else _rounds(share, num_ranks)
+    order = start.reshape(num_layers, num_ranks, per_rank).clone()  # [L, R, S]
+    s, ex = share.gather(1, order.flatten(1)).view_as(order), experts.gather(1, order.flatten(1)).view_as(order)
+    _deduplicate(s, ex, order)
+    if per_rank > 1 and num_ranks > 1:
+        _exchange(s, ex, order, num_rounds, target)
+    return order.flatten(1)
+
+
+def _rounds(share: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """[L, P] slot indices, rank-major: heaviest-first slots dealt to lightest-first ranks."""
+    num_layers, num_slots = share.shape
+    per_rank = num_slots // num_ranks
+    by_load = share.sort(dim=1, descending=True, stable=True).indices  # [L, P]
+    loads = torch.zeros(num_layers, num_ranks, dtype=share.dtype)
+    out = torch.empty(num_layers, num_ranks, per_rank, dtype=torch.int64)
+    for j in range(per_rank):
+        dealt = by_load[:, j * num_ranks:(j + 1) * num_ranks]  # [L, R] heaviest first
+        lightest = loads.argsort(dim=1, stable=True)  # [L, R]
+        loads.scatter_add_(1, lightest, share.gather(1, dealt))
+        out[:, :, j].scatter_(1, lightest, dealt)
+    return out.flatten(1)
+
+
+def _deduplicate(s: torch.Tensor, ex: torch.Tensor, order: torch.Tensor) -> None:
+    """Swaps in place until no rank holds an expert twice. s, ex, order: [L, R, S]."""
+    num_layers, num_ranks, per_rank = s.shape
+    num_experts = int(ex.max()) + 1
+    earlier = torch.ones(per_rank, per_rank, dtype=torch.bool).tril(-1)  # [a, a'] a' < a
+    layer = torch.arange(num_layers)
+    rank_of = torch.arange(num_ranks).repeat_interleave(per_rank)  # [P]
+    for _ in range(num_ranks * per_rank):
+        dup = ((ex.unsqueeze(-1) == ex.unsqueeze(-2)) & earlier).any(-1).flatten(1)  # [L, P]
+        todo = dup.any(1)
+        if not bool(todo.any()):
+            return
+        at = dup.long().argmax(1)  # [L] first duplicate slot
+        r, a = at // per_rank, at % per_rank
+        present = torch.zeros(num_layers, num_ranks, num_experts, dtype=torch.bool)
+        present.scatter_(2, ex, True)
+        flat_ex, flat_s = ex.flatten(1), s.flatten(1)
+        e_a, s_a = ex[layer, r, a], s[layer, r, a]  # [L]
+        ok = ~present[layer, r].gather(1, flat_ex)  # partner's expert not on r
+        ok &= ~present[layer.unsqueeze(1), rank_of, e_a.unsqueeze(1)]  # e_a not on partner's rank
+        loads = s.sum(-1)
+        cost = torch.maximum(loads[layer, r].unsqueeze(1) - s_a.unsqueeze(1) + flat_s,
+                             loads[:, rank_of] - flat_s + s_a.unsqueeze(1))
+        pick = cost.masked_fill(~ok, torch.inf).argmin(1)  # [L]
+        go = todo & ok[layer, pick]
+        _swap(s, ex, order, layer[go], r[go], a[go], pick[go] // per_rank, pick[go] % per_rank)
+    raise RuntimeError("could not separate replicas onto distinct ranks")
+
+
+def _exchange(s, ex, order, num_rounds: int, target: float) -> None:
+    """Pair-exchange rounds, in place. s, ex, order: [L, R, S]."""
+    num_layers, num_ranks, per_rank = s.shape
+    pairs = num_ranks // 2
+    rotate = torch.arange(pairs)
+    for t in range(num_rounds):
+        loads = s.sum(-1)  # [L, R]
+        bar = loads.mean(1, keepdim=True) / target  # [L, 1] a rank under it needs no swap
+        if bool((loads <= bar).all()):
+            return
+        ascending = loads.argsort(1)
+        heavy, light = ascending[:, num_ranks - pairs:].flip(1), ascending[:, (rotate + t) % pairs]  # [L, Q]
+        sh, sl = _rows(s, heavy), _rows(s, light)  # [L, Q, S]
+        eq = _rows(ex, light).unsqueeze(-1) == _rows(ex, heavy).unsqueeze(-2)  # [L, Q, S(b), S(a)]
+        clash = eq.any(-2).unsqueeze(-1) | eq.any(-1).unsqueeze(-2)  # [L, Q, S(a), S(b)] would duplicate
+        moved = sh.unsqueeze(-1) - sl.unsqueeze(-2)  # load leaving the heavy rank
+        load_h, load_l = loads.gather(1, heavy), loads.gather(1, light)  # [L, Q]
+        new_h, new_l = load_h[..., None, None] - moved, load_l[..., None, None] + moved
+        cost = torch.maximum(new_h, new_l).masked_fill_(clash, torch.inf)
+        best, arg = cost.flatten(2).min(-1)  # [L, Q]
+        # Only swaps that bring an over-the-bar rank down: the rest would fit noise, and
+        # in warm mode each swap is two expert copies.
+        better = (best < load_h * (1 - 1e-9)) & (load_h > bar)
+        li, qi = better.nonzero(as_tuple=True)
+        a, b = arg[li, qi] // per_rank, arg[li, qi] % per_rank
+        _swap(s, ex, order, li, heavy[li, qi], a, light[li, qi], b)
+        # Where the heaviest rank's pair found nothing, it may still trade with a
+        # mid-weight rank (with K = 0 the hottest expert's rank wants the smallest slots).
+        stuck = ~better[:, 0] & (load_h[:, 0] > bar[:, 0])
+        helped = bool(stuck.any()) and _heaviest_step(s, ex, order, stuck)
+        if not helped and not bool(better.any()):
+            return
+
+
+def _heaviest_step(s, ex, order, layers: torch.Tensor) -> bool:
+    """One swap in each chosen layer [L] between its heaviest rank and any other rank
+    that lowers the heaviest; False if no layer has one."""
+    num_layers, num_ranks, per_rank = s.shape
+    layer = torch.arange(num_layers)
+    loads = s.sum(-1)
+    heavy = loads.argmax(1)  # [L]
+    sh, eh = s[layer, heavy], ex[layer, heavy]  # [L, S]
+    flat_s, flat_ex = s.flatten(1), ex.flatten(1)  # [L, P]
+    rank_of = torch.arange(num_ranks).repeat_interleave(per_rank)  # [P]
+    moved = sh.unsqueeze(-1) - flat_s.unsqueeze(1)  # [L, S(a), P(b)]
+    load_h = loads[layer, heavy]
+    cost = torch.maximum(load_h[:, None, None] - moved, loads[:, rank_of].unsqueeze(1) + moved)
+    b_on_heavy = (flat_ex.unsqueeze(1) == eh.unsqueeze(2)).any(1)  # [L, P]
+    a_on_rank = (ex.unsqueeze(1) == eh[:, :, None, None]).any(-1)  # [L, S, R]
+    clash = b_on_heavy.unsqueeze(1) | a_on_rank[:, :, rank_of]  # [L, S, P]
+    best, arg = cost.masked_fill_(clash, torch.inf).flatten(1).min(1)  # [L]
+    go = (best < load_h * (1 - 1e-9)) & layers
+    if not bool(go.any()):
+        return False
+    a, b = arg[go] // flat_s.shape[1], arg[go] % flat_s.shape[1]
+    _swap(s, ex, order, layer[go], heavy[go], a, b // per_rank, b % per_rank)
+    return True
+
+
+def _rows(t: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """t [L, R, S] at ranks [L, Q] -> [L, Q, S]."""
+    return t.gather(1, ranks.unsqueeze(-1).expand(-1, -1, t.shape[2]))
+
+
+def _swap(s, ex, order, li, r1, a1, r2, a2) -> None:
+    """Exchanges slot (r1, a1) with (r2, a2) in the listed layers, in all three tensors."""
+    for t in (s, ex, order):
+        first = t[li, r1, a1].clone()
+        t[li, r1, a1] = t[li, r2, a2]
+        t[li, r2, a2] = first

@@ -1,0 +1,152 @@
+"""Our expert-placement policy, and the seam every placement algorithm plugs into.
+
+A policy turns per-layer expert loads into a Placement. Ours works in two steps, each
+vectorised across layers (no per-layer Python loop, so 43 layers cost about what one
+does):
+
+1. replica counts (replicas.py): D'Hondt, unless the bound says its slots cannot be
+   packed evenly, then the nearest candidate that can;
+2. slot arrangement (packing.py): deal slots to ranks in rounds, separate duplicate
+   replicas, then pair-exchange swaps between heavy and light ranks.
+
+It is global: any slot may go to any rank, as for decode, where all ranks of the
+instance exchange tokens all-to-all. It takes loads as given; smoothing windows into
+loads is the caller's choice (the balancer's load statistics).
+
+Shapes: L = layers, E = experts, R = ranks, S = slots per rank, P = R * S.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from shared.eplb import reference
+from shared.eplb.packing import pack
+from shared.eplb.placement import Placement, slots_per_rank
+from shared.eplb.replicas import choose_counts
+
+
+class PlacementPolicy(Protocol):
+    name: str
+
+    def place(self, loads: torch.Tensor, num_ranks: int, num_redundant: int,
+              current: Placement | None = None) -> Placement:
+        """Builds a placement.
+
+        Args:
+            loads: [L, E] tokens routed to each logical expert over the load window.
+            num_ranks: R ranks of the instance.
+            num_redundant: K redundant slots per rank (S = E / R + K).
+            current: the running placement; a policy may start from it to move less
+                (ours does; DeepSeek's ignores it, align() then saves what it can).
+        Returns:
+            A placement with R * S slots per layer and every expert at least once.
+        """
+        ...
+
+
+def build_placement(loads: torch.Tensor, num_ranks: int, num_redundant: int, *, num_rounds: int = 24,
+                    current: Placement | None = None, target: float | None = None) -> Placement:
+    """Our policy: see the module docstring. Arguments as PlacementPolicy.place, plus:
+
+    Args:
+        num_rounds: most pair-exchange rounds.
+        current: the running placement, to start from (incremental mode): experts keep
+            their slots unless their replica count changed or a swap evens the ranks,
+            so a new placement costs tens of expert copies per layer, not hundreds.
+        target: in-window mean/max at which swapping stops; default 0.999 from
+            scratch and 0.995 incremental: past that, swaps mostly fit the window's
+            noise (held out they gain under 0.001), and incrementally each costs two
+            expert copies.
+    """
+    if loads.dim() != 2:
+        raise ValueError(f"loads must be [layers, experts], got {tuple(loads.shape)}")
+    if bool((loads < 0).any()) or not bool(torch.isfinite(loads).all()):
+        raise ValueError("loads must be finite and non-negative")
+    num_layers, num_experts = loads.shape
+    per_rank = slots_per_rank(num_experts, num_ranks, num_redundant)
+    w = loads.double()
+    counts = choose_counts(w, num_ranks, per_rank)  # [L, E]
+    if current is None:
+        experts = torch.repeat_interleave(torch.arange(num_experts).repeat(num_layers), counts.flatten())
+        experts = experts.view(num_layers, -1)  # [L, P] each expert's slots together
+    else:
+        if current.phy2log.shape != (num_layers, num_ranks * per_rank) or current.num_ranks != num_ranks:
+            raise ValueError("current placement does not match the loads, ranks and redundant slots")
+        experts = _reconcile(current.phy2log, counts)
+    share = (w / counts).gather(1, experts)  # [L, P]
+    if target is None:
+        target = 0.999 if current is None else 0.995
+    order = pack(share, experts, num_ranks, num_rounds=num_rounds, target=target,
+                 warm=current is not None)
+    return Placement(experts.gather(1, order), num_experts, num_ranks)
+
+
+def _reconcile(phy2log: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[L, P]: phy2log with replicas dropped or added so each expert has counts [L, E] slots.
+
+    An expert that loses replicas keeps its first ones in slot order; the freed slots
+    take the experts that gain, in expert order. Packing then evens the ranks out.
+    """
+    num_layers, num_slots = phy2log.shape
+    had = torch.zeros_like(counts).scatter_add_(1, phy2log, torch.ones_like(phy2log))
+    by_expert = torch.sort(phy2log, dim=1, stable=True)  # each expert's slots together, in slot order
+    first = torch.cumsum(had, 1) - had  # [L, E] start of each expert's run
+    nth = torch.empty_like(phy2log).scatter_(
+        1, by_expert.indices, torch.arange(num_slots).expand(num_layers, -1) - first.gather(1, by_expert.values))
+    free = nth >= counts.gather(1, phy2log)  # [L, P] replicas beyond the new count
+    gained = (counts - had).clamp_min(0)  # [L, E]
+    # Both lists run layer by layer with equal lengths per layer, so they line up.
+    arriving = torch.repeat_interleave(torch.arange(counts.shape[1]).repeat(num_layers), gained.flatten())
+    out = phy2log.clone()
+    out[free] = arriving
+    return out
+
+
+@dataclass(frozen=True)
+class OursPolicy:
+    name: str = "ours"
+
+    def place(self, loads: torch.Tensor, num_ranks: int, num_redundant: int,
+              current: Placement | None = None) -> Placement:
+        return build_placement(loads, num_ranks, num_redundant, current=current)
+
+
+@dataclass(frozen=True)
+class DeepSeekPolicy:
+    """DeepSeek EPLB (reference.py): global when num_nodes == 1, else hierarchical."""
+
+    num_nodes: int = 1
+    num_groups: int = 1
+
+    @property
+    def name(self) -> str:
+        return "deepseek-global" if self.num_nodes == 1 else "deepseek-hierarchical"
+
+    def place(self, loads: torch.Tensor, num_ranks: int, num_redundant: int,
+              current: Placement | None = None) -> Placement:
+        return reference.rebalance(loads, num_ranks, num_redundant, num_nodes=self.num_nodes,
+                                   num_groups=self.num_groups)
+
+
+def get_policy(algorithm: str, *, num_nodes: int = 4, num_groups: int = 8) -> PlacementPolicy:
+    """Policy by CLI name: "ours", "deepseek-global" or "deepseek-hierarchical"."""
+    if algorithm == "ours":
+        return OursPolicy()
+    if algorithm == "deepseek-global":
+        return DeepSeekPolicy()
+    if algorithm == "deepseek-hierarchical":
+        return DeepSeekPolicy(num_nodes=num_nodes, num_groups=num_groups)
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def timed_place(policy: PlacementPolicy, loads: torch.Tensor, num_ranks: int, num_redundant: int,
+                current: Placement | None = None) -> tuple[Placement, float]:
+    """(placement, milliseconds of compute), timed on the calling thread's torch settings."""
+    start = time.perf_counter()
+    placement = policy.place(loads, num_ranks, num_redundant, current)
+    return placement, (time.perf_counter() - start) * 1e3

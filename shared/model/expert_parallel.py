@@ -1,0 +1,139 @@
+"""Expert parallelism: routed experts spread over the ranks of an instance.
+
+Glossary:
+- instance: one DEP-N deployment of the model, N rank processes stepping in lockstep.
+- rank: one process of an instance. Attention is data-parallel: each rank owns its own
+  requests and KV cache. MoE layers are expert-parallel: each rank holds a share of the
+  experts, and tokens travel to them and back with all-to-all.
+- logical expert: expert e of the checkpoint, 0 <= e < E.
+- physical slot: a place for one expert's weights. Each rank holds S = E/N + R slots
+  (R redundant), so an instance has P = N*S; global slot p lives on rank p // S at
+  local index p % S.
+- replica: a slot holding a given logical expert. A hot expert may get several; the
+  tokens routed to it are split evenly over its replicas.
+- placement: per MoE layer, which logical expert each physical slot holds
+  (`phy2log`, [P]); the engine derives `log2phy` ([E, max replicas]) to route tokens.
+
+T = tokens on this rank, K = experts per token, D = hidden, N = ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from shared.kernels.fused_moe import fused_moe
+
+
+def contiguous_phy2log(num_experts: int, num_ranks: int, redundant: int) -> torch.Tensor:
+    """The naive placement: rank r holds experts r*E/N .. (r+1)*E/N - 1; its redundant
+    slots replicate its own first experts (they change nothing until rebalanced)."""
+    per = num_experts // num_ranks
+    rows = []
+    for r in range(num_ranks):
+        own = list(range(r * per, (r + 1) * per))
+        rows += own + [own[i % per] for i in range(redundant)]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def log2phy_of(phy2log: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """phy2log [P] -> (log2phy [E, max_replicas] padded with -1, replica counts [E])."""
+    counts = torch.bincount(phy2log, minlength=num_experts)
+    if int(counts.min()) < 1:
+        missing = (counts == 0).nonzero().flatten().tolist()
+        raise ValueError(f"placement leaves experts {missing[:8]} without a replica")
+    order = torch.argsort(phy2log, stable=True)  # slots grouped by expert, ascending within
+    table = torch.full((num_experts, int(counts.max())), -1, dtype=torch.long)
+    starts = torch.cumsum(counts, 0) - counts
+    within = torch.arange(len(phy2log)) - starts[phy2log[order]]
+    table[phy2log[order], within] = order
+    return table, counts
+
+
+class EPLayer:
+    """Routes one MoE layer's tokens to expert slots across the instance and back."""
+
+    def __init__(self, experts, phy2log: torch.Tensor, num_experts: int, rank: int, world: int, group=None):
+        self.experts = experts  # the layer's Experts module: this rank's S slots
+        self.rank, self.world, self.group = rank, world, group
+        self.num_experts = num_experts
+        self.comm_s = 0.0  # time inside collectives, mostly waiting for the slowest rank
+        self.slots_per_rank = experts.gate_up_proj.shape[0]
+        self.set_placement(phy2log)
+
+    def set_placement(self, phy2log: torch.Tensor) -> None:
+        if phy2log.numel() != self.slots_per_rank * self.world:
+            raise ValueError(f"placement has {phy2log.numel()} slots, instance has {self.slots_per_rank * self.world}")
+        self.phy2log = phy2log.clone()
+        self.log2phy, self.counts = log2phy_of(self.phy2log, self.num_experts)
+
+    def local_experts(self) -> list[int]:
+        S = self.slots_per_rank
+        return self.phy2log[self.rank * S : (self.rank + 1) * S].tolist()
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        T, K = ids.shape
+        S, N = self.slots_per_rank, self.world
+        flat = ids.reshape(-1)  # [T*K] logical experts
+        # Pair i of expert e goes to replica i mod replicas(e): replicas share tokens evenly.
+        pair = torch.arange(T * K)
+        phy = self.log2phy[flat, pair % self.counts[flat]]  # [T*K] global slots
+        order = torch.argsort(phy, stable=True)  # by slot, hence by rank, as the local path sums
+        dst = phy[order]
+        send_counts = torch.bincount(dst // S, minlength=N)
+        recv_counts = torch.empty_like(send_counts)
+        t0 = time.perf_counter()
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        n_in = sum(recv)
+        x_in = x.new_empty(n_in, x.shape[1])
+        dist.all_to_all_single(x_in, x[order // K].contiguous(), recv, send, group=self.group)
+        slot_in = torch.empty(n_in, dtype=torch.long)
+        dist.all_to_all_single(slot_in, (dst % S).contiguous(), recv, send, group=self.group)
+        t1 = time.perf_counter()
+        ones = torch.ones(n_in, 1, dtype=weights.dtype)
+        y = fused_moe(x_in, self.experts.gate_up_proj, self.experts.down_proj, slot_in[:, None], ones)
+        y_back = x.new_empty(T * K, x.shape[1])
+        t2 = time.perf_counter()
+        dist.all_to_all_single(y_back, y, send, recv, group=self.group)
+        self.comm_s += (t1 - t0) + (time.perf_counter() - t2)
+        out = torch.zeros_like(x)
+        w = weights.reshape(-1)[order].to(x.dtype)
+        out.index_add_(0, order // K, y_back * w[:, None])
+        return out
+
+
+class ExpertParallel:
+    """This rank's view of an instance's expert placement, one EPLayer per MoE layer."""
+
+    def __init__(self, model, rank: int, world: int, phy2log: torch.Tensor, group=None):
+        """phy2log: [num MoE layers (target, then MTP), P], in model.moe_layers() order."""
+        self.rank, self.world = rank, world
+        self.layer_ids = sorted(model.moe_layers())
+        E = model.cfg.n_routed_experts
+        if phy2log.shape[0] != len(self.layer_ids):
+            raise ValueError(f"placement has {phy2log.shape[0]} layers, model has {len(self.layer_ids)} MoE layers")
+        self.layers: dict[int, EPLayer] = {}
+        for row, lid in zip(phy2log, self.layer_ids):
+            moe = model.moe_layers()[lid]
+            self.layers[lid] = EPLayer(moe.experts, row, E, rank, world, group)
+            moe.runner = self.layers[lid]
+
+    def take_comm_s(self) -> float:
+        """Seconds spent in all-to-all since the last call (read between steps)."""
+        total = sum(l.comm_s for l in self.layers.values())
+        for l in self.layers.values():
+            l.comm_s = 0.0
+        return total
+
+    def phy2log(self) -> torch.Tensor:
+        return torch.stack([self.layers[l].phy2log for l in self.layer_ids])
+
+    @staticmethod
+    def local_slot_map(phy2log: torch.Tensor, layer_ids: list[int], rank: int, world: int):
+        """For the checkpoint loader: MoE layer id -> logical expert of each local slot."""
+        S = phy2log.shape[1] // world
+        rows = {lid: phy2log[i, rank * S : (rank + 1) * S].tolist() for i, lid in enumerate(layer_ids)}
+        return lambda layer: rows[layer]

@@ -1,0 +1,183 @@
+"""The expert-parallel side of a worker rank: lockstep group, expert slots, load
+tracking and publishing, routing skew, and live expert moves."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import torch
+
+from shared.checkpoint.loader import load_model
+from shared.engine.dp import DPGroup
+from shared.engine.engine import LLMEngine
+from shared.engine.load_tracker import LoadTracker
+from shared.model.config import ModelConfig
+from shared.model.expert_parallel import ExpertParallel, contiguous_phy2log
+from shared.model.skew import apply_skew
+from shared.protocol.messages import Ack, ErrorReply, ExpertLoad, Heartbeat, MoveAbort, MoveCommit, MoveDone, MovePlan, MoveStaged
+from shared.service.expert_moves import MoveAgent
+from shared.service.heartbeat import WorkerRegistry
+from shared.service.lockstep import Lockstep
+from shared.service.nats_io import publish
+
+log = logging.getLogger(__name__)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.to(torch.int64).numpy().astype("<i8").tobytes()
+
+
+def tensor_from(b: bytes, rows: int) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(b, dtype="<i8").copy()).view(rows, -1)
+
+
+class DepRuntime:
+    def __init__(self, rt):
+        self.rt = rt
+        self.cfg = rt.cfg
+        self.dp: DPGroup | None = None
+        self.ep: ExpertParallel | None = None
+        self.tracker: LoadTracker | None = None
+        self.agent: MoveAgent | None = None
+        self.lockstep: Lockstep | None = None
+        self.peers = WorkerRegistry()
+
+    def build_engine(self, role: str) -> LLMEngine:
+        """Blocking: joins the instance's process group (waits for every rank), then loads
+        only this rank's expert slots."""
+        cfg = self.cfg
+        self.dp = DPGroup(cfg.dp_rank, cfg.dp_size, cfg.dist_init, cfg.device, cfg.dp_timeout_s)
+        mcfg = ModelConfig.from_dir(cfg.model)
+        layer_ids = mcfg.moe_layer_ids + ([mcfg.num_hidden_layers] if mcfg.has_mtp else [])
+        if mcfg.n_routed_experts % cfg.dp_size:
+            raise ValueError(f"{mcfg.n_routed_experts} experts do not divide over {cfg.dp_size} ranks")
+        row = contiguous_phy2log(mcfg.n_routed_experts, cfg.dp_size, cfg.eplb_redundant)
+        phy2log = row.repeat(len(layer_ids), 1)
+        S = row.numel() // cfg.dp_size
+        ecfg = cfg.engine_config(role)
+        model = load_model(cfg.model, ecfg.torch_dtype, cfg.device,
+                           expert_slots=ExpertParallel.local_slot_map(phy2log, layer_ids, cfg.dp_rank, cfg.dp_size),
+                           num_slots=S)
+        self.ep = ExpertParallel(model, cfg.dp_rank, cfg.dp_size, phy2log)
+        return LLMEngine(ecfg, model=model, lockstep=True)
+
+    def attach(self, engine: LLMEngine) -> None:
+        """Load tracking and skew apply to any engine, expert-parallel or not."""
+        cfg = self.cfg
+        self.tracker = LoadTracker(engine.model, cfg.load_window_steps)
+        if cfg.skew or cfg.draft_skew:
+            apply_skew(engine.model, cfg.skew, cfg.draft_skew, cfg.skew_seed)
+            log.info("routing skew on: target %r, draft %r", cfg.skew, cfg.draft_skew)
+        if self.ep is not None:
+            self.agent = MoveAgent(self.ep, self.rt.transport, self.rt.staging, self._peer_address,
+                                   cfg.move_timeout_s, cfg.debug_fail_move)
+            self.lockstep = Lockstep(self.dp, lambda: self.agent.ready_move_id, self._switch)
+
+    async def start(self) -> None:
+        rt, s = self.rt, self.rt.subjects
+        rt.loop.after_step.append(self.tracker.end_step)
+        if self.ep is None:
+            return
+        inst = self.cfg.instance
+        await rt.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
+        await rt.sub(s.eplb(inst, "plan"), MovePlan, self._on_plan)
+        await rt.sub(s.eplb(inst, "commit"), MoveCommit, self._on_commit)
+        await rt.sub(s.eplb(inst, "abort"), MoveAbort, self._on_abort)
+        rt.spawn(self._publish_loads(), "load-publisher")
+
+    def close(self) -> None:
+        if self.dp is not None:
+            self.dp.close()
+
+    # ---- loads --------------------------------------------------------------------------
+    def load_message(self) -> ExpertLoad:
+        cfg, tr = self.cfg, self.tracker
+        phy = self.ep.phy2log()
+        return ExpertLoad(
+            instance_id=cfg.instance, rank=cfg.dp_rank, dp_size=cfg.dp_size,
+            step=self.lockstep.step if self.lockstep else tr.total_steps, window_steps=tr.window_steps,
+            layer_ids=tr.layer_ids, num_target_layers=tr.num_target_layers, num_experts=tr.num_experts,
+            counts=tensor_bytes(tr.window()), slots_per_rank=phy.shape[1] // cfg.dp_size,
+            placement_version=self.agent.version, phy2log=tensor_bytes(phy) if cfg.dp_rank == 0 else b"")
+
+    async def _publish_loads(self) -> None:
+        subject = self.rt.subjects.eplb(self.cfg.instance, "load")
+        while True:
+            await asyncio.sleep(self.cfg.load_publish_interval_s)
+            try:
+                await publish(self.rt.nc, subject, self.load_message())
+            except Exception as e:  # NATS reconnecting; the next publish will do
+                log.debug("expert load not published: %s", e)
+
+    # ---- moves --------------------------------------------------------------------------
+    async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
+        if hb.instance_id == self.cfg.instance:
+            self.peers.observe(hb)
+
+    def _peer_address(self, rank: int) -> bytes | None:
+        if rank == self.cfg.dp_rank:
+            return self.rt.transport.address
+        for hb in self.peers.live(self.rt.role):
+            if hb.dp_rank == rank:
+                return hb.address
+        return None
+
+    async def _on_plan(self, plan: MovePlan, msg, ctx):
+        """Plans are published to every rank at once; each answers with MoveStaged."""
+        error = ""
+        if plan.base_version != self.agent.version:
+            error = f"stale plan: built on placement {plan.base_version}, this rank has {self.agent.version}"
+        else:
+            try:
+                new = tensor_from(plan.phy2log, plan.num_layers)
+            except ValueError as e:
+                error = f"bad placement bytes: {e}"
+        if error:
+            await publish(self.rt.nc, self.rt.subjects.eplb(self.cfg.instance, "staged"),
+                          MoveStaged(self.cfg.instance, plan.move_id, self.cfg.dp_rank, False, error=error))
+            return ErrorReply(error, "conflict")
+        self.rt.spawn(self._stage(plan, new), f"move-{plan.move_id}")
+        return Ack()
+
+    async def _stage(self, plan: MovePlan, new: torch.Tensor) -> None:
+        t0 = time.monotonic()
+        subj = self.rt.subjects.eplb(self.cfg.instance, "staged")
+        try:
+            move = await self.agent.stage(plan.move_id, new)
+            staged = MoveStaged(self.cfg.instance, plan.move_id, self.cfg.dp_rank, True,
+                                bytes_received=move.bytes_received, bytes_sent=move.bytes_sent,
+                                seconds=time.monotonic() - t0)
+        except Exception as e:
+            log.warning("expert move %d failed on this rank: %s", plan.move_id, e)
+            await self.agent.abort(plan.move_id)
+            staged = MoveStaged(self.cfg.instance, plan.move_id, self.cfg.dp_rank, False, error=str(e))
+        await publish(self.rt.nc, subj, staged)
+        if staged.ok:
+            self.rt.spawn(self._expire(plan.move_id, plan.timeout_s), f"move-expiry-{plan.move_id}")
+
+    async def _expire(self, move_id: int, timeout_s: float) -> None:
+        """No commit in time (the balancer died?): drop the staged move; nothing switched."""
+        await asyncio.sleep(timeout_s)
+        if self.agent.move is not None and self.agent.move.move_id == move_id:
+            log.warning("expert move %d was never committed; dropping it", move_id)
+            await self.agent.abort(move_id)
+
+    async def _on_commit(self, c: MoveCommit, msg, ctx) -> None:
+        self.agent.mark_ready(c.move_id)
+        self.rt.loop.wake()
+
+    async def _on_abort(self, a: MoveAbort, msg, ctx) -> None:
+        await self.agent.abort(a.move_id)
+
+    def _switch(self) -> None:
+        t0 = time.perf_counter()
+        move_id = self.agent.move.move_id
+        version = self.agent.switch()
+        done = MoveDone(self.cfg.instance, move_id, self.cfg.dp_rank, version, self.lockstep.step,
+                        time.perf_counter() - t0)
+        log.info("switched to expert placement %d (move %d) at step %d", version, move_id, self.lockstep.step)
+        asyncio.get_running_loop().create_task(
+            publish(self.rt.nc, self.rt.subjects.eplb(self.cfg.instance, "done"), done))

@@ -1,0 +1,57 @@
+"""DEP-N: greedy fp32 outputs equal DEP1's, with gloo all-to-all between rank processes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch.multiprocessing as mp
+
+from shared.launch.procs import free_port
+from tests.engine.dep_worker import run_rank
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[0] + [rng.randrange(4, 1000) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+def _dep(model_dir, world, redundant, prompts, max_tokens, num_spec):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=run_rank, args=(r, world, init, model_dir, prompts, redundant, max_tokens,
+                                                  num_spec, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = [q.get(timeout=240) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    outs, steps = {}, set()
+    for rank, o, n, freed in results:
+        outs.update(o)
+        steps.add(n)
+        assert freed, f"rank {rank} leaked KV blocks"
+    assert len(steps) == 1, f"ranks stepped different numbers of times: {steps}"
+    return outs
+
+
+@pytest.mark.parametrize("world,redundant,num_spec", [(2, 0, 1), (2, 1, 2), (4, 1, 1)])
+def test_dep_outputs_equal_dep1(tiny_engine_factory, tiny_model, world, redundant, num_spec):
+    prompts = _prompts(6 if world == 4 else 5)
+    max_tokens = 8
+    from shared.engine.sampling_params import SamplingParams
+
+    eng = tiny_engine_factory(num_speculative_tokens=num_spec)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    want = {f"r{i}": [] for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for o in eng.step():
+            want[o.request_id] += o.new_token_ids
+    got = _dep(tiny_model, world, redundant, prompts, max_tokens, num_spec)
+    assert got == want

@@ -1,0 +1,165 @@
+"""A DEP2 decode instance through the whole mesh: gloo all-to-all between the two rank
+processes, expert loads to the balancer, and live expert moves while streams run."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import nats
+import pytest
+import torch
+
+from shared.engine.sampling_params import SamplingParams
+from shared.launch.procs import free_port
+from shared.model.expert_parallel import contiguous_phy2log
+from shared.protocol.messages import ExpertLoad, RebalanceReply, RebalanceRequest
+from shared.protocol.wire import decode
+from shared.service.dep_runtime import tensor_bytes
+from shared.service.nats_io import request
+from shared.protocol.subjects import Subjects
+from tests.mesh.conftest import start_mesh
+
+PROMPTS = [f"Expert {i} holds the tokens of rank {i % 3}" + " again" * (i % 4) for i in range(16)]
+LAYERS = 3  # the tiny model: two MoE layers and the MTP layer
+
+
+def _mesh(tmp, model, rank_set=None):
+    metrics = free_port()
+    m = start_mesh(tmp, model, decode_dp=2, rank_set=rank_set,
+                   decode_set=["eplb_redundant=1", "load_publish_interval_s=0.2"],
+                   balancer_set=["auto=false", f"metrics_port={metrics}", "move_timeout_s=20"])
+    m.balancer_metrics = f"http://127.0.0.1:{metrics}/metrics"
+    return m
+
+
+@pytest.fixture(scope="module")
+def dep_mesh(tiny_model, tmp_path_factory):
+    m = _mesh(tmp_path_factory.mktemp("dep"), tiny_model)
+    yield m
+    m.group.stop()
+
+
+def _swap_halves() -> torch.Tensor:
+    """Every expert changes rank: the largest move there is."""
+    naive = contiguous_phy2log(16, 2, 1)
+    return torch.cat([naive[9:], naive[:9]]).repeat(LAYERS, 1)
+
+
+def _rebalance(mesh, phy2log: torch.Tensor | None) -> RebalanceReply:
+    async def go():
+        nc = await nats.connect(mesh.nats_url)
+        try:
+            req = RebalanceRequest(mesh.decode_id, tensor_bytes(phy2log) if phy2log is not None else b"",
+                                   phy2log.shape[0] if phy2log is not None else 0)
+            deadline = time.monotonic() + 20
+            while True:
+                reply = await request(nc, Subjects().eplb(mesh.decode_id, "rebalance"), req, RebalanceReply, 30)
+                if reply.ok or "has not reported" not in reply.error or time.monotonic() > deadline:
+                    return reply
+                await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def _placement_version(mesh) -> int:
+    async def go():
+        nc = await nats.connect(mesh.nats_url)
+        try:
+            sub = await nc.subscribe(Subjects().eplb(mesh.decode_id, "load"))
+            while True:
+                m = decode((await sub.next_msg(timeout=10)).data, ExpertLoad)
+                if m.rank == 0:
+                    return m.placement_version
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def _stream_all(mesh, prompts, max_tokens, during=None) -> list[str]:
+    """Streams every prompt concurrently; `during` runs once the streams are flowing."""
+    out: list[str | None] = [None] * len(prompts)
+    started = threading.Event()
+
+    def one(i):
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        text = []
+        with httpx.Client(timeout=120) as c, c.stream("POST", mesh.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    import json
+
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        out[i] = "".join(text)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    extra = None
+    if during is not None:
+        started.wait(60)
+        extra = during()
+    for t in threads:
+        t.join(180)
+    return out, extra
+
+
+def test_dep2_serves_through_the_mesh_like_one_engine(dep_mesh, offline):
+    want = [o.text for o in offline.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+    got, _ = _stream_all(dep_mesh, PROMPTS, 12)
+    assert got == want
+    h = httpx.get(dep_mesh.url + "/health").json()
+    assert h["workers"]["decode"] == 2  # each rank is a worker the gateway can place requests on
+
+
+def test_balancer_reports_target_and_draft_balance(dep_mesh):
+    deadline = time.monotonic() + 20
+    while True:
+        text = httpx.get(dep_mesh.balancer_metrics).text
+        if 'model="draft"' in text or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert 'moemesh_eplb_balance_ratio{instance="decode-t",model="target"}' in text
+    assert 'moemesh_eplb_balance_ratio{instance="decode-t",model="draft"}' in text
+    assert "moemesh_eplb_layer_balance_ratio" in text
+
+
+def test_live_move_mid_stream_keeps_every_output(dep_mesh, offline):
+    want = [o.text for o in offline.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))]
+    before = _placement_version(dep_mesh)
+    got, reply = _stream_all(dep_mesh, PROMPTS, 40, during=lambda: _rebalance(dep_mesh, _swap_halves()))
+    assert reply.ok, reply.error
+    assert reply.slots_changed > 0 and reply.bytes_moved > 0
+    assert got == want  # none failed, none changed
+    assert _placement_version(dep_mesh) == before + 1
+
+
+def test_policy_driven_rebalance(dep_mesh):
+    reply = _rebalance(dep_mesh, None)
+    assert reply.ok, reply.error
+    assert reply.policy_seconds > 0
+    r = httpx.post(dep_mesh.url + "/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 4},
+                   timeout=60)
+    assert r.status_code == 200
+
+
+def test_a_move_that_fails_half_way_keeps_the_old_placement(tiny_model, tmp_path_factory, offline):
+    mesh = _mesh(tmp_path_factory.mktemp("depfail"), tiny_model, rank_set={1: ["debug_fail_move=true"]})
+    try:
+        reply = _rebalance(mesh, _swap_halves())
+        assert not reply.ok and "rank 1" in reply.error and "injected" in reply.error
+        assert _placement_version(mesh) == 0
+        want = [o.text for o in offline.generate(PROMPTS[:4], SamplingParams(max_tokens=8, temperature=0,
+                                                                             ignore_eos=True))]
+        got, _ = _stream_all(mesh, PROMPTS[:4], 8)
+        assert got == want
+    finally:
+        mesh.group.stop()
