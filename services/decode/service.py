@@ -19,13 +19,14 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
 from opentelemetry import trace
 
 from services.decode.config import DecodeConfig
 from services.decode.kv_pull import Pull, PullState, pull_kv
 from shared.engine.engine import RequestError, RequestOutput, StepStats
 from shared.engine.sampling_params import SamplingParamError
-from shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVRelease, TokenUpdate
+from shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVRelease, PrefillJob, TokenUpdate
 from shared.service.nats_io import publish
 from shared.service.runtime import WorkerRuntime, logprobs_wire
 from shared.telemetry.propagation import inject_headers
@@ -68,6 +69,10 @@ class DecodeService:
         rt.extra_stats = lambda: {"num_transfers": len(self.pulls)}
         s = rt.subjects
         self._job_subs.append(await rt.sub(s.decode_kv_ready(rt.worker_id), KVReady, self._on_ready))
+        if self.cfg.bench_dummy_kv:
+            log.warning("BENCH MODE: requests to %s get a dummy KV cache instead of a prefill; outputs are "
+                        "meaningless. Never use this for serving.", s.decode_bench_job(rt.worker_id))
+            self._job_subs.append(await rt.sub(s.decode_bench_job(rt.worker_id), PrefillJob, self._on_bench_job))
         await rt.sub(s.abort, Abort, self._on_abort)
         m = rt.metrics
         self.m_pull = m.histogram("kv_pull_seconds", "time to pull one request's KV")
@@ -183,6 +188,38 @@ class DecodeService:
         act.span.end()
         self.rt.tokens.add(act.gateway_id, TokenUpdate(request_id, [], "error", error=error))
         await self.rt.tokens.flush()
+
+    async def _on_bench_job(self, job: PrefillJob, msg, ctx):
+        """Decode-only benchmarking: fabricate the prompt's KV (random values) and decode."""
+        rt = self.rt
+        try:
+            params = job.sampling.to_params()
+        except SamplingParamError as e:
+            return ErrorReply(str(e), "bad_request")
+        if job.request_id in self.active:
+            return ErrorReply(f"duplicate request {job.request_id}", "bad_request")
+        kv = rt.engine.kv.tensor
+        n = len(job.prompt_ids)
+        shape = (kv.shape[0], rt.engine.blocks.blocks_for(n), *kv.shape[2:])
+        first = job.prompt_ids[-1]
+        span = rt.tracer.start_span("decode", context=ctx, attributes={
+            "request.id": job.request_id, "worker.id": rt.worker_id, "prompt.tokens": n, "bench.dummy_kv": True})
+        self.active[job.request_id] = Active(job.gateway_id, span, time.monotonic())
+
+        def attempt(engine) -> bool:
+            if job.request_id not in self.active:
+                return True
+            if not engine.can_import(n):
+                return False
+            try:
+                engine.add_prefilled(job.request_id, job.prompt_ids + [first], n, params,
+                                     torch.randn(shape, dtype=kv.dtype, device=kv.device))
+            except RequestError as e:
+                rt.spawn(self._fail(job.request_id, f"bench request refused: {e}"), "fail")
+            return True
+
+        rt.loop.retry_each_step(attempt)
+        return Ack()
 
     # ---- steps ------------------------------------------------------------------------------
     async def _on_outputs(self, outputs: list[RequestOutput], stats: StepStats) -> None:

@@ -74,6 +74,8 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             "inflight": metrics.gauge("inflight_requests", "admitted requests in flight"),
         }
         app.state.gw = st
+        if cfg.decode_only_bench:
+            log.warning("BENCH MODE: decode-only; requests skip prefill and get dummy KV. Outputs are meaningless.")
         try:
             yield {"gw": st}
         finally:
@@ -268,14 +270,20 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
 
 async def models(request: Request) -> JSONResponse:
     st = _state(request)
-    return JSONResponse({"object": "list", "data": [
-        {"id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "moemesh",
-         "max_model_len": st.max_model_len}]})
+    entry = {"id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "moemesh",
+             "max_model_len": st.max_model_len}
+    engines = sorted({hb.engine for hb in st.mesh.live("decode") + st.mesh.live("prefill")})
+    if engines and engines != ["model"]:
+        entry["moemesh_engines"] = engines  # a mock engine must never pass for the real model
+    if st.cfg.decode_only_bench:
+        entry["moemesh_mode"] = "decode-only-bench"
+    return JSONResponse({"object": "list", "data": [entry]})
 
 
 def _readiness(st: GatewayState) -> dict:
     n_pre, n_dec = len(st.mesh.live("prefill")), len(st.mesh.live("decode"))
-    return {"ready": n_pre > 0 and n_dec > 0 and not st.draining,
+    need_prefill = not st.cfg.decode_only_bench
+    return {"ready": (n_pre > 0 or not need_prefill) and n_dec > 0 and not st.draining,
             "workers": {"prefill": n_pre, "decode": n_dec}, "inflight": st.inflight}
 
 

@@ -15,6 +15,9 @@ class GatewayConfig(ServiceConfig):
     inactivity_timeout_s: float = 60.0  # no token for this long: the request fails
     default_max_tokens: int = 256
     max_model_len: int = 0  # 0: the model's own
+    # Decode-only benchmarking: send requests straight to decode workers started with
+    # bench_dummy_kv, skipping prefill and KV transfer. Logged loudly, shown in /v1/models.
+    decode_only_bench: bool = False
 
     def __post_init__(self):
         super().__post_init__()

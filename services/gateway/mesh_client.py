@@ -84,15 +84,17 @@ class MeshClient:
         decode = pick_decode(self.live("decode"), self._assigned)
         if decode is None:
             raise NoWorkers("no decode worker is alive")
-        if not self.live("prefill"):
+        if not self.cfg.decode_only_bench and not self.live("prefill"):
             raise NoWorkers("no prefill worker is alive")
         h = Handle(request_id, decode.worker_id)
         self.handles[request_id] = h
         self._assigned[decode.worker_id] += params.max_tokens
         job = PrefillJob(request_id, list(prompt_ids), WireSampling.from_params(params), self.gateway_id,
                          decode.worker_id, time.time())
+        subject = (self.subjects.decode_bench_job(decode.worker_id) if self.cfg.decode_only_bench
+                   else self.subjects.prefill_jobs)
         try:
-            await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s, headers)
+            await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, headers)
         except Unreachable as e:
             self.handles.pop(request_id, None)
             raise NoWorkers(f"no prefill worker took the request: {e}") from None

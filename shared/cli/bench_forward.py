@@ -18,7 +18,8 @@ def register(bsub) -> None:
     f.add_argument("--warmup", type=int, default=3)
     f.add_argument("--dtype", default="float32")
     f.add_argument("--device", default="cpu")
-    f.add_argument("--threads", type=int, default=None)
+    f.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1, as mesh workers run; 0 for torch's default)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--out", default="bench-results/forward.json")
     f.set_defaults(func=run)
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = forward.ForwardBenchConfig(
         model=args.model, batch_sizes=args.batch_sizes, context_len=args.context_len,
         prefill_lens=args.prefill_lens, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
-        device=args.device, num_threads=args.threads, seed=args.seed)
+        device=args.device, num_threads=args.threads or None, seed=args.seed)
     try:
         result = forward.run(cfg)
     except (CheckpointError, ValueError) as e:

@@ -51,7 +51,9 @@ class WorkerConfig(ServiceConfig):
     max_num_batched_tokens: int = 1024
     max_model_len: int = 0  # 0: the model's own
     num_speculative_tokens: int = -1  # -1: 1 when the checkpoint has an MTP layer
-    num_threads: int = 0
+    # torch intra-op threads. A mesh runs several processes per host, and OpenMP threads that
+    # contend for cores turn 0.4 ms ops into 8 ms ones; 1 is the safe default (0: torch's).
+    num_threads: int = 1
     staging_mb: int = 256
     ucx_net_devices: str = ""
     ucx_tls: str = ""
@@ -72,6 +74,9 @@ class WorkerConfig(ServiceConfig):
     draft_skew: str = ""
     skew_seed: int = 0
     debug_fail_move: bool = False  # fault injection: this rank fails every expert move
+    # "mock": no model compute, a fixed step time (infrastructure benchmarks only).
+    engine: str = "model"
+    mock_step_ms: float = 10.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -83,6 +88,10 @@ class WorkerConfig(ServiceConfig):
             raise ValueError("dist_init (tcp://host:port shared by the ranks) is required with expert parallelism")
         if self.eplb_redundant < 0:
             raise ValueError("eplb_redundant must be >= 0")
+        if self.engine not in ("model", "mock"):
+            raise ValueError("engine must be 'model' or 'mock'")
+        if self.engine == "mock" and self.uses_ep:
+            raise ValueError("the mock engine has no experts to spread: it cannot be expert-parallel")
 
     @property
     def uses_ep(self) -> bool:

@@ -65,6 +65,7 @@ class StepStats:
     forward_s: float = 0.0
     sample_s: float = 0.0
     draft_s: float = 0.0
+    logits_s: float = 0.0
     total_s: float = 0.0
     num_drafted: int = 0
     num_accepted: int = 0
@@ -243,7 +244,9 @@ class LLMEngine:
         st.forward_s = t3 - t2
         outputs, mtp_work = self._update(chunks, hidden, st)
         t4 = time.perf_counter()
-        st.sample_s = t4 - t3
+        # The LM head is model compute: it counts as forward, not as sampling.
+        st.forward_s += st.logits_s
+        st.sample_s = t4 - t3 - st.logits_s
         if self.use_mtp and (mtp_work or self.lockstep):
             self.drafter.propose(mtp_work, hidden)
             st.draft_s = time.perf_counter() - t4
@@ -264,12 +267,18 @@ class LLMEngine:
         samplers: list[tuple[Chunk, int, int]] = []  # chunk, first logits row, num rows
         for c in chunks:
             seq = c.seq
-            n_draft = c.q_len - (min(seq.num_tokens, c.start + c.q_len) - c.start)
-            if c.start + c.q_len - n_draft == seq.num_tokens:  # caught up: this chunk samples
-                rows = list(range(c.row + c.q_len - n_draft - 1, c.row + c.q_len))
-                samplers.append((c, len(sample_rows), len(rows)))
-                sample_rows += rows
-        logits = self.model.compute_logits(hidden[sample_rows]).cpu() if sample_rows else None
+            q, n_tok = len(c.token_ids), len(seq.token_ids)
+            n_draft = q - (min(n_tok, c.start + q) - c.start)
+            if c.start + q - n_draft == n_tok:  # caught up: this chunk samples
+                samplers.append((c, len(sample_rows), n_draft + 1))
+                sample_rows.extend(range(c.row + q - n_draft - 1, c.row + q))
+        logits = None
+        if sample_rows:
+            # Decode-only batches sample every row in order: a slice, not a gather.
+            rows = hidden[: len(sample_rows)] if sample_rows[-1] == len(sample_rows) - 1 else hidden[sample_rows]
+            t = time.perf_counter()
+            logits = self.model.compute_logits(rows).cpu()
+            st.logits_s = time.perf_counter() - t
 
         # Plain (non-speculative) rows are sampled together; draft verification is per sequence.
         plain = [(c, r) for c, r, n in samplers if n == 1]
@@ -277,7 +286,8 @@ class LLMEngine:
         if plain:
             idx = [r for _, r in plain]
             seqs = [c.seq for c, _ in plain]
-            toks = sampler.sample(logits[idx], [s.params for s in seqs], [self._gen(s) for s in seqs]).tolist()
+            sel = logits if len(idx) == logits.shape[0] else logits[idx]
+            toks = sampler.sample(sel, [s.params for s in seqs], [self._gen(s) for s in seqs]).tolist()
             for (c, r), t in zip(plain, toks):
                 new_tokens[id(c)] = [t]
         for c, r, n in samplers:

@@ -28,40 +28,51 @@ class Chunk:
 
 
 def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str = "cpu") -> ForwardBatch:
-    """Orders chunks decode-first (in place) and packs them."""
-    chunks.sort(key=lambda c: c.q_len > 1)
+    """Orders chunks decode-first (in place) and packs them. Decode chunks are the bulk at
+    large batch sizes, so their slots and tables are computed in plain Python ints and
+    turned into tensors once; extend chunks use tensor ops per chunk."""
+    chunks.sort(key=lambda c: len(c.token_ids) > 1)
     ids: list[int] = []
-    pos: list[torch.Tensor] = []
-    slots: list[torch.Tensor] = []
+    dec_pos: list[int] = []
+    dec_slots: list[int] = []
     decode_tables: list[list[int]] = []
-    decode_lens: list[int] = []
+    ext_pos: list[torch.Tensor] = []
+    ext_slots: list[torch.Tensor] = []
     extends: list[ExtendSeq] = []
+    bs = block_size
     for c in chunks:
         c.row = len(ids)
+        n = len(c.token_ids)
         ids += c.token_ids
-        blocks = torch.tensor(c.seq.block_ids, dtype=torch.long)
-        end = c.start + c.q_len
-        p = torch.arange(c.start, end)
-        pos.append(p)
-        slots.append(blocks[p // block_size] * block_size + p % block_size)
-        if c.q_len == 1:
-            decode_tables.append(c.seq.block_ids[: -(-end // block_size)])
-            decode_lens.append(end)
-        else:
-            ctx = torch.arange(end)
-            extends.append(ExtendSeq(c.row, c.q_len, end, blocks[ctx // block_size] * block_size + ctx % block_size))
-    empty = torch.zeros(0, dtype=torch.long)
+        blocks = c.seq.block_ids
+        p = c.start
+        if n == 1:
+            dec_pos.append(p)
+            dec_slots.append(blocks[p // bs] * bs + p % bs)
+            decode_tables.append(blocks[: p // bs + 1])
+            continue
+        bt = torch.tensor(blocks, dtype=torch.long)
+        ctx = torch.arange(p + n)
+        ctx_slots = bt[ctx // bs] * bs + ctx % bs
+        ext_pos.append(ctx[p:])
+        ext_slots.append(ctx_slots[p:])
+        extends.append(ExtendSeq(c.row, n, p + n, ctx_slots))
+    positions = torch.tensor(dec_pos, dtype=torch.long)
+    slots = torch.tensor(dec_slots, dtype=torch.long)
+    if ext_pos:
+        positions = torch.cat([positions, *ext_pos])
+        slots = torch.cat([slots, *ext_slots])
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.cat(pos) if pos else empty,
-        slot_mapping=torch.cat(slots) if slots else empty,
-        num_decode=len(decode_lens),
+        positions=positions,
+        slot_mapping=slots,
+        num_decode=len(dec_pos),
         extends=extends,
     )
-    if decode_lens:
+    if dec_pos:
         width = max(len(t) for t in decode_tables)
         batch.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
-        batch.decode_context_lens = torch.tensor(decode_lens)
+        batch.decode_context_lens = torch.tensor([x + 1 for x in dec_pos])
     return _to(batch, device)
 
 

@@ -37,9 +37,13 @@ class UpConfig:
     prefill_dp: int = 1
     eplb_redundant: int = 0  # redundant expert slots per rank
     balancer: bool | None = None  # None: start one when an instance is expert-parallel
+    balancer_args: tuple[str, ...] = ()  # --set arguments for the balancer
     log_dir: str = ""
     ready_timeout_s: float = 180.0
     service_args: tuple[str, ...] = ()  # extra --set arguments for every worker
+    prefill_args: tuple[str, ...] = ()  # ... for prefill workers only
+    decode_args: tuple[str, ...] = ()  # ... for decode workers only
+    gateway_args: tuple[str, ...] = ()
     trace_file: str = ""
     extra_env: dict = field(default_factory=dict)
 
@@ -96,13 +100,16 @@ class Mesh:
         py = [sys.executable, "-m"]
         for role, n, dp in (("prefill", cfg.num_prefill, cfg.prefill_dp), ("decode", cfg.num_decode, cfg.decode_dp)):
             for i in range(n):
+                own = [a for x in (cfg.prefill_args if role == "prefill" else cfg.decode_args) for a in ("--set", x)]
                 for argv, name in instance_argv(role, i, dp, cfg.eplb_redundant):
-                    self.group.start(name, py + [f"services.{role}", *common, *argv, *extra], cfg.extra_env)
+                    self.group.start(name, py + [f"services.{role}", *common, *argv, *extra, *own], cfg.extra_env)
         if cfg.balancer or (cfg.balancer is None and (cfg.decode_dp > 1 or cfg.prefill_dp > 1 or cfg.eplb_redundant)):
+            bal = [a for x in cfg.balancer_args for a in ("--set", x)]
             self.group.start("balancer", py + ["services.balancer", "--model", self.model, "--nats-url",
-                                               self.nats_url], cfg.extra_env)
-        self.group.start("gateway", py + ["services.gateway", *common, "--host", cfg.host, "--port", str(self.port)],
-                         cfg.extra_env)
+                                               self.nats_url, *bal], cfg.extra_env)
+        gw = [a for x in cfg.gateway_args for a in ("--set", x)]
+        self.group.start("gateway", py + ["services.gateway", *common, "--host", cfg.host, "--port", str(self.port),
+                                          *gw], cfg.extra_env)
         self.wait_ready(cfg.ready_timeout_s)
 
     def wait_ready(self, timeout: float) -> None:

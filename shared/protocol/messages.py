@@ -162,6 +162,7 @@ class Heartbeat:
     draining: bool = False
     interval_s: float = 1.0
     sent_at: float = 0.0
+    engine: str = "model"  # "mock" for the mock engine
 
 
 @dataclass
@@ -178,6 +179,10 @@ class WorkerStats:
     num_transfers: int = 0  # decode: KV pulls in flight
     staging_bytes_used: int = 0
     counters: dict[str, float] = field(default_factory=dict)
+    # with StatsRequest(detail=True): recent steps as [unix time at end, total, forward, host, rank_wait,
+    # serving-loop gap before the step] seconds
+    recent_steps: list[list[float]] = field(default_factory=list)
+    placement_version: int = 0
 
 
 # ---- expert-parallel load balancing (balancer <-> the ranks of a DEP instance) ----------

@@ -4,6 +4,7 @@
 |-----------------------------------------|---------------|-------------------|-----------------------------------|
 | {p}.prefill.jobs   (queue group prefill)| request/reply | gateway -> prefill| PrefillJob (Ack)                  |
 | {p}.decode.{worker}.kv_ready            | request/reply | prefill -> decode | KVReady (Ack)                     |
+| {p}.decode.{worker}.bench_job           | request/reply | gateway -> decode | PrefillJob (Ack), bench mode only |
 | {p}.prefill.{worker}.kv.pull            | request/reply | decode -> prefill | KVPull (KVPullReply)              |
 | {p}.prefill.{worker}.kv.release         | request/reply | decode -> prefill | KVRelease (Ack)                   |
 | {p}.gateway.{gateway}.tokens            | publish       | workers -> gateway| TokenBatch, one per step          |
@@ -40,6 +41,9 @@ class Subjects:
 
     def decode_kv_ready(self, worker: str) -> str:
         return f"{self.prefix}.decode.{worker}.kv_ready"
+
+    def decode_bench_job(self, worker: str) -> str:
+        return f"{self.prefix}.decode.{worker}.bench_job"
 
     def kv_pull(self, worker: str) -> str:
         return f"{self.prefix}.prefill.{worker}.kv.pull"

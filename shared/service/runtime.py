@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from nats.aio.client import Client as NATS
 
 from shared.config.common import WorkerConfig
 from shared.engine.engine import LLMEngine
+from shared.engine.mock_model import MockModel
+from shared.model.config import ModelConfig
 from shared.engine.step_account import StepAccount, account
 from shared.protocol.messages import (
     Heartbeat, KVLayout, StatsRequest, TokenBatch, TokenLogprobWire, TokenUpdate, WorkerLoad, WorkerStats,
@@ -98,6 +100,11 @@ class WorkerRuntime:
         self.dep = DepRuntime(self)
         if engine is not None:
             self.engine = engine
+        elif cfg.engine == "mock":
+            log.warning("MOCK ENGINE: %s runs no model; tokens are fabricated every %.1f ms. For infrastructure "
+                        "benchmarks only.", self.worker_id, cfg.mock_step_ms)
+            mock = MockModel(ModelConfig.from_dir(cfg.model), cfg.mock_step_ms / 1e3)
+            self.engine = LLMEngine(cfg.engine_config(self.role), model=mock)
         elif cfg.uses_ep:
             self.engine = await asyncio.to_thread(self.dep.build_engine, self.role)
         else:
@@ -115,6 +122,7 @@ class WorkerRuntime:
         self.h_phase = self.metrics.histogram("step_phase_seconds", "engine step time by phase", ("phase",))
         self.c_steps = self.metrics.counter("steps_total", "engine steps (empty lockstep steps included)")
         self.last_account: StepAccount | None = None
+        self.recent_steps: deque[list[float]] = deque(maxlen=4096)
         self.refresh_load()
         self._loop_task = self.spawn(self.loop.run(), "engine-loop")
         await self.sub(self.subjects.stats(self.worker_id), StatsRequest, self._on_stats)
@@ -144,6 +152,9 @@ class WorkerRuntime:
         agree = dep.lockstep.last_agree_s if dep is not None and dep.lockstep is not None else 0.0
         a = self.last_account = account(self.engine.last_stats, comm, agree, self.loop.last_gap_s)
         self.c_steps.inc()
+        if a.num_seqs:  # empty lockstep steps are waiting, not serving
+            self.recent_steps.append([time.time(), a.total_s, a.forward_s, a.host_s, a.rank_wait_s,
+                                      self.loop.last_gap_s])
         for phase, v in (("forward", a.forward_s), ("host", a.host_s), ("rank_wait", a.rank_wait_s),
                          ("total", a.total_s)):
             self.h_phase.labels(phase).observe(v)
@@ -157,7 +168,7 @@ class WorkerRuntime:
         return Heartbeat(
             worker_id=self.worker_id, role=self.role, model=self.cfg.model_name, load=self._load,
             address=self.transport.address, draining=self.draining, instance_id=self.cfg.instance,
-            dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size,
+            dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size, engine=self.cfg.engine,
         )
 
     def extra_stats(self) -> dict:
@@ -165,8 +176,10 @@ class WorkerRuntime:
 
     async def _on_stats(self, req: StatsRequest, msg, ctx) -> WorkerStats:
         load = await self.loop.call(lambda e: WorkerLoad(*e.load()))
+        steps = list(self.recent_steps) if req.detail else []
+        version = self.dep.agent.version if self.dep is not None and self.dep.agent is not None else 0
         return WorkerStats(self.worker_id, self.role, load, staging_bytes_used=self.staging.bytes_used,
-                           **self.extra_stats())
+                           recent_steps=steps, placement_version=version, **self.extra_stats())
 
     async def begin_drain(self, job_subs) -> None:
         """Stop taking new work and tell the mesh so, at once."""
