@@ -11,9 +11,14 @@ class BalancerConfig(ServiceConfig):
     min_window_tokens: int = 2048  # below this the loads are too thin to act on
     algorithm: str = "ours"  # ours | deepseek-global | deepseek-hierarchical
     num_nodes: int = 1  # for the hierarchical reference algorithm
-    trigger_ratio: float = 0.90  # consider a move only when the current ratio falls below this
-    min_gain: float = 0.02  # ... and the candidate improves it by at least this much
-    cooldown_s: float = 30.0  # after a move, wait this long before the next
+    # When to move (shared/eplb/hysteresis.py): the current ratio on a held-out window
+    # fell below trigger_ratio and the candidate beats it there by min_gain, or by
+    # cooldown_gain within cooldown_windows checks of the last move.
+    trigger_ratio: float = 0.95
+    min_gain: float = 0.01
+    cooldown_gain: float = 0.03
+    cooldown_windows: int = 5
+    incremental: bool = True  # start from the running placement: far fewer slots move
     move_timeout_s: float = 30.0  # a move not staged and done by then is aborted
     auto: bool = True  # False: move only when asked (mm.eplb.{instance}.rebalance)
 

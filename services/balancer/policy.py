@@ -1,5 +1,6 @@
 """The balancer's use of the placement policy (shared/eplb): propose a placement for an
-instance from its window of loads, and decide whether moving to it is worth it."""
+instance from one window of loads, and decide on the NEXT window (held out) whether
+moving to it is worth it."""
 
 from __future__ import annotations
 
@@ -9,46 +10,38 @@ import torch
 
 from services.balancer.config import BalancerConfig
 from services.balancer.state import InstanceView
+from shared.eplb import align
+from shared.eplb.hysteresis import SwitchConfig, SwitchState, decide
 from shared.eplb.placement import Placement
 from shared.eplb.policy import get_policy
 
 
 def propose(view: InstanceView, loads: torch.Tensor, cfg: BalancerConfig) -> tuple[Placement, float]:
-    """(candidate placement aligned to the current one, seconds of compute)."""
+    """(candidate placement aligned to the running one, seconds of compute)."""
     t0 = time.perf_counter()
     redundant = view.slots_per_rank - view.num_experts // view.dp_size
     policy = get_policy(cfg.algorithm, num_nodes=cfg.num_nodes, num_groups=max(cfg.num_nodes, 1))
-    cand = policy.place(loads.double(), view.dp_size, redundant)
-    cand = _align(view.placement(), cand)
+    current = view.placement()
+    cand = policy.place(loads.double(), view.dp_size, redundant, current=current if cfg.incremental else None)
+    # Within each rank, experts that stay keep their slots, so only real moves copy weights.
+    cand = align(current, cand)
     return cand, time.perf_counter() - t0
 
 
-def _align(current: Placement, cand: Placement) -> Placement:
-    """Within each rank, keep experts that stay there in the slots they already occupy, so
-    only real moves copy weights. Rank contents, and so the balance, are unchanged."""
-    try:
-        from shared.eplb.align import align_to
-    except ImportError:
-        return cand
-    return align_to(current, cand)
-
-
 class Decider:
-    """Moves only when it pays: the current ratio has fallen below trigger_ratio, the
-    candidate beats it by min_gain, and the last move is cooldown_s old. The margin keeps
-    noise in the window from flipping placements back and forth."""
+    """Holds a candidate built on one window until the next window's loads judge it."""
 
     def __init__(self, cfg: BalancerConfig):
-        self.cfg = cfg
-        self.last_move = float("-inf")
+        self.config = SwitchConfig(cfg.trigger_ratio, cfg.min_gain, cfg.cooldown_gain, cfg.cooldown_windows)
+        self.state = SwitchState()
+        self.pending: Placement | None = None
+        self.last_reason = ""
 
-    def should_move(self, current: Placement, cand: Placement, loads: torch.Tensor, now: float) -> bool:
-        if now - self.last_move < self.cfg.cooldown_s:
-            return False
-        cur = current.instance_ratio(loads)
-        if cur >= self.cfg.trigger_ratio:
-            return False
-        return cand.instance_ratio(loads) - cur >= self.cfg.min_gain
-
-    def moved(self, now: float) -> None:
-        self.last_move = now
+    def judge(self, current: Placement, held_out_loads: torch.Tensor) -> Placement | None:
+        """The pending candidate if it should replace `current` on these (held-out) loads."""
+        cand, self.pending = self.pending, None
+        if cand is None or cand.phy2log.shape != current.phy2log.shape:
+            return None
+        d = decide(current, cand, held_out_loads, self.state, self.config)
+        self.state, self.last_reason = d.state, d.reason
+        return cand if d.switch else None

@@ -127,10 +127,13 @@ class BalancerService:
                 loads = view.loads()
                 if int(loads.sum()) < self.cfg.min_window_tokens:
                     continue
-                cand, secs = propose(view, loads, self.cfg)
+                decider = self.deciders[view.instance_id]
+                chosen = decider.judge(view.placement(), loads)  # last window's candidate, on this window
+                if chosen is not None:
+                    await self._move(view, chosen.phy2log)
+                    continue
+                decider.pending, secs = propose(view, loads, self.cfg)
                 self.h_policy.observe(secs)
-                if self.deciders[view.instance_id].should_move(view.placement(), cand, loads, time.monotonic()):
-                    await self._move(view, cand.phy2log)
 
     async def _move(self, view: InstanceView, new) -> RebalanceReply:
         view.moving = True
@@ -147,7 +150,6 @@ class BalancerService:
             self.c_bytes.inc(res.bytes_moved)
             view.phy2log, view.version = new.clone(), view.version + 1
             view.last_move_at = time.monotonic()
-            self.deciders[view.instance_id].moved(time.monotonic())
             log.info("instance %s: move %d done in %.3fs, %d slots, %d bytes", view.instance_id, res.move_id,
                      res.seconds, changed, res.bytes_moved)
         else:

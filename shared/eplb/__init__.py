@@ -1,0 +1,20 @@
+"""Expert-parallel load balancing: where each MoE layer's experts live, as pure functions.
+
+- placement.py: the Placement structure (phy2log, log2phy, ratios, JSON), naive placement.
+- policy.py: our policy (build_placement) and the PlacementPolicy seam.
+- replicas.py, packing.py: its two steps, replica counts and slot arrangement.
+- reference.py: DeepSeek's EPLB rewritten, to compare against.
+- align.py: relabel a new placement onto the running one so few weights move.
+- hysteresis.py: whether a candidate is worth switching to.
+- workloads.py, compare.py: synthetic loads and the held-out comparison.
+
+No I/O and no service state here; the balancer service owns windows and moves.
+"""
+
+from shared.eplb.align import align, moves_per_layer
+from shared.eplb.hysteresis import SwitchConfig, SwitchDecision, SwitchState, decide
+from shared.eplb.placement import Placement, naive_placement, route_to_slots
+from shared.eplb.policy import PlacementPolicy, build_placement, get_policy
+
+__all__ = ["Placement", "PlacementPolicy", "SwitchConfig", "SwitchDecision", "SwitchState", "align",
+           "build_placement", "decide", "get_policy", "moves_per_layer", "naive_placement", "route_to_slots"]

@@ -47,6 +47,10 @@ def align(current: Placement, new: Placement, *, num_nodes: int = 1, opt_passes:
     return Placement(_keep_slots(old, relabelled).flatten(1), new.num_experts, new.num_ranks)
 
 
+# The name services/balancer/policy.py imports.
+align_to = align
+
+
 def moves_per_layer(current: Placement, new: Placement) -> torch.Tensor:
     """[L] int64: slots whose logical expert differs, i.e. the expert copies the mover does."""
     _check_compatible(current, new)
@@ -93,7 +97,7 @@ def _match(overlap: torch.Tensor, opt_passes: int) -> torch.Tensor:
 
 def _keep_slots(old: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
     """[L, R, S]: fresh's experts per rank, each one present in old kept at old's slot."""
-    num_layers, num_ranks, per_rank = old.shape
+    per_rank = old.shape[2]
     out = torch.full_like(fresh, -1)
     used = torch.zeros_like(fresh, dtype=torch.bool)  # fresh slots already placed
     for j in range(per_rank):

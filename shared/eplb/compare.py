@@ -4,7 +4,8 @@ For each workload, consecutive windows w_0 .. w_n are sampled; every algorithm b
 a placement from w_i and is scored on w_i itself (in-window, flattering) and on w_i+1
 (held out, what an instance gets). Compute time is the median over builds on one
 thread, as the balancer runs it. `run()` returns JSON-ready results and `table()`
-formats them, so `moemesh bench eplb` can wrap this module.
+formats them; `moemesh eplb compare` runs it. (`moemesh bench eplb` is the live-instance
+benchmark, a different thing: real ranks, real moves.)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class CompareConfig:
     num_redundant: int = 1
     num_nodes: int = 4
     num_groups: int = 8
-    num_pairs: int = 3
+    num_pairs: int = 5
     seed: int = 0
     threads: int = 1
     workloads: tuple[Workload, ...] = field(default=(ZIPF, HOT))
@@ -105,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redundant", type=int, default=1)
     p.add_argument("--nodes", type=int, default=4, help="nodes for deepseek-hierarchical")
     p.add_argument("--groups", type=int, default=8, help="expert groups for deepseek-hierarchical")
-    p.add_argument("--pairs", type=int, default=3, help="build/score window pairs per workload")
+    p.add_argument("--pairs", type=int, default=5, help="build/score window pairs per workload")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="bench-results/eplb.json")
+    p.add_argument("--out", default="bench-results/eplb_policy.json")
     args = p.parse_args(argv)
     cfg = CompareConfig(num_ranks=args.ranks, num_redundant=args.redundant, num_nodes=args.nodes,
                         num_groups=args.groups, num_pairs=args.pairs, seed=args.seed, threads=args.threads)

@@ -12,11 +12,13 @@ all layers at once, as tensor operations over a layer batch:
 3. pair exchange: pair the i-th heaviest rank with a light rank (the partner rotates
    each round so a stuck heavy rank meets every light one), and in every pair make the
    single swap that lowers the pair's max the most. Pairs are disjoint, so all swaps of
-   a round apply at once.
+   a round apply at once. Where the heaviest rank's pair finds no swap, it searches
+   every rank instead. Swapping stops once every rank is within `target` of the
+   mean: beyond that a swap only fits the window's sampling noise, which the next
+   window does not repeat.
 
-   Where the heaviest rank's pair finds no swap, it searches every rank instead.
-   Swapping stops once every rank is within `target` of the mean: beyond that a
-   swap only fits the window's sampling noise, which the next window does not repeat.
+In warm mode step 1 is skipped: the input already is the running placement, with
+changed replica counts patched in, and every swap costs two expert copies.
 
 Shapes: L = layers, R = ranks, S = slots per rank, P = R * S, Q = R // 2 pairs.
 """
@@ -27,7 +29,7 @@ import torch
 
 
 def pack(share: torch.Tensor, experts: torch.Tensor, num_ranks: int, *, num_rounds: int = 24,
-         target: float = 0.999, warm: bool = False) -> torch.Tensor:
+         target: float = 0.999, floor: torch.Tensor | None = None, warm: bool = False) -> torch.Tensor:
     """Arranges slots onto ranks.
 
     Args:
@@ -36,6 +38,8 @@ def pack(share: torch.Tensor, experts: torch.Tensor, num_ranks: int, *, num_roun
         num_ranks: R; P must be a multiple of it.
         num_rounds: most pair-exchange rounds.
         target: stop once every rank's load is under mean / target.
+        floor: [L] a known lower bound on each layer's max rank load; reaching it
+            also stops the layer (without redundancy, the hottest expert's rank).
         warm: the input order already is a placement (rank p // S): skip step 1 and
             only repair it, so few slots change.
     Returns:
@@ -48,7 +52,7 @@ def pack(share: torch.Tensor, experts: torch.Tensor, num_ranks: int, *, num_roun
     s, ex = share.gather(1, order.flatten(1)).view_as(order), experts.gather(1, order.flatten(1)).view_as(order)
     _deduplicate(s, ex, order)
     if per_rank > 1 and num_ranks > 1:
-        _exchange(s, ex, order, num_rounds, target)
+        _exchange(s, ex, order, num_rounds, target, floor)
     return order.flatten(1)
 
 
@@ -68,18 +72,22 @@ def _rounds(share: torch.Tensor, num_ranks: int) -> torch.Tensor:
 
 
 def _deduplicate(s: torch.Tensor, ex: torch.Tensor, order: torch.Tensor) -> None:
-    """Swaps in place until no rank holds an expert twice. s, ex, order: [L, R, S]."""
+    """Swaps in place until no rank holds an expert twice (if single swaps can get
+    there, which they did in every case tried). s, ex, order: [L, R, S]."""
     num_layers, num_ranks, per_rank = s.shape
     num_experts = int(ex.max()) + 1
     earlier = torch.ones(per_rank, per_rank, dtype=torch.bool).tril(-1)  # [a, a'] a' < a
     layer = torch.arange(num_layers)
     rank_of = torch.arange(num_ranks).repeat_interleave(per_rank)  # [P]
-    for _ in range(num_ranks * per_rank):
+    for attempt in range(2 * num_ranks * per_rank):
         dup = ((ex.unsqueeze(-1) == ex.unsqueeze(-2)) & earlier).any(-1).flatten(1)  # [L, P]
-        todo = dup.any(1)
+        num_dup = dup.sum(1)
+        todo = num_dup > 0
         if not bool(todo.any()):
             return
-        at = dup.long().argmax(1)  # [L] first duplicate slot
+        # Take the duplicates in turn: one may have no partner until another has moved.
+        turn = attempt % num_dup.clamp_min(1) + 1
+        at = (dup & (torch.cumsum(dup.long(), 1) == turn.unsqueeze(1))).long().argmax(1)  # [L]
         r, a = at // per_rank, at % per_rank
         present = torch.zeros(num_layers, num_ranks, num_experts, dtype=torch.bool)
         present.scatter_(2, ex, True)
@@ -93,17 +101,20 @@ def _deduplicate(s: torch.Tensor, ex: torch.Tensor, order: torch.Tensor) -> None
         pick = cost.masked_fill(~ok, torch.inf).argmin(1)  # [L]
         go = todo & ok[layer, pick]
         _swap(s, ex, order, layer[go], r[go], a[go], pick[go] // per_rank, pick[go] % per_rank)
-    raise RuntimeError("could not separate replicas onto distinct ranks")
+    # No single swap separates what is left: keep it. Two replicas on one rank waste a
+    # slot but serve the same load, so the placement stays correct.
 
 
-def _exchange(s, ex, order, num_rounds: int, target: float) -> None:
+def _exchange(s, ex, order, num_rounds: int, target: float, floor: torch.Tensor | None) -> None:
     """Pair-exchange rounds, in place. s, ex, order: [L, R, S]."""
-    num_layers, num_ranks, per_rank = s.shape
+    num_ranks, per_rank = s.shape[1:]
     pairs = num_ranks // 2
     rotate = torch.arange(pairs)
     for t in range(num_rounds):
         loads = s.sum(-1)  # [L, R]
         bar = loads.mean(1, keepdim=True) / target  # [L, 1] a rank under it needs no swap
+        if floor is not None:
+            bar = torch.maximum(bar, floor.unsqueeze(1) * (1 + 1e-9))
         if bool((loads <= bar).all()):
             return
         ascending = loads.argsort(1)

@@ -73,7 +73,7 @@ class Placement:
 
     def replica_counts(self) -> torch.Tensor:
         """[L, E] int64: how many slots hold each logical expert."""
-        counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64)
+        counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64, device=self.phy2log.device)
         return counts.scatter_add_(1, self.phy2log, torch.ones_like(self.phy2log))
 
     def log2phy(self) -> torch.Tensor:
@@ -88,8 +88,9 @@ class Placement:
         order = torch.sort(self.phy2log, dim=1, stable=True).indices  # [L, P]
         first = torch.cumsum(counts, dim=1) - counts  # [L, E] start of each run in order
         experts = self.phy2log.gather(1, order)
-        which = torch.arange(self.num_slots).expand_as(order) - first.gather(1, experts)
-        table = torch.full((self.num_layers, self.num_experts, width), -1, dtype=torch.int64)
+        device = self.phy2log.device
+        which = torch.arange(self.num_slots, device=device).expand_as(order) - first.gather(1, experts)
+        table = torch.full((self.num_layers, self.num_experts, width), -1, dtype=torch.int64, device=device)
         flat = table.view(self.num_layers, -1)
         flat.scatter_(1, experts * width + which, order)
         return table

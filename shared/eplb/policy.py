@@ -27,7 +27,7 @@ import torch
 from shared.eplb import reference
 from shared.eplb.packing import pack
 from shared.eplb.placement import Placement, slots_per_rank
-from shared.eplb.replicas import choose_counts
+from shared.eplb.replicas import choose_counts, max_load_bound
 
 
 class PlacementPolicy(Protocol):
@@ -70,18 +70,30 @@ def build_placement(loads: torch.Tensor, num_ranks: int, num_redundant: int, *, 
     num_layers, num_experts = loads.shape
     per_rank = slots_per_rank(num_experts, num_ranks, num_redundant)
     w = loads.double()
-    counts = choose_counts(w, num_ranks, per_rank)  # [L, E]
+    counts, bound = choose_counts(w, num_ranks, per_rank)  # [L, E], [L]
     if current is None:
         experts = torch.repeat_interleave(torch.arange(num_experts).repeat(num_layers), counts.flatten())
         experts = experts.view(num_layers, -1)  # [L, P] each expert's slots together
     else:
-        if current.phy2log.shape != (num_layers, num_ranks * per_rank) or current.num_ranks != num_ranks:
+        if current.phy2log.shape != (num_layers, num_ranks * per_rank) or current.num_ranks != num_ranks \
+                or current.num_experts != num_experts:
             raise ValueError("current placement does not match the loads, ranks and redundant slots")
+        # Keep the running counts where they pack as well as the new ones and their
+        # largest slot is at most 10% bigger: count changes from window noise cost
+        # copies and buy nothing, while drift that makes an expert hot must still get
+        # it more replicas (without the 10% rule, held-out fell 0.005 behind rebuilding
+        # every window over 24 windows at 10% drift; with it, 0.001-0.002).
+        held = current.replica_counts()
+        held_bound = max_load_bound(w, held, num_ranks, per_rank)
+        keep = (held_bound <= bound * (1 + 1e-3)) & (held.amax(1) <= num_ranks)
+        keep &= (w / held).amax(1) <= (w / counts).amax(1) * 1.1
+        counts, bound = torch.where(keep.unsqueeze(1), held, counts), torch.where(keep, held_bound, bound)
         experts = _reconcile(current.phy2log, counts)
     share = (w / counts).gather(1, experts)  # [L, P]
     if target is None:
         target = 0.999 if current is None else 0.995
-    order = pack(share, experts, num_ranks, num_rounds=num_rounds, target=target,
+    floor = bound * w.sum(1) / num_ranks  # [L] no packing of these counts beats it
+    order = pack(share, experts, num_ranks, num_rounds=num_rounds, target=target, floor=floor,
                  warm=current is not None)
     return Placement(experts.gather(1, order), num_experts, num_ranks)
 

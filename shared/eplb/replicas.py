@@ -12,7 +12,7 @@ because every rank holds exactly S slots. We therefore score a family of candida
 with a lower bound on the best achievable max rank load, and keep, per layer, the
 candidate closest to D'Hondt (largest x) whose bound is within `tolerance` of the best.
 x = X (all extras by D'Hondt) is always a candidate, so nothing is lost where D'Hondt
-packs well.
+packs well; layers where D'Hondt's bound is already the mean skip the search.
 
 The bound, for sorted slot loads s_0 >= s_1 >= ... and m = 1..S: among the top
 (m-1)R + 1 slots some rank holds m, and it fills its other S - m slots at least with
@@ -44,8 +44,8 @@ def dhondt_counts(loads: torch.Tensor, num_slots: int, max_replicas: int) -> tor
 
 
 def choose_counts(loads: torch.Tensor, num_ranks: int, slots_per_rank: int,
-                  tolerance: float = 1e-3) -> torch.Tensor:
-    """[L, E] int64 replicas per expert: at least 1, at most R, summing to R * S per layer.
+                  tolerance: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replicas per expert: at least 1, at most R, summing to R * S per layer.
 
     Args:
         loads: [L, E] tokens per logical expert.
@@ -53,6 +53,9 @@ def choose_counts(loads: torch.Tensor, num_ranks: int, slots_per_rank: int,
         slots_per_rank: S.
         tolerance: how far (relative) above the best bound a candidate may be and still
             be preferred for being closer to D'Hondt.
+    Returns:
+        counts: [L, E] int64.
+        bound: [L] float64, the chosen counts' lower bound on max / mean rank load.
     """
     num_layers, num_experts = loads.shape
     num_slots = num_ranks * slots_per_rank
@@ -60,13 +63,29 @@ def choose_counts(loads: torch.Tensor, num_ranks: int, slots_per_rank: int,
     if extra < 0 or num_slots > num_ranks * num_experts:
         raise ValueError(f"{num_slots} slots cannot hold {num_experts} experts at most once per rank")
     if extra == 0:
-        return torch.ones(num_layers, num_experts, dtype=torch.int64)
+        ones = torch.ones(num_layers, num_experts, dtype=torch.int64)
+        return ones, max_load_bound(loads, ones, num_ranks, slots_per_rank)
     w, ids = loads.double().sort(1, descending=True)  # [L, E] experts by load
     head = min(num_experts, 2 * extra)
+    max_replicas = min(num_ranks, extra + 1)
+    chosen = _candidates(w[:, :head], extra, max_replicas, torch.tensor([extra]))[0]  # [L, H] D'Hondt
+    # Only layers where D'Hondt's bound exceeds the mean can gain from the search.
+    bound = _lower_bound(w, chosen.unsqueeze(0), num_ranks, slots_per_rank)[0]
+    bad = bound > 1 + tolerance
+    if bool(bad.any()):
+        chosen[bad], bound[bad] = _search(w[bad], head, extra, max_replicas, num_ranks, slots_per_rank, tolerance)
+    out = torch.ones(num_layers, num_experts, dtype=torch.int64)
+    return out.scatter_(1, ids[:, :head], chosen), bound
+
+
+def _search(w: torch.Tensor, head: int, extra: int, max_replicas: int, num_ranks: int, slots_per_rank: int,
+            tolerance: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """([L, H] head counts, [L] bound): the candidate with the largest x among those
+    whose bound is within tolerance of the best, for loads w [L, E] sorted descending."""
     xs = torch.arange(extra + 1)
     if xs.numel() > _MAX_CANDIDATES:
         xs = torch.linspace(0, extra, _MAX_CANDIDATES).round().long().unique()
-    counts = _candidates(w[:, :head], extra, min(num_ranks, extra + 1), xs)  # [C, L, H]
+    counts = _candidates(w[:, :head], extra, max_replicas, xs)  # [C, L, H]
     # With few experts and many extras the halving step can run out of experts; such
     # candidates fall back to D'Hondt (the last one), which is always complete.
     short = (counts.sum(-1) != head + extra).unsqueeze(-1)
@@ -74,14 +93,19 @@ def choose_counts(loads: torch.Tensor, num_ranks: int, slots_per_rank: int,
     bound = _lower_bound(w, counts, num_ranks, slots_per_rank)  # [C, L]
     near_best = bound <= bound.min(0).values * (1 + tolerance)
     pick = torch.where(near_best, xs.view(-1, 1), -1).argmax(0)  # [L] largest such x
-    chosen = counts[pick, torch.arange(num_layers)]  # [L, H]
-    out = torch.ones(num_layers, num_experts, dtype=torch.int64)
-    return out.scatter_(1, ids[:, :head], chosen)
+    layer = torch.arange(w.shape[0])
+    return counts[pick, layer], bound[pick, layer]
+
+
+def max_load_bound(loads: torch.Tensor, counts: torch.Tensor, num_ranks: int, slots_per_rank: int) -> torch.Tensor:
+    """[L] float64: no packing of these replica counts [L, E] onto R ranks of S slots can
+    have a max rank load below bound * mean rank load (the bound of the module docstring)."""
+    w, ids = loads.double().sort(1, descending=True)
+    return _lower_bound(w, counts.gather(1, ids).unsqueeze(0), num_ranks, slots_per_rank)[0]
 
 
 def _dhondt_extras(w: torch.Tensor, extra: int, max_replicas: int) -> torch.Tensor:
     """[L, X] expert of each extra slot in D'Hondt order, from loads w [L, E]."""
-    num_layers, num_experts = w.shape
     if max_replicas < 2:
         raise ValueError("extra slots but max_replicas < 2")
     held = torch.arange(1, max_replicas, dtype=torch.float64)  # replicas before this one
@@ -116,7 +140,8 @@ def _lower_bound(w: torch.Tensor, head_counts: torch.Tensor, num_ranks: int, slo
     # One flat search serves all layers: offsets larger than any share keep them apart.
     offset = (torch.arange(num_layers, dtype=torch.float64) * (2 * num_ranks + 2)).view(-1, 1)
     flat_tail = (tail.flip(1) + offset).flatten()
-    at_or_below = torch.searchsorted(flat_tail, top + offset, right=True) - torch.arange(num_layers).view(-1, 1) * tail_len
+    at_or_below = torch.searchsorted(flat_tail, top + offset, right=True)
+    at_or_below -= torch.arange(num_layers).view(-1, 1) * tail_len  # count within the layer
     merged_pos = torch.arange(per_row) + (tail_len - at_or_below)  # [C, L, A]
     few = min(slots_per_rank - 1, per_row + tail_len)
     smallest = torch.cat([top[..., per_row - min(few, per_row):],

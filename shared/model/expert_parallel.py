@@ -24,32 +24,20 @@ import time
 import torch
 import torch.distributed as dist
 
+from shared.eplb.placement import Placement, naive_placement
 from shared.kernels.fused_moe import fused_moe
 
 
 def contiguous_phy2log(num_experts: int, num_ranks: int, redundant: int) -> torch.Tensor:
-    """The naive placement: rank r holds experts r*E/N .. (r+1)*E/N - 1; its redundant
-    slots replicate its own first experts (they change nothing until rebalanced)."""
-    per = num_experts // num_ranks
-    rows = []
-    for r in range(num_ranks):
-        own = list(range(r * per, (r + 1) * per))
-        rows += own + [own[i % per] for i in range(redundant)]
-    return torch.tensor(rows, dtype=torch.long)
+    """The naive placement of one layer ([P]); see shared.eplb.placement.naive_placement."""
+    return naive_placement(1, num_experts, num_ranks, redundant).phy2log[0]
 
 
-def log2phy_of(phy2log: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """phy2log [P] -> (log2phy [E, max_replicas] padded with -1, replica counts [E])."""
-    counts = torch.bincount(phy2log, minlength=num_experts)
-    if int(counts.min()) < 1:
-        missing = (counts == 0).nonzero().flatten().tolist()
-        raise ValueError(f"placement leaves experts {missing[:8]} without a replica")
-    order = torch.argsort(phy2log, stable=True)  # slots grouped by expert, ascending within
-    table = torch.full((num_experts, int(counts.max())), -1, dtype=torch.long)
-    starts = torch.cumsum(counts, 0) - counts
-    within = torch.arange(len(phy2log)) - starts[phy2log[order]]
-    table[phy2log[order], within] = order
-    return table, counts
+def log2phy_of(phy2log: torch.Tensor, num_experts: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """phy2log [P] -> (log2phy [E, max replicas] padded with -1, replica counts [E]).
+    Raises ValueError when an expert has no replica."""
+    p = Placement(phy2log[None], num_experts, num_ranks)
+    return p.log2phy()[0], p.replica_counts()[0]
 
 
 class EPLayer:
@@ -67,7 +55,7 @@ class EPLayer:
         if phy2log.numel() != self.slots_per_rank * self.world:
             raise ValueError(f"placement has {phy2log.numel()} slots, instance has {self.slots_per_rank * self.world}")
         self.phy2log = phy2log.clone()
-        self.log2phy, self.counts = log2phy_of(self.phy2log, self.num_experts)
+        self.log2phy, self.counts = log2phy_of(self.phy2log, self.num_experts, self.world)
 
     def local_experts(self) -> list[int]:
         S = self.slots_per_rank
