@@ -1,23 +1,36 @@
-"""Paged KV block allocator: a free list plus reference counts.
+"""Paged KV block allocator: a free list, reference counts, and a prefix cache.
 
-Glossary: a *block* holds `block_size` consecutive token positions of one sequence in
-every cache layer. A block may be referenced by several sequences (a shared prefix);
-it returns to the free list only when its last reference is dropped.
+Glossary:
+- block: `block_size` consecutive token positions of one sequence, in every cache layer.
+- reference: a sequence using a block. A block shared by several sequences (a common
+  prefix) returns to the free list only when its last reference is dropped.
+- block hash: the content address of a full block (prefix_hash.py): equal prefixes
+  have equal hashes on every worker.
+- cached block: a full block whose hash is registered. When its last reference goes,
+  it stays on the free list with its contents and hash: a later request with the same
+  prefix takes it back instead of recomputing it. The free list is kept in LRU order,
+  so allocation evicts the least recently freed cached block first.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
         self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        # KV events since the last drain: hashes that became available / stopped being.
+        self.stored: list[bytes] = []
+        self.removed: list[bytes] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -26,6 +39,10 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -36,9 +53,12 @@ class BlockManager:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(n)]
-        for b in out:
+        out = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            self._evict(b)
             self._refs[b] = 1
+            out.append(b)
         return out
 
     def share(self, blocks: list[int]) -> None:
@@ -53,14 +73,58 @@ class BlockManager:
                 raise ValueError(f"block {b} freed twice")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                self._free[b] = None  # most recently freed: evicted last
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 
+    # ---- prefix cache ---------------------------------------------------------------------
+    def register(self, block: int, h: bytes) -> None:
+        """Record that `block` (in use, full, computed) holds the content with hash h."""
+        if not self.enable_caching or block in self._hash_of:
+            return
+        if h in self._block_of:  # the same content computed twice: keep the first copy
+            return
+        self._hash_of[block] = h
+        self._block_of[h] = block
+        self.stored.append(h)
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """Blocks holding the longest cached prefix of `hashes` (no references taken)."""
+        out = []
+        if self.enable_caching:
+            for h in hashes:
+                b = self._block_of.get(h)
+                if b is None:
+                    break
+                out.append(b)
+        return out
+
+    def acquire(self, blocks: list[int]) -> None:
+        """Take a reference on cached blocks, in use or free."""
+        for b in blocks:
+            if self._refs[b] == 0:
+                del self._free[b]
+            self._refs[b] += 1
+
+    def hash_of(self, block: int) -> bytes | None:
+        return self._hash_of.get(block)
+
+    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+        stored, removed = self.stored, self.removed
+        self.stored, self.removed = [], []
+        return stored, removed
+
+    def _evict(self, b: int) -> None:
+        h = self._hash_of.pop(b, None)
+        if h is not None:
+            del self._block_of[h]
+            self.removed.append(h)
+
     def check(self) -> None:
         """Exact accounting: every block is either free (ref 0) or referenced, never both."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
         for b, r in enumerate(self._refs):
-            assert (r == 0) == (b in free), f"block {b}: refs={r}, on free list={b in free}"
+            assert (r == 0) == (b in self._free), f"block {b}: refs={r}, on free list={b in self._free}"
+        assert len(self._free) == sum(1 for r in self._refs if r == 0)
+        for h, b in self._block_of.items():
+            assert self._hash_of.get(b) == h, f"hash index out of step at block {b}"

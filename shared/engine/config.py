@@ -25,6 +25,7 @@ class EngineConfig:
     num_speculative_tokens: int | None = None  # None: 1 when the checkpoint has an MTP layer, else 0
     seed: int = 0
     num_threads: int | None = None
+    enable_prefix_caching: bool = True  # reuse KV of prompt prefixes computed before
 
     def __post_init__(self):
         if self.role not in ROLES:

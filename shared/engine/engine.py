@@ -22,6 +22,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.drafter import Drafter
 from shared.engine.kv_cache import KVCache
+from shared.engine.prefix_hash import chain, kv_identity
 from shared.engine.runner import Chunk, build_batch
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -96,7 +97,8 @@ class LLMEngine:
         self.use_mtp = mcfg.has_mtp and self.num_spec > 0
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
         self.kv = KVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+        self.kv_identity = kv_identity(mcfg.identity(), cfg.block_size, cfg.dtype)
         sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_spec)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
         self.seqs: dict[str, Sequence] = {}
@@ -107,6 +109,8 @@ class LLMEngine:
         self.last_stats = StepStats()
         self.num_drafted_total = 0
         self.num_accepted_total = 0
+        self.num_prompt_tokens_total = 0
+        self.num_cached_tokens_total = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -145,6 +149,7 @@ class LLMEngine:
             raise RequestError(f"duplicate request id {request_id!r}")
         self.check_request(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, num_prompt_tokens=len(prompt_ids))
+        seq.block_hashes = chain(seq.token_ids, self.cfg.block_size, self.kv_identity)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -218,6 +223,8 @@ class LLMEngine:
             self.blocks.free(seq.block_ids)
             raise
         seq.num_computed = len(token_ids) - 1
+        seq.block_hashes = chain(seq.token_ids, self.cfg.block_size, self.kv_identity)
+        self._register(seq)
         self.seqs[request_id] = seq
         self.scheduler.add_running(seq)
 
@@ -309,9 +316,14 @@ class LLMEngine:
             toks = new_tokens.get(id(c))
             if toks is None:  # a prefill chunk that does not reach the end of the prompt
                 seq.num_computed += c.q_len
+                self._register(seq)
                 mtp_work.append((c, c.q_len))
                 continue
             seq.num_computed = c.start + (c.q_len - (row_of[id(c)][1] - 1)) + (len(toks) - 1)
+            self._register(seq, toks[:-1])  # accepted drafts are computed but not yet appended
+            if seq.num_output_tokens == 0:  # its prompt is done
+                self.num_prompt_tokens_total += seq.num_prompt_tokens
+                self.num_cached_tokens_total += seq.num_cached_tokens
             lp = self._logprobs(seq, logits, row_of[id(c)][0], toks)
             emitted = self._append(seq, toks)
             out = RequestOutput(seq.request_id, emitted, logprobs=lp[: len(emitted)] if lp else None,
@@ -328,6 +340,20 @@ class LLMEngine:
                     out.prefill_done = True
             outputs.append(out)
         return outputs, mtp_work
+
+    def _register(self, seq: Sequence, pending: list[int] = ()) -> None:
+        """Put the sequence's newly completed full blocks into the prefix cache. `pending`:
+        tokens whose KV is computed but that are not in seq.token_ids yet."""
+        if not self.blocks.enable_caching:
+            return
+        n_full = seq.num_computed // self.cfg.block_size
+        if n_full <= seq.num_registered:
+            return
+        tokens = seq.token_ids + list(pending) if pending else seq.token_ids
+        seq.block_hashes = chain(tokens, self.cfg.block_size, self.kv_identity, n_full, seq.block_hashes)
+        for i in range(seq.num_registered, n_full):
+            self.blocks.register(seq.block_ids[i], seq.block_hashes[i])
+        seq.num_registered = n_full
 
     def _gen(self, seq: Sequence) -> torch.Generator | None:
         # Keyed by output position, so a seeded request draws the same numbers whether it

@@ -119,9 +119,13 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            cached = self._reuse_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             need = self.blocks.blocks_for(seq.num_computed + num_new + max(k - 1, 0)) - len(seq.block_ids)
             if not self.blocks.can_allocate(need):
+                if cached:  # give the prefix back; it stays cached for the next attempt
+                    self._free(seq)
+                    seq.num_computed = seq.num_registered = 0
                 break
             seq.block_ids += self.blocks.allocate(need)
             self.waiting.popleft()
@@ -130,6 +134,22 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
+
+    def _reuse_prefix(self, seq: Sequence) -> int:
+        """Start a fresh sequence on the cached blocks of its longest known prefix. At least
+        one token is left to compute, since sampling needs its logits."""
+        if seq.block_ids or seq.num_computed or not self.blocks.enable_caching:
+            return 0
+        usable = (seq.num_tokens - 1) // self.blocks.block_size
+        blocks = self.blocks.lookup(seq.block_hashes[:usable])
+        if not blocks:
+            return 0
+        self.blocks.acquire(blocks)
+        seq.block_ids = list(blocks)
+        seq.num_computed = len(blocks) * self.blocks.block_size
+        seq.num_registered = len(blocks)
+        seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
+        return len(blocks)
 
     def _ensure_blocks(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
         need = self.blocks.blocks_for(num_slots) - len(seq.block_ids)
@@ -147,6 +167,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.num_computed = 0
+        seq.num_registered = 0
         seq.draft_ids = []
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING

@@ -57,6 +57,9 @@ class Sequence:
     num_preemptions: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # content hashes of full blocks, a chain
+    num_registered: int = 0  # leading blocks whose hashes are in the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
     def __post_init__(self):
         if self.num_prompt_tokens < 0:
