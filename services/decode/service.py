@@ -241,6 +241,8 @@ class DecodeService:
                                                       num_prompt_tokens=out.num_prompt_tokens,
                                                       logprobs=logprobs_wire(out.logprobs)))
             if out.finished:
+                if out.block_hashes:  # prompt and answer: the next turn's prefix, for the KV store
+                    rt.kv_sharing.push_soon(out.block_hashes)
                 del self.active[out.request_id]
                 act.span.set_attributes({"decode.steps": act.steps, "finish.reason": reason})
                 act.span.end()

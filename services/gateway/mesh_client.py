@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NATS
 
 from services.gateway.config import GatewayConfig
-from services.gateway.router import pick_decode
-from shared.protocol.messages import Abort, Ack, Heartbeat, PrefillJob, TokenBatch, TokenUpdate, WireSampling
+from services.gateway.kv_index import KVIndex
+from services.gateway.router import pick_decode, pick_prefill
+from shared.engine.prefix_hash import chain
+from shared.protocol.messages import (
+    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, KVSource, PrefillJob, TokenBatch, TokenUpdate, WireSampling,
+)
 from shared.protocol.subjects import Subjects
 from shared.service.heartbeat import WorkerRegistry
 from shared.service.nats_io import RemoteError, Unreachable, connect, publish, request, subscribe
@@ -51,6 +55,9 @@ class MeshClient:
         self.registry = WorkerRegistry()
         self.handles: dict[str, Handle] = {}
         self._assigned: dict[str, int] = defaultdict(int)
+        self._assigned_prompt: dict[str, int] = defaultdict(int)
+        self.kv = KVIndex()
+        self._snapshots: set[str] = set()
         self.nc: NATS | None = None
         self._subs = []
         self.batches_received = 0
@@ -60,6 +67,7 @@ class MeshClient:
         s = self.subjects
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
         self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id), TokenBatch, self._on_tokens))
+        self._subs.append(await subscribe(self.nc, s.kv_events, KVEvents, self._on_kv_events))
 
     async def close(self) -> None:
         if self.nc is None:
@@ -74,6 +82,56 @@ class MeshClient:
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         self.registry.observe(hb)
         self._assigned.pop(hb.worker_id, None)  # the beat now reflects what we sent
+        self._assigned_prompt.pop(hb.worker_id, None)
+        if hb.kv_identity and hb.worker_id not in self._snapshots and not hb.draining:
+            self._snapshots.add(hb.worker_id)  # catch up on what it held before we listened
+            asyncio.get_running_loop().create_task(self._snapshot(hb.worker_id))
+        for dead in self.registry.prune():
+            self.kv.forget(dead)
+            self._snapshots.discard(dead)
+
+    async def _snapshot(self, holder: str) -> None:
+        try:
+            ev = await request(self.nc, self.subjects.kv_snapshot(holder), KVSnapshotRequest(), KVEvents, 5)
+            self.kv.apply(ev)
+        except (Unreachable, RemoteError) as e:
+            self._snapshots.discard(holder)  # try again on a later heartbeat
+            log.debug("KV snapshot of %s failed: %s", holder, e)
+
+    async def _on_kv_events(self, ev: KVEvents, msg, ctx) -> None:
+        self.kv.apply(ev)
+
+    def _route_prefill(self, prompt_ids: list[int]) -> tuple[Heartbeat | None, list[KVSource]]:
+        """KV-aware: the prefill worker by router.pick_prefill, plus the holders (peers, the
+        KV store) that have a longer prefix of this prompt than it, to pull from."""
+        workers = self.live("prefill")
+        if not workers:
+            return None, []
+        chains: dict[tuple[bytes, int], list[bytes]] = {}
+        overlap: dict[str, int] = {}
+        holders = [hb for hb in self.registry.live(None) if hb.kv_identity and self.kv.knows(hb.worker_id)]
+        workers_ = [hb for hb in holders if hb.role != "kv_store"]
+        for hb in workers_:
+            key = (hb.kv_identity, hb.block_size)
+            if key not in chains:
+                usable = (len(prompt_ids) - 1) // hb.block_size
+                chains[key] = chain(prompt_ids, hb.block_size, hb.kv_identity, usable)
+            overlap[hb.worker_id] = self.kv.overlap(hb.worker_id, chains[key])
+        block_size = workers[0].block_size or 16
+        chosen = pick_prefill(workers, overlap, block_size, self._assigned_prompt)
+        mine = overlap.get(chosen.worker_id, 0)
+        ident = (chosen.kv_identity, chosen.block_size)
+        mine_chain = chains.get(ident)
+        if mine_chain is None:
+            return chosen, []
+        for hb in holders:  # a store holds blocks of any model: the hashes themselves tell
+            if hb.role == "kv_store":
+                overlap[hb.worker_id] = self.kv.overlap(hb.worker_id, mine_chain)
+        sources = sorted((KVSource(hb.worker_id, overlap[hb.worker_id]) for hb in holders
+                          if overlap.get(hb.worker_id, 0) > mine and hb.worker_id != chosen.worker_id
+                          and (hb.role == "kv_store" or (hb.kv_identity, hb.block_size) == ident)),
+                         key=lambda s: -s.num_blocks)[:2]
+        return chosen, sources
 
     def live(self, role: str) -> list[Heartbeat]:
         return self.registry.live(role)
@@ -91,10 +149,21 @@ class MeshClient:
         self._assigned[decode.worker_id] += params.max_tokens
         job = PrefillJob(request_id, list(prompt_ids), WireSampling.from_params(params), self.gateway_id,
                          decode.worker_id, time.time())
-        subject = (self.subjects.decode_bench_job(decode.worker_id) if self.cfg.decode_only_bench
-                   else self.subjects.prefill_jobs)
+        if self.cfg.decode_only_bench:
+            subject = self.subjects.decode_bench_job(decode.worker_id)
+        else:
+            prefill, job.kv_sources = self._route_prefill(prompt_ids)
+            subject = self.subjects.prefill_direct(prefill.worker_id)
+            self._assigned_prompt[prefill.worker_id] += len(prompt_ids)
         try:
-            await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, headers)
+            try:
+                await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, headers)
+            except Unreachable:
+                if self.cfg.decode_only_bench:
+                    raise
+                # The chosen worker just went away: any prefill worker will do.
+                job.kv_sources = []
+                await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s, headers)
         except Unreachable as e:
             self.handles.pop(request_id, None)
             raise NoWorkers(f"no prefill worker took the request: {e}") from None

@@ -22,7 +22,9 @@ from opentelemetry import trace
 
 from services.prefill.config import PrefillConfig
 from services.prefill.leases import LeaseTable
+from shared.engine import block_io
 from shared.engine.engine import RequestError, RequestOutput, StepStats
+from shared.engine.prefix_hash import chain
 from shared.engine.sampling_params import SamplingParamError
 from shared.protocol.messages import (
     Abort, Ack, ErrorReply, Heartbeat, KVPull, KVPullReply, KVReady, KVRelease, PrefillJob, TokenUpdate,
@@ -48,6 +50,7 @@ class JobState:
     t0: float
     phase: trace.Span  # "queue.wait" until first scheduled, then "prefill.batch"
     scheduled: bool = False
+    queued_ns: int = 0
 
 
 class PrefillService:
@@ -77,6 +80,7 @@ class PrefillService:
         rt.extra_stats = lambda: {"num_held": len(self.leases)}
         s = rt.subjects
         self._job_subs.append(await rt.sub(s.prefill_jobs, PrefillJob, self._on_job, queue=s.prefill_queue_group))
+        self._job_subs.append(await rt.sub(s.prefill_direct(rt.worker_id), PrefillJob, self._on_job))
         await rt.sub(s.kv_pull(rt.worker_id), KVPull, self._on_pull)
         await rt.sub(s.kv_release(rt.worker_id), KVRelease, self._on_release)
         await rt.sub(s.abort, Abort, self._on_abort)
@@ -106,14 +110,26 @@ class PrefillService:
             return ErrorReply(str(e), "bad_request")
         span = self.rt.tracer.start_span("prefill", context=ctx, attributes={
             "request.id": job.request_id, "prompt.tokens": len(job.prompt_ids), "worker.id": self.rt.worker_id})
+        cached: list[int] = []
+        if job.kv_sources and self.rt.engine.blocks.enable_caching:
+            # A peer or the KV store holds more of this prompt than we do: pull it first.
+            e = self.rt.engine
+            usable = (len(job.prompt_ids) - 1) // e.cfg.block_size
+            hashes = chain(job.prompt_ids, e.cfg.block_size, e.kv_identity, usable)
+            cached = await self.rt.kv_sharing.acquire_prompt_prefix(hashes, job.kv_sources)
+            span.set_attribute("prefill.cached_blocks", len(cached))
         try:
-            await self.rt.loop.call(lambda e: e.add_request(job.request_id, job.prompt_ids, params))
+            await self.rt.loop.call(lambda e: e.add_request(job.request_id, job.prompt_ids, params,
+                                                            cached_blocks=cached))
         except RequestError as e:
+            if cached:
+                await self.rt.loop.call(lambda eng: block_io.release(eng, cached))
             span.set_status(trace.StatusCode.ERROR, str(e))
             span.end()
             return ErrorReply(str(e), "bad_request")
-        queue = self.rt.tracer.start_span("queue.wait", context=trace.set_span_in_context(span))
-        self.jobs[job.request_id] = JobState(job, span, time.monotonic(), queue)
+        queued_ns = time.time_ns()
+        queue = self.rt.tracer.start_span("queue.wait", context=trace.set_span_in_context(span), start_time=queued_ns)
+        self.jobs[job.request_id] = JobState(job, span, time.monotonic(), queue, queued_ns=queued_ns)
         return Ack()
 
     async def _on_outputs(self, outputs: list[RequestOutput], stats: StepStats) -> None:
@@ -122,9 +138,11 @@ class PrefillService:
             st = self.jobs.get(rid)
             if st is not None and not st.scheduled:
                 st.scheduled = True
-                st.phase.end(start_time_ns(stats))
+                # The step may have started before the job's span did (it arrived mid-step).
+                t = max(start_time_ns(stats), st.queued_ns)
+                st.phase.end(t)
                 st.phase = self.rt.tracer.start_span(
-                    "prefill.batch", context=trace.set_span_in_context(st.span), start_time=start_time_ns(stats),
+                    "prefill.batch", context=trace.set_span_in_context(st.span), start_time=t,
                     attributes={"batch.num_tokens": stats.num_tokens, "batch.num_seqs": stats.num_seqs})
         handoffs = []
         for out in outputs:
@@ -229,8 +247,12 @@ class PrefillService:
         return Ack()
 
     async def _free_lease(self, request_id: str) -> None:
-        if self.leases.pop(request_id) is not None:
+        lease = self.leases.pop(request_id)
+        if lease is not None:
             await self.rt.loop.call(lambda e: e.release(request_id))
+            e = self.rt.engine
+            if e.blocks.enable_caching:  # the prompt's blocks stay cached here; offer them to the store
+                self.rt.kv_sharing.push_soon(chain(lease.job.prompt_ids, e.cfg.block_size, e.kv_identity))
 
     async def _reap_leases(self) -> None:
         while True:

@@ -10,6 +10,7 @@ SERVICES = {
     "prefill": ("services.prefill.config:PrefillConfig", "services.prefill.service:PrefillService"),
     "decode": ("services.decode.config:DecodeConfig", "services.decode.service:DecodeService"),
     "balancer": ("services.balancer.config:BalancerConfig", "services.balancer.service:BalancerService"),
+    "kv_store": ("services.kv_store.config:KVStoreConfig", "services.kv_store.service:KVStoreService"),
 }
 
 

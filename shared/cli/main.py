@@ -7,9 +7,9 @@ import argparse
 import logging
 import sys
 
-from shared.cli import cmd_bench, cmd_eplb, cmd_generate, cmd_init_model, cmd_services, cmd_trace, cmd_up
+from shared.cli import cmd_bench, cmd_eplb, cmd_generate, cmd_init_model, cmd_profile, cmd_services, cmd_trace, cmd_up
 
-COMMANDS = [cmd_up, cmd_init_model, cmd_generate, cmd_bench, cmd_trace, cmd_services, cmd_eplb]
+COMMANDS = [cmd_up, cmd_init_model, cmd_generate, cmd_bench, cmd_trace, cmd_services, cmd_eplb, cmd_profile]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -58,6 +58,7 @@ class WorkerConfig(ServiceConfig):
     ucx_net_devices: str = ""
     ucx_tls: str = ""
     transfer_timeout_s: float = 10.0
+    enable_prefix_caching: bool = True  # reuse KV of prefixes computed before (and share it)
     # Wide expert parallelism: this process is rank dp_rank of a DEP-dp_size instance.
     dp_size: int = 1
     dp_rank: int = 0
@@ -108,5 +109,5 @@ class WorkerConfig(ServiceConfig):
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len or None,
             num_speculative_tokens=None if self.num_speculative_tokens < 0 else self.num_speculative_tokens,
-            num_threads=self.num_threads or None,
+            num_threads=self.num_threads or None, enable_prefix_caching=self.enable_prefix_caching,
         )

@@ -54,6 +54,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prefill_done: bool = False  # prefill role: the request is HELD, its KV ready to export
     num_prompt_tokens: int = 0
+    block_hashes: list[bytes] | None = None  # on finish: hashes of its full computed blocks
 
 
 @dataclass
@@ -141,15 +142,26 @@ class LLMEngine:
                 f"request needs {need} KV blocks but the cache holds {self.blocks.num_blocks}", "max_tokens")
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, output_ids: list[int] = ()
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
+        cached_blocks: list[int] = (),
     ) -> None:
         """output_ids: tokens already generated elsewhere (a decode worker recomputing a
-        prompt whose KV transfer failed); they are recomputed with the prompt."""
+        prompt whose KV transfer failed); they are recomputed with the prompt.
+        cached_blocks: blocks (references already held, handed over to the request) that
+        hold the KV of the prompt's first len(cached_blocks) full blocks."""
         if request_id in self.seqs or request_id in self.held:
             raise RequestError(f"duplicate request id {request_id!r}")
         self.check_request(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, num_prompt_tokens=len(prompt_ids))
         seq.block_hashes = chain(seq.token_ids, self.cfg.block_size, self.kv_identity)
+        if cached_blocks:
+            bs = self.cfg.block_size
+            if len(cached_blocks) * bs >= len(seq.token_ids):
+                raise RequestError("cached blocks must leave at least one prompt token to compute")
+            seq.block_ids = list(cached_blocks)
+            seq.num_computed = len(cached_blocks) * bs
+            seq.num_registered = len(cached_blocks)
+            seq.num_cached_tokens = seq.num_computed
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -169,6 +181,10 @@ class LLMEngine:
         outstanding = sum(max(0, s.params.max_tokens - s.num_output_tokens) for s in self.seqs.values())
         return (len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.num_free_blocks,
                 self.blocks.num_blocks, outstanding)
+
+    def pending_prompt_tokens(self) -> int:
+        """Prompt tokens admitted but not yet computed. Call only between steps."""
+        return sum(max(0, s.num_prompt_tokens - s.num_computed) for s in self.seqs.values())
 
     @property
     def num_running(self) -> int:
@@ -330,6 +346,8 @@ class LLMEngine:
                                 num_prompt_tokens=seq.num_prompt_tokens)
             if seq.is_finished:
                 out.finished, out.finish_reason = True, seq.finish_reason
+                if self.blocks.enable_caching:
+                    out.block_hashes = seq.block_hashes[: seq.num_registered]
                 self.seqs.pop(seq.request_id, None)
             else:
                 mtp_work.append((c, seq.num_computed - c.start))

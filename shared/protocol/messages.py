@@ -46,6 +46,7 @@ class PrefillJob:
     gateway_id: str
     decode_id: str  # the decode worker the gateway chose
     arrival_time: float = 0.0
+    kv_sources: list["KVSource"] = field(default_factory=list)  # holders of longer cached prefixes
 
 
 @dataclass
@@ -147,6 +148,7 @@ class WorkerLoad:
     num_free_blocks: int = 0
     num_blocks: int = 0
     outstanding_tokens: int = 0  # tokens still to generate for admitted requests
+    pending_prompt_tokens: int = 0  # prompt tokens admitted but not computed yet
 
 
 @dataclass
@@ -163,6 +165,8 @@ class Heartbeat:
     interval_s: float = 1.0
     sent_at: float = 0.0
     engine: str = "model"  # "mock" for the mock engine
+    kv_identity: bytes = b""  # prefix_hash.kv_identity: whose block hashes match ours
+    block_size: int = 0
 
 
 @dataclass
@@ -270,3 +274,66 @@ class RebalanceReply:
     move_seconds: float = 0.0
     bytes_moved: int = 0
     slots_changed: int = 0
+
+
+# ---- KV blocks across the mesh (prefix reuse) ---------------------------------------------
+@dataclass
+class KVEvents:
+    """Blocks a holder (worker or KV store) now has, or no longer has, by content hash."""
+
+    holder_id: str
+    role: str  # prefill | decode | kv_store
+    kv_identity: bytes
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+    reset: bool = False  # a full snapshot: forget what was known of this holder first
+
+
+@dataclass
+class KVSnapshotRequest:
+    pass
+
+
+@dataclass
+class KVFetch:
+    """Send these blocks (all of them, in order) to `address` under `tag`, or nothing."""
+
+    hashes: list[bytes]
+    address: bytes
+    tag: int
+    nbytes: int
+
+
+@dataclass
+class KVFetchReply:
+    ok: bool
+    error: str = ""
+    checksums: list[int] = field(default_factory=list)
+
+
+@dataclass
+class KVPut:
+    """Offer blocks to the KV store; it answers ready (with a tag) once its receive is set up."""
+
+    holder_id: str
+    hashes: list[bytes]
+    checksums: list[int]
+    nbytes: int
+    kv_identity: bytes
+
+
+@dataclass
+class KVPutReply:
+    ok: bool
+    tag: int = 0
+    address: bytes = b""
+    wanted: list[bool] = field(default_factory=list)  # which of the offered blocks the store lacks
+    error: str = ""
+
+
+@dataclass
+class KVSource:
+    """Where the prefill worker can pull prompt blocks beyond its own cache from."""
+
+    holder_id: str
+    num_blocks: int  # blocks of the prompt's hash chain the holder has, from the start

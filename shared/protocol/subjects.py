@@ -18,6 +18,11 @@
 | {p}.eplb.{instance}.abort               | publish       | balancer -> ranks | MoveAbort                         |
 | {p}.eplb.{instance}.done                | publish       | ranks -> balancer | MoveDone                          |
 | {p}.eplb.{instance}.rebalance           | request/reply | anyone -> balancer| RebalanceRequest (RebalanceReply) |
+| {p}.prefill.{worker}.jobs               | request/reply | gateway -> prefill| PrefillJob (Ack): KV-aware routing|
+| {p}.kv.events                           | publish       | holders -> all    | KVEvents (blocks stored/removed)  |
+| {p}.kv.{holder}.snapshot                | request/reply | gateway -> holder | KVSnapshotRequest (KVEvents)      |
+| {p}.kv.{holder}.fetch                   | request/reply | worker -> holder  | KVFetch (KVFetchReply) + UCX      |
+| {p}.kv_store.put                        | request/reply | worker -> store   | KVPut (KVPutReply) + UCX          |
 
 Any request whose payload does not validate is answered with an ErrorReply and
 logged; the service keeps serving. Trace context travels in the NATS message headers
@@ -41,6 +46,23 @@ class Subjects:
 
     def decode_kv_ready(self, worker: str) -> str:
         return f"{self.prefix}.decode.{worker}.kv_ready"
+
+    def prefill_direct(self, worker: str) -> str:
+        return f"{self.prefix}.prefill.{worker}.jobs"
+
+    @property
+    def kv_events(self) -> str:
+        return f"{self.prefix}.kv.events"
+
+    def kv_snapshot(self, holder: str) -> str:
+        return f"{self.prefix}.kv.{holder}.snapshot"
+
+    def kv_fetch(self, holder: str) -> str:
+        return f"{self.prefix}.kv.{holder}.fetch"
+
+    @property
+    def kv_store_put(self) -> str:
+        return f"{self.prefix}.kv_store.put"
 
     def decode_bench_job(self, worker: str) -> str:
         return f"{self.prefix}.decode.{worker}.bench_job"

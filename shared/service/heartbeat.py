@@ -81,10 +81,11 @@ class WorkerRegistry:
             del self.workers[w]
         return dead
 
-    def live(self, role: str, model: str | None = None) -> list[Heartbeat]:
+    def live(self, role: str | None, model: str | None = None) -> list[Heartbeat]:
+        """Live workers of a role (None: every role)."""
         self.prune()
         return [lw.beat for lw in self.workers.values()
-                if lw.beat.role == role and (model is None or lw.beat.model == model)]
+                if (role is None or lw.beat.role == role) and (model is None or lw.beat.model == model)]
 
     def get(self, worker_id: str) -> Heartbeat | None:
         lw = self.workers.get(worker_id)

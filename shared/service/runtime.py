@@ -24,6 +24,7 @@ from shared.protocol.wire import encode
 from shared.service.dep_runtime import DepRuntime
 from shared.service.engine_loop import EngineLoop, OutputSink
 from shared.service.heartbeat import Heartbeater
+from shared.service.kv_sharing import KVSharing
 from shared.service.metrics_http import MetricsServer
 from shared.service.nats_io import connect, subscribe
 from shared.telemetry.metrics import Metrics
@@ -90,6 +91,7 @@ class WorkerRuntime:
         self._load = WorkerLoad()
         self._closed = False
         self.dep: DepRuntime | None = None
+        self.kv_sharing: KVSharing | None = None
         self._loop_task: asyncio.Task | None = None
         self.metrics_server: MetricsServer | None = None
 
@@ -121,12 +123,18 @@ class WorkerRuntime:
         self.loop.after_step.append(self._account_step)
         self.h_phase = self.metrics.histogram("step_phase_seconds", "engine step time by phase", ("phase",))
         self.c_steps = self.metrics.counter("steps_total", "engine steps (empty lockstep steps included)")
+        self.c_prompt = self.metrics.counter("prompt_tokens_total", "prompt tokens prefilled or reused")
+        self.c_cached = self.metrics.counter("prefix_cache_hit_tokens_total",
+                                             "prompt tokens whose KV came from the prefix cache")
+        self._seen_prompt = self._seen_cached = 0
         self.last_account: StepAccount | None = None
         self.recent_steps: deque[list[float]] = deque(maxlen=4096)
         self.refresh_load()
         self._loop_task = self.spawn(self.loop.run(), "engine-loop")
         await self.sub(self.subjects.stats(self.worker_id), StatsRequest, self._on_stats)
         await self.dep.start()
+        self.kv_sharing = KVSharing(self)
+        await self.kv_sharing.start()
         if cfg.metrics_port >= 0:
             self.metrics_server = MetricsServer(self.metrics.render, lambda: {"status": "ok", "role": self.role,
                                                                               "draining": self.draining},
@@ -152,6 +160,10 @@ class WorkerRuntime:
         agree = dep.lockstep.last_agree_s if dep is not None and dep.lockstep is not None else 0.0
         a = self.last_account = account(self.engine.last_stats, comm, agree, self.loop.last_gap_s)
         self.c_steps.inc()
+        e = self.engine
+        self.c_prompt.inc(e.num_prompt_tokens_total - self._seen_prompt)
+        self.c_cached.inc(e.num_cached_tokens_total - self._seen_cached)
+        self._seen_prompt, self._seen_cached = e.num_prompt_tokens_total, e.num_cached_tokens_total
         if a.num_seqs:  # empty lockstep steps are waiting, not serving
             self.recent_steps.append([time.time(), a.total_s, a.forward_s, a.host_s, a.rank_wait_s,
                                       self.loop.last_gap_s])
@@ -162,13 +174,15 @@ class WorkerRuntime:
     def refresh_load(self) -> None:
         """Snapshot the engine's load. Only from the engine loop: between steps or in an op."""
         r, w, free, total, out = self.engine.load()
-        self._load = WorkerLoad(r, w, free, total, out)
+        self._load = WorkerLoad(r, w, free, total, out, self.engine.pending_prompt_tokens())
 
     def _beat(self) -> Heartbeat:
         return Heartbeat(
             worker_id=self.worker_id, role=self.role, model=self.cfg.model_name, load=self._load,
             address=self.transport.address, draining=self.draining, instance_id=self.cfg.instance,
             dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size, engine=self.cfg.engine,
+            kv_identity=self.engine.kv_identity if self.engine.blocks.enable_caching else b"",
+            block_size=self.engine.cfg.block_size,
         )
 
     def extra_stats(self) -> dict:
@@ -178,8 +192,12 @@ class WorkerRuntime:
         load = await self.loop.call(lambda e: WorkerLoad(*e.load()))
         steps = list(self.recent_steps) if req.detail else []
         version = self.dep.agent.version if self.dep is not None and self.dep.agent is not None else 0
+        e = self.engine
+        counters = {"prompt_tokens": float(e.num_prompt_tokens_total),
+                    "prefix_cache_hit_tokens": float(e.num_cached_tokens_total),
+                    "kv_pulled_tokens": float(self.kv_sharing.pulled_tokens if self.kv_sharing else 0)}
         return WorkerStats(self.worker_id, self.role, load, staging_bytes_used=self.staging.bytes_used,
-                           recent_steps=steps, placement_version=version, **self.extra_stats())
+                           recent_steps=steps, placement_version=version, counters=counters, **self.extra_stats())
 
     async def begin_drain(self, job_subs) -> None:
         """Stop taking new work and tell the mesh so, at once."""

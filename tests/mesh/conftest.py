@@ -46,7 +46,8 @@ def _wait_ready(url: str, group: ProcessGroup, timeout: float = 120, min_decode:
 
 
 def start_mesh(tmp: Path, model: str, prefill_set=(), decode_set=(), gateway_set=(), decode_dp: int = 1,
-               rank_set: dict[int, list[str]] | None = None, balancer_set=None) -> RunningMesh:
+               rank_set: dict[int, list[str]] | None = None, balancer_set=None, num_prefill: int = 1,
+               kv_store_set=None) -> RunningMesh:
     """decode_dp > 1 makes the decode side one DEP instance ("decode-t") of that many rank
     processes; rank_set adds settings to single ranks; balancer_set starts a balancer."""
     group = ProcessGroup(tmp / "logs")
@@ -64,7 +65,12 @@ def start_mesh(tmp: Path, model: str, prefill_set=(), decode_set=(), gateway_set
         return [a for s in items for a in ("--set", s)]
 
     try:
-        group.start("prefill", py + ["services.prefill", *common, "--worker-id", m.prefill_id, *sets(prefill_set)])
+        for i in range(num_prefill):
+            wid = m.prefill_id if i == 0 else f"{m.prefill_id}{i}"
+            group.start(f"prefill{i or ''}", py + ["services.prefill", *common, "--worker-id", wid, *sets(prefill_set)])
+        if kv_store_set is not None:
+            group.start("kv_store", py + ["services.kv_store", "--nats-url", nats_url, "--worker-id", "kv-store-t",
+                                          *sets(kv_store_set)])
         if decode_dp == 1:
             group.start("decode", py + ["services.decode", *common, "--worker-id", m.decode_id, *sets(decode_set)])
         else:

@@ -1,0 +1,245 @@
+"""The KV store: KV blocks that outlive the requests that computed them.
+
+Lifecycle of a block here: offered (KVPut from a worker; the store says which blocks
+it lacks and posts a UCX receive) -> received (checksums verified; a bad block is
+dropped) -> held in memory (LRU) -> spilled to disk when memory is full (if a disk tier
+is set) -> evicted. Workers fetch blocks by hash over UCX (KVFetch), all or nothing; a
+block that fails its checksum on the way out is a miss. Every change is published as
+KVEvents, so the gateway can send a request's prefill where its context is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import zlib
+
+import numpy as np
+
+from services.kv_store.config import KVStoreConfig
+from services.kv_store.tiers import DiskTier, MemoryTier
+from shared.protocol.messages import (
+    Heartbeat, KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, KVSnapshotRequest, WorkerLoad,
+)
+from shared.protocol.subjects import Subjects
+from shared.service.heartbeat import Heartbeater, WorkerRegistry
+from shared.service.metrics_http import MetricsServer
+from shared.service.nats_io import connect, publish, subscribe
+from shared.telemetry.metrics import Metrics
+from shared.transport.base import TransferError
+from shared.transport.staging import StagingPool
+from shared.transport.ucx import UcxTransport
+
+log = logging.getLogger(__name__)
+
+
+class KVStoreService:
+    def __init__(self, cfg: KVStoreConfig):
+        self.cfg = cfg
+        self.id = cfg.worker_id
+        self.subjects = Subjects(cfg.subject_prefix)
+        self.mem = MemoryTier(cfg.capacity_mb << 20)
+        self.disk = DiskTier(cfg.disk_dir, cfg.disk_capacity_mb << 20) if cfg.disk_dir else None
+        self.peers = WorkerRegistry()
+        self.metrics = m = Metrics()
+        self.c_blocks = m.counter("kv_store_blocks_total", "fetch lookups by outcome", ("outcome",))
+        self.c_bytes = m.counter("kv_store_transfer_bytes_total", "block bytes moved", ("direction",))
+        self.c_evict = m.counter("kv_store_evictions_total", "blocks evicted", ("tier",))
+        self.c_corrupt = m.counter("kv_store_corrupt_blocks_total", "blocks dropped for a bad checksum")
+        self.g_used = m.gauge("kv_store_held_bytes", "bytes held", ("tier",))
+        self.g_count = m.gauge("kv_store_held_blocks", "blocks held", ("tier",))
+        self._stored: list[bytes] = []
+        self._removed: list[bytes] = []
+        self._flush = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.nc = self.transport = self.staging = self.heartbeat = self._http = None
+
+    async def __aenter__(self) -> "KVStoreService":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        cfg, s = self.cfg, self.subjects
+        self.transport = UcxTransport(cfg.ucx_net_devices, cfg.ucx_tls)
+        await self.transport.start()
+        self.staging = StagingPool(cfg.staging_mb << 20)
+        self.nc = await connect(cfg, f"moemesh-kv_store-{self.id}")
+        await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat)
+        await subscribe(self.nc, s.kv_store_put, KVPut, self._on_put)
+        await subscribe(self.nc, s.kv_fetch(self.id), KVFetch, self._on_fetch)
+        await subscribe(self.nc, s.kv_snapshot(self.id), KVSnapshotRequest, self._on_snapshot)
+        self._tasks.append(asyncio.create_task(self._publish_events(), name="kv-events"))
+        self.heartbeat = Heartbeater(self.nc, s, self._beat, cfg.heartbeat_interval_s)
+        self.heartbeat.start()
+        if cfg.metrics_port >= 0:
+            self._http = MetricsServer(self._render, lambda: {"status": "ok"}, cfg.metrics_host, cfg.metrics_port)
+            await self._http.start()
+        # Blocks on disk from before a restart are announced again.
+        self._stored += self.disk.hashes() if self.disk else []
+        self._flush.set()
+        log.info("KV store %s ready: %d MiB memory, disk %s", self.id, cfg.capacity_mb, cfg.disk_dir or "off")
+
+    async def drain(self) -> None:
+        pass  # nothing is owed to anyone: a restart only costs recomputation
+
+    async def stop(self) -> None:
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
+        if self.nc is not None:
+            nc, self.nc = self.nc, None
+            try:
+                await nc.drain()
+            except Exception:
+                await nc.close()
+        if self.transport is not None:
+            await self.transport.close()
+
+    def _beat(self) -> Heartbeat:
+        load = WorkerLoad(num_free_blocks=0, num_blocks=len(self.mem) + (len(self.disk) if self.disk else 0))
+        return Heartbeat(self.id, "kv_store", self.cfg.model_name, load, address=self.transport.address,
+                         kv_identity=b"*")
+
+    def _render(self) -> tuple[bytes, str]:
+        for tier, t in (("memory", self.mem), ("disk", self.disk)):
+            if t is not None:
+                self.g_used.labels(tier).set(t.used)
+                self.g_count.labels(tier).set(len(t))
+        return self.metrics.render()
+
+    async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
+        self.peers.observe(hb)
+
+    def _known(self, address: bytes) -> bool:
+        # UCX aborts a process given a malformed address: only announced peers.
+        return any(lw.beat.address == address for lw in self.peers.workers.values())
+
+    # ---- holding ----------------------------------------------------------------------------
+    def has(self, h: bytes) -> bool:
+        return h in self.mem or (self.disk is not None and h in self.disk)
+
+    def _insert(self, h: bytes, data: bytes, crc: int) -> None:
+        evicted = self.mem.put(h, data, crc)
+        if evicted is None:
+            return  # memory is all pinned right now: drop it, the worker still has it
+        self._stored.append(h)
+        for old, d, c in evicted:
+            if self.disk is not None:
+                for gone in self.disk.put(old, d, c):
+                    self.c_evict.labels("disk").inc()
+                    self._removed.append(gone)
+            else:
+                self._removed.append(old)
+            self.c_evict.labels("memory").inc()
+        self._flush.set()
+
+    def _read(self, h: bytes) -> tuple[bytes, int] | None:
+        got = self.mem.get(h)
+        if got is None and self.disk is not None:
+            got = self.disk.get(h)
+            if got is None and self.disk.corrupt:
+                self._sync_corrupt()
+            elif got is not None:
+                self.mem.put(h, *got)  # hot again: back to memory
+        if got is not None and zlib.crc32(got[0]) != got[1]:
+            self.c_corrupt.inc()
+            return None
+        return got
+
+    def _sync_corrupt(self) -> None:
+        self.c_corrupt.inc(self.disk.corrupt)
+        self.disk.corrupt = 0
+
+    # ---- the protocol -----------------------------------------------------------------------
+    async def _on_put(self, p: KVPut, msg, ctx) -> KVPutReply:
+        wanted = [not self.has(h) for h in p.hashes]
+        if not any(wanted):
+            return KVPutReply(True, wanted=wanted)
+        if len(p.checksums) != len(p.hashes) or p.nbytes % len(p.hashes):
+            return KVPutReply(False, error="checksums and sizes do not match the offered blocks")
+        slot = self.staging.alloc(p.nbytes)
+        if slot is None:
+            return KVPutReply(False, error="store staging memory is full")
+        tag = random.getrandbits(62)
+        transfer = self.transport.post_recv(slot.buffer(), tag)
+        asyncio.get_running_loop().create_task(self._receive(p, wanted, slot, transfer))
+        return KVPutReply(True, tag, self.transport.address, wanted)
+
+    async def _receive(self, p: KVPut, wanted, slot, transfer) -> None:
+        try:
+            await transfer.wait(self.cfg.transfer_timeout_s)
+            per = p.nbytes // len(p.hashes)
+            raw = slot.buffer()
+            for i, (h, crc, want) in enumerate(zip(p.hashes, p.checksums, wanted)):
+                if not want:
+                    continue
+                data = bytes(raw[i * per : (i + 1) * per])
+                if zlib.crc32(data) != crc:
+                    self.c_corrupt.inc()  # damaged on the way in: never stored, never served
+                    continue
+                self._insert(h, data, crc)
+            self.c_bytes.labels("in").inc(p.nbytes)
+        except TransferError as e:
+            log.info("blocks offered by %s never arrived: %s", p.holder_id, e)
+        finally:
+            if await transfer.abandon(1.0):
+                self.staging.free(slot)
+            else:
+                transfer.add_done_callback(lambda _t: self.staging.free(slot))
+
+    async def _on_fetch(self, f: KVFetch, msg, ctx) -> KVFetchReply:
+        if not f.hashes or f.nbytes % len(f.hashes):
+            return KVFetchReply(False, "bad block count or size")
+        if not self._known(f.address):
+            return KVFetchReply(False, "the fetching address belongs to no live worker")
+        blocks = []
+        for h in f.hashes:
+            got = self._read(h)
+            if got is None or len(got[0]) != f.nbytes // len(f.hashes):
+                self.c_blocks.labels("miss").inc(len(f.hashes))
+                return KVFetchReply(False, "not every block is held (or one failed its checksum)")
+            blocks.append(got)
+        for h in f.hashes:
+            self.mem.pin(h)
+        slot = self.staging.alloc(f.nbytes)
+        try:
+            if slot is None:
+                return KVFetchReply(False, "store staging memory is full")
+            buf = slot.buffer()
+            per = f.nbytes // len(f.hashes)
+            for i, (data, _) in enumerate(blocks):
+                buf[i * per : (i + 1) * per] = np.frombuffer(data, dtype=np.uint8)
+            await self.transport.send(f.address, buf, f.tag, self.cfg.transfer_timeout_s)
+            self.c_blocks.labels("hit").inc(len(f.hashes))
+            self.c_bytes.labels("out").inc(f.nbytes)
+            return KVFetchReply(True, checksums=[c for _, c in blocks])
+        except TransferError as e:
+            return KVFetchReply(False, str(e))
+        finally:
+            for h in f.hashes:
+                self.mem.unpin(h)
+            if slot is not None:
+                self.staging.free(slot)
+
+    async def _on_snapshot(self, r: KVSnapshotRequest, msg, ctx) -> KVEvents:
+        hashes = self.mem.hashes() + (self.disk.hashes() if self.disk else [])
+        return KVEvents(self.id, "kv_store", b"*", list(dict.fromkeys(hashes)), reset=True)
+
+    async def _publish_events(self) -> None:
+        while True:
+            await self._flush.wait()
+            self._flush.clear()
+            stored, removed, self._stored, self._removed = self._stored, self._removed, [], []
+            try:
+                await publish(self.nc, self.subjects.kv_events, KVEvents(self.id, "kv_store", b"*", stored, removed))
+            except Exception as e:
+                log.debug("KV events not published: %s", e)
+            await asyncio.sleep(0.05)

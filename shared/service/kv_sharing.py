@@ -1,0 +1,215 @@
+"""A worker's cached KV blocks as a mesh resource.
+
+- events: after every step, the hashes of blocks that entered or left the prefix cache
+  are published (KVEvents), so the gateway knows which worker holds which prefix;
+- snapshot: the full list on request (a gateway that starts late catches up);
+- fetch: a peer asks for blocks by hash and gets them over UCX (all or nothing), with
+  a crc32 per block;
+- pull: the other direction, for a prefill worker that was told a peer or the KV store
+  holds more of a prompt than it does;
+- push: finished requests' blocks are offered to the KV store in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import OrderedDict
+
+from shared.engine import block_io
+from shared.protocol.messages import (
+    Heartbeat, KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, KVSnapshotRequest, KVSource,
+)
+from shared.service.heartbeat import WorkerRegistry
+from shared.service.nats_io import RemoteError, Unreachable, publish, request
+from shared.transport.base import TransferError
+
+log = logging.getLogger(__name__)
+_PUSHED_MEMORY = 65536  # hashes remembered as already offered to the store
+
+
+class KVSharing:
+    def __init__(self, rt):
+        self.rt = rt
+        self.peers = WorkerRegistry()
+        self._stored: list[bytes] = []
+        self._removed: list[bytes] = []
+        self._pushed: OrderedDict[bytes, None] = OrderedDict()
+        self._flush = asyncio.Event()
+        self.pulled_tokens = 0  # prompt tokens whose KV came from a peer or the store
+        m = rt.metrics
+        self.c_hit = m.counter("kv_prefix_tokens_total", "prompt tokens by where their KV came from", ("source",))
+        self.c_bytes = m.counter("kv_share_bytes_total", "KV block bytes moved", ("direction",))
+
+    async def start(self) -> None:
+        rt, s = self.rt, self.rt.subjects
+        rt.loop.after_step.append(self._drain)
+        await rt.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
+        await rt.sub(s.kv_snapshot(rt.worker_id), KVSnapshotRequest, self._on_snapshot)
+        await rt.sub(s.kv_fetch(rt.worker_id), KVFetch, self._on_fetch)
+        rt.spawn(self._publish_events(), "kv-events")
+
+    def _drain(self) -> None:
+        stored, removed = self.rt.engine.blocks.drain_events()
+        if stored or removed:
+            self._stored += stored
+            self._removed += removed
+            self._flush.set()
+
+    async def _publish_events(self) -> None:
+        rt = self.rt
+        while True:
+            await self._flush.wait()
+            self._flush.clear()
+            stored, removed, self._stored, self._removed = self._stored, self._removed, [], []
+            try:
+                await publish(rt.nc, rt.subjects.kv_events,
+                              KVEvents(rt.worker_id, rt.role, rt.engine.kv_identity, stored, removed))
+            except Exception as e:  # NATS reconnecting: a later snapshot request repairs the index
+                log.debug("KV events not published: %s", e)
+            await asyncio.sleep(0.05)  # batch the events of several steps into one message
+
+    async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
+        self.peers.observe(hb)
+
+    def _known(self, address: bytes) -> bool:
+        # UCX aborts the process on a malformed address: only talk to announced peers.
+        return any(lw.beat.address == address for lw in self.peers.workers.values())
+
+    async def _on_snapshot(self, req: KVSnapshotRequest, msg, ctx) -> KVEvents:
+        def snap(e):
+            self._drain()
+            return list(e.blocks._block_of)
+
+        hashes = await self.rt.loop.call(snap)
+        return KVEvents(self.rt.worker_id, self.rt.role, self.rt.engine.kv_identity, hashes, reset=True)
+
+    # ---- serving peers --------------------------------------------------------------------
+    async def _on_fetch(self, f: KVFetch, msg, ctx) -> KVFetchReply:
+        rt = self.rt
+        per = block_io.block_nbytes(rt.engine)
+        if f.nbytes != per * len(f.hashes):
+            return KVFetchReply(False, f"size mismatch: {len(f.hashes)} blocks are {per * len(f.hashes)} bytes")
+        if not self._known(f.address):
+            return KVFetchReply(False, "the fetching address belongs to no live worker")
+        blocks = await rt.loop.call(lambda e: block_io.acquire_exact(e, f.hashes))
+        if blocks is None:
+            return KVFetchReply(False, "not all blocks are cached here any more")
+        slot = rt.staging.alloc(f.nbytes)
+        if slot is None:
+            await rt.loop.call(lambda e: block_io.release(e, blocks))
+            return KVFetchReply(False, "staging memory is full")
+        try:
+            out = slot.typed(rt.engine.kv.tensor.dtype, block_io.wire_shape(rt.engine, len(blocks)))
+            sums = await rt.loop.call(lambda e: block_io.gather(e, blocks, out))
+            await rt.loop.call(lambda e: block_io.release(e, blocks))
+            blocks = []
+            await rt.transport.send(f.address, slot.buffer(), f.tag, rt.cfg.transfer_timeout_s)
+            self.c_bytes.labels("sent").inc(f.nbytes)
+            return KVFetchReply(True, checksums=sums)
+        except TransferError as e:
+            return KVFetchReply(False, str(e))
+        finally:
+            if blocks:
+                await rt.loop.call(lambda e: block_io.release(e, blocks))
+            rt.staging.free(slot)
+
+    # ---- pulling ----------------------------------------------------------------------------
+    async def acquire_prompt_prefix(self, hashes: list[bytes], sources: list[KVSource]) -> list[int]:
+        """Blocks holding the longest prefix of `hashes` we can get: our own cache first,
+        then the best source. References are held; they go to the request."""
+        rt = self.rt
+        local = await rt.loop.call(lambda e: block_io.acquire_prefix(e, hashes))
+        self.c_hit.labels("local").inc(len(local) * rt.engine.cfg.block_size)
+        best = max((s for s in sources if s.num_blocks > len(local) and s.holder_id != rt.worker_id),
+                   key=lambda s: s.num_blocks, default=None)
+        if best is None:
+            return local
+        missing = hashes[len(local) : min(best.num_blocks, len(hashes))]
+        pulled = await self._pull(best.holder_id, missing)
+        if pulled:
+            self.pulled_tokens += len(pulled) * rt.engine.cfg.block_size
+            self.c_hit.labels("remote").inc(len(pulled) * rt.engine.cfg.block_size)
+        return local + pulled
+
+    async def _pull(self, holder: str, hashes: list[bytes]) -> list[int]:
+        rt = self.rt
+        new = await rt.loop.call(lambda e: block_io.allocate(e, len(hashes)))
+        if not new:
+            return []
+        per = block_io.block_nbytes(rt.engine)
+        slot = rt.staging.alloc(per * len(hashes))
+        if slot is None:
+            await rt.loop.call(lambda e: block_io.release(e, new))
+            return []
+        tag = random.getrandbits(62)
+        transfer = rt.transport.post_recv(slot.buffer(), tag)
+        ok = False
+        try:
+            reply = await request(rt.nc, rt.subjects.kv_fetch(holder),
+                                  KVFetch(hashes, rt.transport.address, tag, slot.nbytes), KVFetchReply,
+                                  rt.cfg.transfer_timeout_s)
+            if not reply.ok:
+                raise TransferError(reply.error)
+            await transfer.wait(rt.cfg.transfer_timeout_s)
+            buf = slot.typed(rt.engine.kv.tensor.dtype, block_io.wire_shape(rt.engine, len(hashes)))
+            if block_io.checksums(buf) != reply.checksums:
+                raise TransferError("checksum mismatch: treating the blocks as a miss")
+            await rt.loop.call(lambda e: block_io.scatter_and_register(e, new, hashes, buf))
+            self.c_bytes.labels("received").inc(slot.nbytes)
+            ok = True
+            return new
+        except (TransferError, Unreachable, RemoteError) as e:
+            log.info("pulling %d blocks from %s failed (%s); recomputing them", len(hashes), holder, e)
+            return []
+        finally:
+            if not ok:
+                await rt.loop.call(lambda e: block_io.release(e, new))
+            if await transfer.abandon(1.0):
+                rt.staging.free(slot)
+            else:
+                transfer.add_done_callback(lambda _t, s=slot: rt.staging.free(s))
+
+    # ---- pushing to the store -----------------------------------------------------------------
+    def store_id(self) -> str | None:
+        stores = self.peers.live("kv_store")
+        return stores[0].worker_id if stores else None
+
+    def push_soon(self, hashes: list[bytes]) -> None:
+        """Offer these full blocks to the KV store, in the background."""
+        fresh = [h for h in hashes if h not in self._pushed]
+        if fresh and self.store_id() is not None:
+            self.rt.spawn(self._push(fresh), "kv-push")
+
+    async def _push(self, hashes: list[bytes]) -> None:
+        rt = self.rt
+        blocks = await rt.loop.call(lambda e: block_io.acquire_prefix(e, hashes))
+        if not blocks:
+            return
+        hashes = hashes[: len(blocks)]
+        per = block_io.block_nbytes(rt.engine)
+        slot = rt.staging.alloc(per * len(blocks))
+        try:
+            if slot is None:
+                return
+            buf = slot.typed(rt.engine.kv.tensor.dtype, block_io.wire_shape(rt.engine, len(blocks)))
+            sums = await rt.loop.call(lambda e: block_io.gather(e, blocks, buf))
+            await rt.loop.call(lambda e: block_io.release(e, blocks))
+            blocks = []
+            put = KVPut(rt.worker_id, hashes, sums, slot.nbytes, rt.engine.kv_identity)
+            reply = await request(rt.nc, rt.subjects.kv_store_put, put, KVPutReply, rt.cfg.transfer_timeout_s)
+            if reply.ok and any(reply.wanted) and self._known(reply.address):
+                await rt.transport.send(reply.address, slot.buffer(), reply.tag, rt.cfg.transfer_timeout_s)
+                self.c_bytes.labels("pushed").inc(slot.nbytes)
+            for h in hashes:
+                self._pushed[h] = None
+            while len(self._pushed) > _PUSHED_MEMORY:
+                self._pushed.popitem(last=False)
+        except (TransferError, Unreachable, RemoteError) as e:
+            log.debug("KV push to the store failed: %s", e)  # the store is optional: recompute later
+        finally:
+            if blocks:
+                await rt.loop.call(lambda e: block_io.release(e, blocks))
+            if slot is not None:
+                rt.staging.free(slot)

@@ -1,0 +1,107 @@
+"""Prefix reuse across a multi-turn conversation: the prefill worker's own cache, a pull
+from the KV store after that worker is gone, and a store that dies mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from shared.engine.config import EngineConfig
+from shared.engine.llm import LLM
+from shared.engine.sampling_params import SamplingParams
+from tests.mesh.conftest import start_mesh, worker_stats
+
+TURNS = ["Plan a trip to the mesh of experts", "Add the tool output: rank 3 is hot",
+         "Now the router says balance again", "Summarise what changed"]
+
+
+@pytest.fixture(scope="module")
+def no_reuse(tiny_model):
+    return LLM(EngineConfig(model=tiny_model, num_kv_blocks=512, enable_prefix_caching=False))
+
+
+def _want(no_reuse, turns=TURNS, max_tokens=24):
+    """The conversation as the offline engine runs it without any cache."""
+    msgs, answers = [], []
+    for t in turns:
+        msgs.append({"role": "user", "content": t + " " + "with context " * 12})
+        ids = no_reuse.tokenizer.encode_chat(msgs)
+        a = no_reuse.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0].text
+        answers.append(a)
+        msgs.append({"role": "assistant", "content": a})
+    return answers
+
+
+def _chat(url, turns=TURNS, max_tokens=24):
+    msgs, answers = [], []
+    with httpx.Client(timeout=120) as c:
+        for t in turns:
+            msgs.append({"role": "user", "content": t + " " + "with context " * 12})
+            r = c.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": max_tokens,
+                                                          "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            a = r.json()["choices"][0]["message"]["content"]
+            answers.append(a)
+            msgs.append({"role": "assistant", "content": a})
+    return answers
+
+
+@pytest.fixture(scope="module")
+def kv_mesh(tiny_model, tmp_path_factory):
+    m = start_mesh(tmp_path_factory.mktemp("kv"), tiny_model, num_prefill=2, kv_store_set=["capacity_mb=64"])
+    yield m
+    m.group.stop()
+
+
+def _stats(mesh, worker):
+    return asyncio.run(worker_stats(mesh.nats_url, worker))
+
+
+def test_turns_reuse_the_prefix_and_match_a_no_reuse_run(kv_mesh, no_reuse):
+    got = _chat(kv_mesh.url)
+    assert got == _want(no_reuse)
+    hits = sum(_stats(kv_mesh, w).counters["prefix_cache_hit_tokens"] for w in ("prefill-t", "prefill-t1"))
+    assert hits > 3 * 40  # turns 2-4 each found at least the previous prompt's full blocks
+
+
+def test_a_new_prefill_worker_pulls_the_context_from_the_store(kv_mesh, no_reuse):
+    turns = ["A second conversation about a different router"] + TURNS[1:3]
+    want = _want(no_reuse, turns)
+    got = _chat(kv_mesh.url, turns[:1])
+    time.sleep(1.0)  # the finished blocks reach the store in the background
+    before = {w: _stats(kv_mesh, w) for w in ("prefill-t", "prefill-t1")}
+    holder = max(before, key=lambda w: before[w].counters["prompt_tokens"])
+    victim = next(c for c in kv_mesh.group.children if c.name == ("prefill" if holder == "prefill-t" else "prefill1"))
+    victim.popen.send_signal(signal.SIGKILL)  # the worker holding the context is gone
+    t0 = time.monotonic()
+    while httpx.get(kv_mesh.url + "/health").json()["workers"]["prefill"] != 1:
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.2)
+    assert _chat(kv_mesh.url, turns)[1:] == want[1:] and got == want[:1]
+    other = "prefill-t1" if holder == "prefill-t" else "prefill-t"
+    assert _stats(kv_mesh, other).counters["kv_pulled_tokens"] > 0
+
+
+def test_killing_the_store_mid_run_loses_no_request(kv_mesh, no_reuse):
+    store = next(c for c in kv_mesh.group.children if c.name == "kv_store")
+    results, errors = [], []
+
+    def convo(i):
+        try:
+            results.append(_chat(kv_mesh.url, [f"Session {i} opens"] + TURNS[1:3], max_tokens=12))
+        except AssertionError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=convo, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    store.popen.send_signal(signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    assert not errors and len(results) == 6
