@@ -19,19 +19,23 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.gateway import openai_api as api
+from services.gateway.auth import ApiKeyMiddleware, load_api_keys
 from services.gateway.config import GatewayConfig
 from services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
 from services.gateway.openapi import OPENAPI
 from services.gateway.stream import events
 from shared.model.config import ModelConfig
+from shared.service.metrics_http import MetricsServer
 from shared.telemetry.metrics import Metrics
 from shared.telemetry.propagation import extract_context, inject_headers
 from shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
@@ -54,6 +58,10 @@ class GatewayState:
 
 
 def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
+    api_keys = load_api_keys(cfg.api_keys, cfg.api_keys_file)
+    # metrics_port >= 0 moves /metrics off the public port to its own (internal) address.
+    separate_metrics = cfg.metrics_port >= 0
+
     @asynccontextmanager
     async def lifespan(app: Starlette):
         provider = setup_tracing("moemesh-gateway", cfg.trace_file or None, cfg.otlp_endpoint or None)
@@ -76,9 +84,19 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         app.state.gw = st
         if cfg.decode_only_bench:
             log.warning("BENCH MODE: decode-only; requests skip prefill and get dummy KV. Outputs are meaningless.")
+        if not api_keys and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("no API keys set and listening on %s: the API is open to anyone who can reach it", cfg.host)
+        metrics_http = None
+        if separate_metrics:
+            metrics_http = MetricsServer(metrics.render, lambda: {"status": "ok", **_readiness(st)},
+                                         cfg.metrics_host, cfg.metrics_port)
+            await metrics_http.start()
+            log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, metrics_http.port)
         try:
             yield {"gw": st}
         finally:
+            if metrics_http is not None:
+                await metrics_http.close()
             await mesh.close()
             shutdown_tracing(provider)
 
@@ -89,9 +107,10 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/health/ready", ready, methods=["GET"]),
-            Route("/metrics", metrics_route, methods=["GET"]),
+            *([] if separate_metrics else [Route("/metrics", metrics_route, methods=["GET"])]),
             Route("/openapi.json", openapi, methods=["GET"]),
         ],
+        middleware=[Middleware(ApiKeyMiddleware, keys=api_keys)],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, api.ApiError: _api_error},
     )
@@ -192,19 +211,23 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
 
 
 async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: float, done):
-    first, n_out, finished = True, 0, False
+    first, n_out, finished, seen_token = True, 0, False, False
+    fast = api.ChunkBytes(req)
     stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
     try:
         async for ev in events(st.mesh, st.tok, req, handle, st.cfg.inactivity_timeout_s):
-            if first and ev.num_tokens:
+            if not seen_token and ev.num_tokens:
+                seen_token = True
                 st.m["ttft"].observe(time.perf_counter() - t0)
                 stream_span.add_event("first_token")
             n_out += ev.num_tokens
-            st.m["tokens"].inc(ev.num_tokens)
             if ev.error:
                 stream_span.set_status(trace.StatusCode.ERROR, ev.error)
                 yield _sse_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]})
                 break
+            if ev.text and not (first or ev.finish or ev.logprobs):
+                yield fast.text(ev.text)  # the per-token path: one small serialisation
+                continue
             lp = api.logprobs_payload(req, st.tok, ev.logprobs)
             if ev.text or ev.finish or first or lp:
                 yield _sse_data(api.chunk(req, ev.text, ev.finish, first, lp))
@@ -216,6 +239,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
         yield b"data: [DONE]\n\n"
         finished = True
     finally:
+        st.m["tokens"].inc(n_out)  # once per request, not per token
         if not finished:  # the client went away (or the stream broke): stop the work
             st.mesh.abort_soon(req.request_id)
             stream_span.add_event("client_disconnected")
@@ -225,7 +249,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
 
 
 def _sse_data(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest, handle, span, t0, done):

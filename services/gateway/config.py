@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.config.common import ServiceConfig
 
@@ -18,6 +18,11 @@ class GatewayConfig(ServiceConfig):
     # Decode-only benchmarking: send requests straight to decode workers started with
     # bench_dummy_kv, skipping prefill and KV transfer. Logged loudly, shown in /v1/models.
     decode_only_bench: bool = False
+    # Bearer keys clients must send (services/gateway/auth.py); none given: the API is open.
+    # Prefer api_keys_file or the environment: flags show up in `ps`. repr=False keeps keys
+    # out of any log line that prints the config.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_keys_file: str = ""
 
     def __post_init__(self):
         super().__post_init__()

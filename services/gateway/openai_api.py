@@ -187,6 +187,25 @@ def chunk(req: GenerateRequest, text: str, finish: str | None, first: bool = Fal
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
 
 
+class ChunkBytes:
+    """SSE bytes of the common chunk (text only, no finish, no logprobs) from a prefix
+    built once per request: per token, only the text is serialised. Other chunks go
+    through chunk() and the general serialiser."""
+
+    def __init__(self, req: GenerateRequest):
+        import orjson
+
+        self._dumps = orjson.dumps
+        head = self._dumps({"id": req.response_id, "object": "chat.completion.chunk" if req.kind == "chat"
+                            else "text_completion", "created": req.created, "model": req.model})[:-1]
+        key = b'"delta":{"content":' if req.kind == "chat" else b'"text":'
+        self._prefix = b"data: " + head + b',"choices":[{"index":0,' + key
+        self._suffix = (b'},' if req.kind == "chat" else b',') + b'"finish_reason":null,"logprobs":null}]}\n\n'
+
+    def text(self, text: str) -> bytes:
+        return self._prefix + self._dumps(text) + self._suffix
+
+
 def usage_chunk(req: GenerateRequest, prompt: int, completion: int) -> dict[str, Any]:
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model, "choices": [],

@@ -9,16 +9,21 @@ import time
 
 
 def register(sub) -> None:
+    # Defaults of None mean "not given": the --config file's value, else UpConfig's default, applies.
     p = sub.add_parser("up", help="start NATS, a gateway, a prefill and a decode worker")
-    p.add_argument("--model", default="", help="model directory (default: a tiny random model, made on first use)")
-    p.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
-    p.add_argument("--decode", type=int, default=1, help="number of decode instances")
-    p.add_argument("--dep", type=int, default=1, help="ranks per decode instance (wide expert parallelism)")
-    p.add_argument("--prefill-dep", type=int, default=1, help="ranks per prefill instance")
-    p.add_argument("--redundant", type=int, default=0, help="redundant expert slots per rank")
+    p.add_argument("--config", default="", metavar="FILE",
+                   help="deployment TOML: pools from [pools], NATS and model from [common]; every service reads it")
+    p.add_argument("--model", default=None, help="model directory (default: a tiny random model, made on first use)")
+    p.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+    p.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="gateway port (default 8000)")
+    p.add_argument("--prefill", type=int, default=None, help="number of prefill instances (default 1)")
+    p.add_argument("--decode", type=int, default=None, help="number of decode instances (default 1)")
+    p.add_argument("--dep", type=int, default=None, help="ranks per decode instance (wide expert parallelism)")
+    p.add_argument("--prefill-dep", type=int, default=None, help="ranks per prefill instance")
+    p.add_argument("--redundant", type=int, default=None, help="redundant expert slots per rank")
+    p.add_argument("--kv-store", action="store_true", default=None,
+                   help="start the KV store (prefix reuse across workers)")
     p.add_argument("--balancer", action=argparse.BooleanOptionalAction, default=None,
                    help="start the expert balancer (default: when an instance is expert-parallel)")
     p.add_argument("--log-dir", default="")
@@ -28,15 +33,27 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from shared.launch.nats_server import NatsServerNotFound
-    from shared.launch.up import Mesh, UpConfig
+def config_from_args(args: argparse.Namespace):
+    """The launch settings: the --config file's, with every flag that was given on top."""
+    from shared.launch.up import up_config
 
-    cfg = UpConfig(model=args.model, nats_url=args.nats_url, host=args.host, port=args.port,
-                   num_prefill=args.prefill, num_decode=args.decode, decode_dp=args.dep,
-                   prefill_dp=args.prefill_dep, eplb_redundant=args.redundant, balancer=args.balancer,
-                   log_dir=args.log_dir,
-                   service_args=tuple(args.set), trace_file=args.trace_file)
+    return up_config(args.config, model=args.model, nats_url=args.nats_url, host=args.host, port=args.port,
+                     num_prefill=args.prefill, num_decode=args.decode, decode_dp=args.dep,
+                     prefill_dp=args.prefill_dep, eplb_redundant=args.redundant, balancer=args.balancer,
+                     kv_store=args.kv_store, log_dir=args.log_dir, service_args=tuple(args.set),
+                     trace_file=args.trace_file)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shared.config.loader import ConfigFileError
+    from shared.launch.nats_server import NatsServerNotFound
+    from shared.launch.up import Mesh
+
+    try:
+        cfg = config_from_args(args)
+    except ConfigFileError as e:
+        print(f"moemesh up: error: {e}", file=sys.stderr)
+        return 2
     stop = False
 
     def on_signal(signum, frame):

@@ -39,16 +39,19 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row. Seeded rows draw from their own generator, so a request's
-    output depends only on its seed, not on what it was batched with."""
-    out = torch.empty(probs.shape[0], dtype=torch.long)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        out[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+    """One token per row, by inverse-CDF sampling: one uniform number per row, so a
+    seeded row draws from its own generator and its result does not depend on what it was
+    batched with. (A draw per vocabulary entry, as multinomial and the Gumbel trick make,
+    costs milliseconds at batch 256 on a CPU; this costs a cumulative sum.)"""
+    n = probs.shape[0]
+    u = torch.rand(n, dtype=torch.float64)
     for i, g in enumerate(generators):
         if g is not None:
-            out[i] = torch.multinomial(probs[i], 1, generator=g).item()
-    return out
+            u[i] = torch.rand(1, generator=g, dtype=torch.float64)
+    cdf = probs.double().cumsum(dim=-1)
+    cdf /= cdf[:, -1:].clone()  # exact 1.0 at the end, whatever the rounding of the sum
+    idx = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1)
+    return idx.clamp_(max=probs.shape[1] - 1)
 
 
 def sample(

@@ -2,6 +2,11 @@
 
 States: starting NATS -> making the model (if none given) -> starting workers and the
 gateway -> waiting for readiness -> serving -> stopping (reverse order, SIGTERM first).
+
+With `--config FILE` (the deployment file, see compose/moemesh.toml) the pool sizes come
+from its [pools] table, the NATS URL and model from [common], the gateway address from
+[gateway]; flags still win. Every service is started with `--config FILE` and reads its
+own tables, so credentials and settings in the file reach the services unchanged.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ import os
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
+from shared.config.loader import ConfigFileError, read_toml
 from shared.launch.nats_server import start_nats
 from shared.launch.procs import ProcessGroup, free_port
 
@@ -38,6 +45,8 @@ class UpConfig:
     eplb_redundant: int = 0  # redundant expert slots per rank
     balancer: bool | None = None  # None: start one when an instance is expert-parallel
     balancer_args: tuple[str, ...] = ()  # --set arguments for the balancer
+    kv_store: bool = False
+    kv_store_args: tuple[str, ...] = ()
     log_dir: str = ""
     ready_timeout_s: float = 180.0
     service_args: tuple[str, ...] = ()  # extra --set arguments for every worker
@@ -46,6 +55,60 @@ class UpConfig:
     gateway_args: tuple[str, ...] = ()
     trace_file: str = ""
     extra_env: dict = field(default_factory=dict)
+    config_file: str = ""  # the deployment file, passed to every service as --config
+
+
+# [pools] key -> UpConfig field. Only `moemesh up` reads this table; services never do.
+POOL_KEYS = {"prefill": "num_prefill", "decode": "num_decode", "prefill_dep": "prefill_dp",
+             "decode_dep": "decode_dp", "redundant": "eplb_redundant", "balancer": "balancer",
+             "kv_store": "kv_store"}
+
+
+def up_config(config_file: str = "", **flags: Any) -> UpConfig:
+    """An UpConfig from the deployment file (if any) and command-line flags.
+
+    Args:
+        config_file: TOML deployment file; "" for none.
+        flags: UpConfig fields given on the command line; None means "not given", so the
+            file's value (or the default) stands.
+    Returns:
+        The launch settings, with config_file made absolute for the services.
+    Raises:
+        ConfigFileError: an unreadable file, an unknown [pools] key or a bad value.
+    """
+    values: dict[str, Any] = {}
+    if config_file:
+        doc = read_toml(config_file)
+        pools = doc.get("pools", {})
+        for k, v in pools.items():
+            if k not in POOL_KEYS:
+                raise ConfigFileError(f"{config_file}: [pools] has unknown key {k!r}; known: {', '.join(POOL_KEYS)}")
+            want = bool if k in ("balancer", "kv_store") else int
+            if type(v) is not want:
+                raise ConfigFileError(f"{config_file}: [pools] {k} must be {want.__name__}, got {v!r}")
+            values[POOL_KEYS[k]] = v
+        common, gateway = doc.get("common", {}), doc.get("gateway", {})
+        for key, table in (("model", common), ("nats_url", common), ("host", gateway), ("port", gateway)):
+            if key in table:
+                values[key] = table[key]
+        values["config_file"] = str(Path(config_file).resolve())
+    known = {f.name for f in fields(UpConfig)}
+    for k, v in flags.items():
+        if k not in known:
+            raise TypeError(f"unknown UpConfig field {k!r}")
+        if v is not None:
+            values[k] = v
+    cfg = UpConfig(**values)
+    if min(cfg.num_prefill, cfg.num_decode, cfg.eplb_redundant) < 0 \
+            or min(cfg.prefill_dp, cfg.decode_dp) < 1:
+        raise ConfigFileError("pool sizes must be >= 0 and DEP widths >= 1")
+    return cfg
+
+
+@dataclass(frozen=True)
+class Launch:
+    name: str
+    argv: list[str]  # after `python -m`
 
 
 def ensure_tiny_model(home: Path) -> Path:
@@ -93,23 +156,8 @@ class Mesh:
             self.nats_url = f"nats://127.0.0.1:{port}"
         if self.port == 0:
             self.port = free_port(cfg.host)
-        common = ["--model", self.model, "--nats-url", self.nats_url]
-        if cfg.trace_file:
-            common += ["--trace-file", cfg.trace_file]
-        extra = [a for s in cfg.service_args for a in ("--set", s)]
-        py = [sys.executable, "-m"]
-        for role, n, dp in (("prefill", cfg.num_prefill, cfg.prefill_dp), ("decode", cfg.num_decode, cfg.decode_dp)):
-            for i in range(n):
-                own = [a for x in (cfg.prefill_args if role == "prefill" else cfg.decode_args) for a in ("--set", x)]
-                for argv, name in instance_argv(role, i, dp, cfg.eplb_redundant):
-                    self.group.start(name, py + [f"services.{role}", *common, *argv, *extra, *own], cfg.extra_env)
-        if cfg.balancer or (cfg.balancer is None and (cfg.decode_dp > 1 or cfg.prefill_dp > 1 or cfg.eplb_redundant)):
-            bal = [a for x in cfg.balancer_args for a in ("--set", x)]
-            self.group.start("balancer", py + ["services.balancer", "--model", self.model, "--nats-url",
-                                               self.nats_url, *bal], cfg.extra_env)
-        gw = [a for x in cfg.gateway_args for a in ("--set", x)]
-        self.group.start("gateway", py + ["services.gateway", *common, "--host", cfg.host, "--port", str(self.port),
-                                          *gw], cfg.extra_env)
+        for launch in launch_plan(cfg, self.model, self.nats_url, self.port):
+            self.group.start(launch.name, [sys.executable, "-m", *launch.argv], cfg.extra_env)
         self.wait_ready(cfg.ready_timeout_s)
 
     def wait_ready(self, timeout: float) -> None:
@@ -135,6 +183,37 @@ class Mesh:
 
     def stop(self) -> None:
         self.group.stop()
+
+
+def launch_plan(cfg: UpConfig, model: str, nats_url: str, port: int) -> list[Launch]:
+    """Every service process of the mesh, in start order: KV store, workers, balancer, gateway.
+
+    Args:
+        cfg: the launch settings.
+        model: the model directory every service is given.
+        nats_url: the NATS server they all connect to.
+        port: the gateway's HTTP port.
+    """
+    common = ["--model", model, "--nats-url", nats_url]
+    if cfg.config_file:
+        common = ["--config", cfg.config_file, *common]
+    traced = common + (["--trace-file", cfg.trace_file] if cfg.trace_file else [])
+    extra = _sets(cfg.service_args)
+    out = [Launch("kv_store", ["services.kv_store", *common, *_sets(cfg.kv_store_args)])] if cfg.kv_store else []
+    for role, n, dp, own in (("prefill", cfg.num_prefill, cfg.prefill_dp, cfg.prefill_args),
+                             ("decode", cfg.num_decode, cfg.decode_dp, cfg.decode_args)):
+        for i in range(n):
+            for argv, name in instance_argv(role, i, dp, cfg.eplb_redundant):
+                out.append(Launch(name, [f"services.{role}", *traced, *argv, *extra, *_sets(own)]))
+    if cfg.balancer or (cfg.balancer is None and (cfg.decode_dp > 1 or cfg.prefill_dp > 1 or cfg.eplb_redundant)):
+        out.append(Launch("balancer", ["services.balancer", *common, *_sets(cfg.balancer_args)]))
+    out.append(Launch("gateway", ["services.gateway", *traced, "--host", cfg.host, "--port", str(port),
+                                  *_sets(cfg.gateway_args)]))
+    return out
+
+
+def _sets(items) -> list[str]:
+    return [a for s in items for a in ("--set", s)]
 
 
 def instance_argv(role: str, index: int, dp: int, redundant: int) -> list[tuple[list[str], str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.engine.sampling_params import SamplingParams
+from shared.protocol.wire import ProtocolError, register_codec
 
 
 @dataclass
@@ -133,6 +134,37 @@ class TokenUpdate:
 class TokenBatch:
     updates: list[TokenUpdate]
     sent_at: float = 0.0
+
+
+def _batch_to_plain(b: TokenBatch) -> list:
+    return [b.sent_at, [[u.request_id, u.token_ids, u.finish_reason, u.error, u.num_prompt_tokens, u.worker_id,
+                         None if u.logprobs is None else [[lp.token_id, lp.logprob, lp.top] for lp in u.logprobs]]
+                        for u in b.updates]]
+
+
+def _batch_from_plain(raw) -> TokenBatch:
+    """The compact form, checked field by field: this runs once per step per gateway."""
+    try:
+        sent_at, rows = raw
+        if not isinstance(sent_at, (int, float)) or not isinstance(rows, list):
+            raise TypeError("header")
+        updates = []
+        for i, (rid, ids, finish, error, n_prompt, worker, lps) in enumerate(rows):
+            if not (isinstance(rid, str) and isinstance(ids, list) and all(type(t) is int for t in ids)
+                    and (finish is None or isinstance(finish, str)) and (error is None or isinstance(error, str))
+                    and type(n_prompt) is int and isinstance(worker, str)):
+                raise TypeError(f"update {i}")
+            wire_lps = None
+            if lps is not None:
+                wire_lps = [TokenLogprobWire(int(t), float(v), [[float(a), float(b)] for a, b in top])
+                            for t, v, top in lps]
+            updates.append(TokenUpdate(rid, ids, finish, error, n_prompt, wire_lps, worker))
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"TokenBatch: malformed ({e})") from None
+    return TokenBatch(updates, float(sent_at))
+
+
+register_codec(TokenBatch, _batch_to_plain, _batch_from_plain)
 
 
 @dataclass
