@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.engine.config import EngineConfig
 
@@ -17,7 +17,7 @@ def default_worker_id(role: str) -> str:
 class ServiceConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     nats_user: str = ""
-    nats_password: str = ""
+    nats_password: str = field(default="", repr=False)  # never printed, never logged
     nats_creds: str = ""
     subject_prefix: str = "mm"
     worker_id: str = ""

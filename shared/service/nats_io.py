@@ -50,7 +50,7 @@ async def connect(cfg: ServiceConfig, name: str) -> NATS:
         log.info("NATS reconnected")
 
     kw: dict[str, Any] = dict(
-        servers=[cfg.nats_url], name=name, connect_timeout=5, reconnect_time_wait=0.5,
+        servers=[u.strip() for u in cfg.nats_url.split(",") if u.strip()], name=name, connect_timeout=5, reconnect_time_wait=0.5,
         max_reconnect_attempts=-1, allow_reconnect=True, error_cb=on_error,
         disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, ping_interval=5,
     )
