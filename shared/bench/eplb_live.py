@@ -15,6 +15,7 @@ import random
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import httpx
 import nats
@@ -48,8 +49,8 @@ class EplbBenchConfig:
 class _Load:
     """Clients that keep the mesh busy until stopped."""
 
-    def __init__(self, url: str, cfg: EplbBenchConfig):
-        self.url, self.cfg = url, cfg
+    def __init__(self, url: str, model: str, cfg: EplbBenchConfig):
+        self.url, self.model, self.cfg = url, model, cfg
         self.stop = threading.Event()
         self.errors = 0
         self.done = 0
@@ -65,7 +66,7 @@ class _Load:
         with httpx.Client(timeout=300) as c:
             while not self.stop.is_set():
                 prompt = " ".join(rng.choice(words) for _ in range(rng.randint(8, 48)))
-                body = {"model": "tiny", "prompt": prompt, "max_tokens": self.cfg.max_tokens, "temperature": 0.8,
+                body = {"model": self.model, "prompt": prompt, "max_tokens": self.cfg.max_tokens, "temperature": 0.8,
                         "ignore_eos": True, "seed": rng.randrange(1 << 30)}
                 try:
                     r = c.post(self.url + "/v1/completions", json=body)
@@ -154,7 +155,7 @@ def run(cfg: EplbBenchConfig) -> dict:
     up = UpConfig(model=cfg.model, port=0, decode_dp=cfg.ranks, eplb_redundant=cfg.redundant, balancer=True,
                   service_args=tuple(sets), balancer_args=("auto=false", "move_timeout_s=60"))
     with Mesh(up) as mesh:
-        load = _Load(mesh.url, cfg)
+        load = _Load(mesh.url, Path(mesh.model).name, cfg)
         load.start()
         try:
             result = asyncio.run(_measure(cfg, mesh))

@@ -14,6 +14,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import httpx
 
@@ -38,8 +39,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _client(url: str, cfg: StreamBenchConfig, deadline: float, counts: list[int], errors: list[str]) -> None:
-    body = {"model": "tiny", "prompt": " ".join(["token"] * cfg.prompt_words), "max_tokens": cfg.osl,
+async def _client(url: str, model: str, cfg: StreamBenchConfig, deadline: float, counts: list[int],
+                  errors: list[str]) -> None:
+    body = {"model": model, "prompt": " ".join(["token"] * cfg.prompt_words), "max_tokens": cfg.osl,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     async with httpx.AsyncClient(timeout=120) as c:
         while time.monotonic() < deadline:
@@ -59,12 +61,12 @@ async def _client(url: str, cfg: StreamBenchConfig, deadline: float, counts: lis
                 errors.append(type(e).__name__)
 
 
-async def _drive(url: str, cfg: StreamBenchConfig) -> tuple[list[int], list[str], float]:
+async def _drive(url: str, model: str, cfg: StreamBenchConfig) -> tuple[list[int], list[str], float]:
     counts: list[int] = []
     errors: list[str] = []
     t0 = time.monotonic()
     deadline = t0 + cfg.seconds
-    await asyncio.gather(*(_client(url, cfg, deadline, counts, errors) for _ in range(cfg.streams)))
+    await asyncio.gather(*(_client(url, model, cfg, deadline, counts, errors) for _ in range(cfg.streams)))
     return counts, errors, time.monotonic() - t0
 
 
@@ -76,7 +78,7 @@ def run(cfg: StreamBenchConfig) -> dict:
     with Mesh(up) as mesh:
         procs = {c.name: c.popen.pid for c in mesh.group.children}
         before = {n: cpu_seconds(p) for n, p in procs.items() if n != "nats"}
-        counts, errors, elapsed = asyncio.run(_drive(mesh.url, cfg))
+        counts, errors, elapsed = asyncio.run(_drive(mesh.url, Path(mesh.model).name, cfg))
         after = {n: cpu_seconds(p) for n, p in procs.items() if n != "nats"}
     tokens = sum(counts)
     cpu = {n: after[n] - before[n] for n in before}

@@ -1,0 +1,64 @@
+"""Every benchmark end to end on the tiny model, small enough to take seconds each:
+they run, print, and their JSON carries every field a report needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def bench(tmp_path, tiny_model, *args, timeout=240):
+    out = tmp_path / "r.json"
+    env = dict(os.environ, MOEMESH_HOME=str(tmp_path / "home"))
+    r = subprocess.run([sys.executable, "-m", "shared.cli.main", "bench", *args, "--out", str(out)],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text()), r.stdout
+
+
+def test_kv_transfer(tmp_path, tiny_model):
+    res, out = bench(tmp_path, tiny_model, "kv-transfer", "--sizes", "65536,1048576", "--iters", "2", "--repeats", "1")
+    assert "machine copy bandwidth" in out
+    row = res["results"][1]
+    assert row["bytes"] == 1 << 20 and row["ucx_one_GBps"] > 0 and row["ucx_concurrent_GBps"] > 0
+    assert res["machine_copy_GBps"] > 0 and "min_ratio_at_1MiB_plus" in res
+
+
+def test_decode_and_prefill_phases(tmp_path, tiny_model):
+    res, out = bench(tmp_path, tiny_model, "decode", "--model", tiny_model, "--isl", "32", "--osl", "8",
+                     "--batch", "2", "--requests", "2")
+    p = res["runs"][0]["points"][0]
+    assert p["batch"] == 2 and p["e2e_tokens_per_s"] > 0 and p["forward_only_tokens_per_s"] > 0
+    assert p["serving_overhead"] is not None and p["errors"] == 0
+    assert {"forward_ms_p50", "host_ms_p50", "rank_wait_ms_p50"} <= set(p["decode_steps"])
+    res, out = bench(tmp_path, tiny_model, "prefill", "--model", tiny_model, "--prompt-lens", "16,64", "--requests", "2")
+    pts = res["runs"][0]["points"]
+    assert [p["prompt_len"] for p in pts] == [16, 64] and all(p["ttft_ms_p50"] > 0 for p in pts)
+
+
+def test_stream_with_the_mock_engine(tmp_path, tiny_model):
+    res, out = bench(tmp_path, tiny_model, "stream", "--model", tiny_model, "--streams", "8", "--seconds", "3",
+                     "--osl", "32")
+    assert res["output_tokens"] > 0 and res["errors"] == 0
+    assert res["gateway_cpu_us_per_token"] > 0 and "gateway" in res["cpu_seconds"]
+
+
+def test_eplb_on_a_live_dep2_instance(tmp_path, tiny_model):
+    res, out = bench(tmp_path, tiny_model, "eplb", "--model", tiny_model, "--warmup-s", "5", "--window-s", "3",
+                     "--rebalances", "1", "--concurrency", "4", "--max-tokens", "16")
+    assert [p["phase"] for p in res["phases"]] == ["naive", "after rebalance 1"]
+    assert res["moves"][0]["ok"] and res["moves"][0]["policy_ms"] > 0
+    assert {"target", "draft"} <= set(res["phases"][0]["ratio"])
+    assert set(res["decode_step_times"]) == {"before", "during", "after"}
+
+
+def test_kv_reuse(tmp_path, tiny_model):
+    res, out = bench(tmp_path, tiny_model, "kv-reuse", "--model", tiny_model, "--sessions", "2", "--turns", "2",
+                     "--context-tokens", "200", "--tool-tokens", "40", "--osl", "4", "--concurrency", "2")
+    assert res["with_reuse"]["errors"] == 0 and res["without_reuse"]["errors"] == 0
+    assert res["with_reuse"]["prefix_hit_tokens"] > 0 and res["without_reuse"]["prefix_hit_tokens"] == 0
+    assert res["turn2plus_ttft_speedup"] is not None
