@@ -19,6 +19,7 @@ class BalancerConfig(ServiceConfig):
     cooldown_gain: float = 0.03
     cooldown_windows: int = 5
     incremental: bool = True  # start from the running placement: far fewer slots move
+    layers_per_move: int = 0  # 0: all changed layers in one move; k: one move per k layers, in turn
     move_timeout_s: float = 30.0  # a move not staged and done by then is aborted
     auto: bool = True  # False: move only when asked (mm.eplb.{instance}.rebalance)
 

@@ -136,6 +136,27 @@ class BalancerService:
                 self.h_policy.observe(secs)
 
     async def _move(self, view: InstanceView, new) -> RebalanceReply:
+        """One move, or with layers_per_move one move per group of changed layers in turn, so
+        each switch copies (and stages) less at a time."""
+        k = self.cfg.layers_per_move
+        rows = [i for i in range(new.shape[0]) if not bool((new[i] == view.phy2log[i]).all())]
+        if k <= 0 or len(rows) <= k:
+            return await self._move_once(view, new)
+        total = RebalanceReply(True)
+        for i in range(0, len(rows), k):
+            step = view.phy2log.clone()
+            step[rows[i : i + k]] = new[rows[i : i + k]]
+            r = await self._move_once(view, step)
+            total.move_id, total.move_seconds = r.move_id, total.move_seconds + r.move_seconds
+            total.bytes_moved += r.bytes_moved
+            total.slots_changed += r.slots_changed
+            total.ratio_before = total.ratio_before or r.ratio_before
+            if not r.ok:
+                total.ok, total.error = False, r.error  # the layers moved so far stay: each move was whole
+                break
+        return total
+
+    async def _move_once(self, view: InstanceView, new) -> RebalanceReply:
         view.moving = True
         try:
             before = view.placement().instance_ratio(view.loads()) if view.loads_by_rank else 0.0

@@ -229,7 +229,9 @@ class PrefillService:
             try:
                 kv = rt.engine.kv.tensor
                 shape = (kv.shape[0], lease.num_blocks, *kv.shape[2:])
-                await rt.loop.call(lambda e: e.export_kv(p.request_id, out=slot.typed(kv.dtype, shape)))
+                # A held request's blocks are never written by a step, so the copy runs beside
+                # the engine, not between its steps: a pull never waits behind a long prefill.
+                await asyncio.to_thread(rt.engine.export_kv, p.request_id, slot.typed(kv.dtype, shape))
                 if self.cfg.debug_kv_fault != "drop":
                     await rt.transport.send(p.decode_address, slot.buffer(), p.tag, self.cfg.transfer_timeout_s)
                 self.m_sent.inc(lease.nbytes)

@@ -113,8 +113,12 @@ async def _single_decode_id(nc, timeout: float = 10.0) -> str:
         await sub.unsubscribe()
 
 
-def _steps_between(steps: list[list[float]], t0: float, t1: float) -> dict:
+def _steps_between(steps: list[list[float]], t0: float, t1: float, batch: int = 0) -> dict:
+    """Step-time medians in [t0, t1], over the steps that ran (nearly) the full batch."""
     sel = [s for s in steps if t0 <= s[0] <= t1]
+    if batch and sel and len(sel[0]) > 6:
+        full = [s for s in sel if s[6] >= 0.9 * batch]
+        sel = full or sel
     if not sel:
         return {}
     return {"steps": len(sel), "forward_ms_p50": percentile([s[2] for s in sel], 50) * 1e3,
@@ -140,12 +144,16 @@ def run_decode(cfg: PhaseBenchConfig) -> dict:
                 summ = _point(mesh, cfg, cfg.isl, cfg.osl, b, cfg.requests_per_point or b)
                 t1 = time.time()
                 ratio, steps = asyncio.run(_instance_state(mesh, cfg.dep))
-                e2e = summ["output_tokens_per_s"]
                 fo = fwd_by_b[b]["forward_tokens_per_s"]
-                rows.append({"batch": b, "e2e_tokens_per_s": e2e, "forward_only_tokens_per_s": fo,
-                             "serving_overhead": 1 - e2e / fo if fo else None, "tpot_ms_p50": summ["tpot_ms"]["p50"],
+                tpot = summ["tpot_ms"]["p50"]
+                # Steady state as clients see it: b streams, one token each per TPOT. The
+                # whole-point rate below also counts the ramp up and down of one wave.
+                steady = b / (tpot / 1e3) if tpot else None
+                rows.append({"batch": b, "e2e_tokens_per_s": steady, "forward_only_tokens_per_s": fo,
+                             "serving_overhead": 1 - steady / fo if fo and steady else None,
+                             "whole_point_tokens_per_s": summ["output_tokens_per_s"], "tpot_ms_p50": tpot,
                              "tps_per_user_p90": summ["headline_p90_tps_per_user"], "errors": summ["num_errors"],
-                             "balance_ratio": ratio, "decode_steps": _steps_between(steps, t0, t1)})
+                             "balance_ratio": ratio, "decode_steps": _steps_between(steps, t0, t1, b)})
         runs.append({"label": skew[0], "skew": skew[1], "points": rows})
     return {"bench": "decode", "config": asdict(cfg), "env": environment(), "forward_only": fwd["decode"],
             "runs": runs}
@@ -178,8 +186,10 @@ def decode_table(result: dict) -> str:
             parts = (f"{st.get('forward_ms_p50', float('nan')):.1f}/{st.get('host_ms_p50', float('nan')):.1f}/"
                      f"{st.get('rank_wait_ms_p50', float('nan')):.1f}")
             ratio = "-" if p["balance_ratio"] is None else f"{p['balance_ratio']:.3f}"
-            lines.append(f"{p['batch']:>6} {p['e2e_tokens_per_s']:>10.0f} {p['forward_only_tokens_per_s']:>10.0f} "
-                         f"{p['serving_overhead']:>8.1%} {p['tpot_ms_p50']:>9.1f} {parts:>18} {ratio:>6}")
+            ov = "-" if p["serving_overhead"] is None else f"{p['serving_overhead']:.1%}"
+            lines.append(f"{p['batch']:>6} {_f(p['e2e_tokens_per_s'], '.0f'):>10} "
+                         f"{p['forward_only_tokens_per_s']:>10.0f} {ov:>9} {_f(p['tpot_ms_p50']):>9} {parts:>18} "
+                         f"{ratio:>6}")
     return "\n".join(lines)
 
 
@@ -190,6 +200,11 @@ def prefill_table(result: dict) -> str:
         lines.append(f"{'tokens':>7} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'prompt tok/s':>13} {'ratio':>6}")
         for p in run["points"]:
             ratio = "-" if p["balance_ratio"] is None else f"{p['balance_ratio']:.3f}"
-            lines.append(f"{p['prompt_len']:>7} {p['ttft_ms_p50']:>12.1f} {p['ttft_ms_p90']:>12.1f} "
-                         f"{p['prompt_tokens_per_s'] or 0:>13.0f} {ratio:>6}")
+            lines.append(f"{p['prompt_len']:>7} {_f(p['ttft_ms_p50']):>12} {_f(p['ttft_ms_p90']):>12} "
+                         f"{_f(p['prompt_tokens_per_s'], '.0f'):>13} {ratio:>6}"
+                         + (f"  ({p['errors']} errors)" if p["errors"] else ""))
     return "\n".join(lines)
+
+
+def _f(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)

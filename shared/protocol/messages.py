@@ -216,7 +216,7 @@ class WorkerStats:
     staging_bytes_used: int = 0
     counters: dict[str, float] = field(default_factory=dict)
     # with StatsRequest(detail=True): recent steps as [unix time at end, total, forward, host, rank_wait,
-    # serving-loop gap before the step] seconds
+    # serving-loop gap before the step] seconds, then the number of sequences in the step
     recent_steps: list[list[float]] = field(default_factory=list)
     placement_version: int = 0
 

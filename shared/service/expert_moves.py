@@ -122,9 +122,7 @@ class MoveAgent:
             for ch, lid in sends:  # one at a time through one staging range
                 a, b = self._expert_bytes(lid, ch.src % S)
                 _pack(out, a, b)
-                peer = self.peer_address(ch.dst // S)
-                if peer is None:
-                    raise TransferError(f"no address for rank {ch.dst // S}")
+                peer = await self._peer(ch.dst // S)
                 n = a.numel() * a.element_size() + b.numel() * b.element_size()
                 await self.transport.send(peer, out.buffer()[:n], move_tag(move_id, ch.row, ch.dst), self.timeout_s)
                 move.bytes_sent += n
@@ -135,6 +133,15 @@ class MoveAgent:
                 self.staging.free(out)
         move.transfers = []
         return move
+
+    async def _peer(self, rank: int, wait_s: float = 3.0) -> bytes:
+        """The rank's UCX address; a rank that started a moment ago may not have beaten yet."""
+        deadline = time.monotonic() + wait_s
+        while (peer := self.peer_address(rank)) is None:
+            if time.monotonic() > deadline:
+                raise TransferError(f"no address for rank {rank}")
+            await asyncio.sleep(0.05)
+        return peer
 
     def _packed_size(self, lid: int) -> int:
         a, b = self._expert_bytes(lid, 0)

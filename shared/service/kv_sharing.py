@@ -102,7 +102,8 @@ class KVSharing:
             return KVFetchReply(False, "staging memory is full")
         try:
             out = slot.typed(rt.engine.kv.tensor.dtype, block_io.wire_shape(rt.engine, len(blocks)))
-            sums = await rt.loop.call(lambda e: block_io.gather(e, blocks, out))
+            # Referenced blocks are not written by steps: copy beside the engine, not between steps.
+            sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, out)
             await rt.loop.call(lambda e: block_io.release(e, blocks))
             blocks = []
             await rt.transport.send(f.address, slot.buffer(), f.tag, rt.cfg.transfer_timeout_s)
@@ -194,7 +195,8 @@ class KVSharing:
             if slot is None:
                 return
             buf = slot.typed(rt.engine.kv.tensor.dtype, block_io.wire_shape(rt.engine, len(blocks)))
-            sums = await rt.loop.call(lambda e: block_io.gather(e, blocks, buf))
+            # The copy runs beside the engine, so offering blocks to the store never delays a step.
+            sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, buf)
             await rt.loop.call(lambda e: block_io.release(e, blocks))
             blocks = []
             put = KVPut(rt.worker_id, hashes, sums, slot.nbytes, rt.engine.kv_identity)

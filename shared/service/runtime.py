@@ -166,7 +166,7 @@ class WorkerRuntime:
         self._seen_prompt, self._seen_cached = e.num_prompt_tokens_total, e.num_cached_tokens_total
         if a.num_seqs:  # empty lockstep steps are waiting, not serving
             self.recent_steps.append([time.time(), a.total_s, a.forward_s, a.host_s, a.rank_wait_s,
-                                      self.loop.last_gap_s])
+                                      self.loop.last_gap_s, a.num_seqs])
         for phase, v in (("forward", a.forward_s), ("host", a.host_s), ("rank_wait", a.rank_wait_s),
                          ("total", a.total_s)):
             self.h_phase.labels(phase).observe(v)
@@ -189,7 +189,9 @@ class WorkerRuntime:
         return {}
 
     async def _on_stats(self, req: StatsRequest, msg, ctx) -> WorkerStats:
-        load = await self.loop.call(lambda e: WorkerLoad(*e.load()))
+        # The snapshot taken after every step and every op: exact when idle, and never
+        # stuck behind a long step (a prefill of a long prompt can take seconds).
+        load = self._load
         steps = list(self.recent_steps) if req.detail else []
         version = self.dep.agent.version if self.dep is not None and self.dep.agent is not None else 0
         e = self.engine

@@ -26,18 +26,19 @@ PROMPTS = [f"Expert {i} holds the tokens of rank {i % 3}" + " again" * (i % 4) f
 LAYERS = 3  # the tiny model: two MoE layers and the MTP layer
 
 
-def _mesh(tmp, model, rank_set=None):
+def _mesh(tmp, model, rank_set=None, balancer_set=()):
     metrics = free_port()
     m = start_mesh(tmp, model, decode_dp=2, rank_set=rank_set,
                    decode_set=["eplb_redundant=1", "load_publish_interval_s=0.2"],
-                   balancer_set=["auto=false", f"metrics_port={metrics}", "move_timeout_s=20"])
+                   balancer_set=["auto=false", f"metrics_port={metrics}", "move_timeout_s=20", *balancer_set])
     m.balancer_metrics = f"http://127.0.0.1:{metrics}/metrics"
     return m
 
 
 @pytest.fixture(scope="module")
 def dep_mesh(tiny_model, tmp_path_factory):
-    m = _mesh(tmp_path_factory.mktemp("dep"), tiny_model)
+    # One layer per move: a rebalance is several whole moves, each switching one layer.
+    m = _mesh(tmp_path_factory.mktemp("dep"), tiny_model, balancer_set=["layers_per_move=1"])
     yield m
     m.group.stop()
 
@@ -139,7 +140,7 @@ def test_live_move_mid_stream_keeps_every_output(dep_mesh, offline):
     assert reply.ok, reply.error
     assert reply.slots_changed > 0 and reply.bytes_moved > 0
     assert got == want  # none failed, none changed
-    assert _placement_version(dep_mesh) == before + 1
+    assert _placement_version(dep_mesh) == before + LAYERS  # one move per layer
 
 
 def test_policy_driven_rebalance(dep_mesh):
@@ -163,3 +164,25 @@ def test_a_move_that_fails_half_way_keeps_the_old_placement(tiny_model, tmp_path
         assert got == want
     finally:
         mesh.group.stop()
+
+
+def test_a_dep2_prefill_instance(tiny_model, tmp_path_factory, offline):
+    """Prefill, too, can be an instance of expert-parallel ranks."""
+    from pathlib import Path
+
+    from shared.launch.up import Mesh, UpConfig
+
+    up = UpConfig(model=tiny_model, port=0, prefill_dp=2, log_dir=str(tmp_path_factory.mktemp("pdep")),
+                  balancer=False, service_args=("num_kv_blocks=256", "staging_mb=16"))
+    with Mesh(up) as mesh:
+        assert httpx.get(mesh.url + "/health").json()["workers"]["prefill"] == 2
+        name = Path(tiny_model).name
+        want = [o.text for o in offline.generate(PROMPTS[:6], SamplingParams(max_tokens=8, temperature=0,
+                                                                             ignore_eos=True))]
+        got = []
+        for p in PROMPTS[:6]:
+            r = httpx.post(mesh.url + "/v1/completions", timeout=60, json={
+                "model": name, "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["text"])
+        assert got == want
