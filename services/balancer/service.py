@@ -21,6 +21,7 @@ from services.balancer.state import InstanceView
 from shared.protocol.messages import ExpertLoad, MoveDone, MoveStaged, RebalanceReply, RebalanceRequest
 from shared.protocol.subjects import Subjects
 from shared.service.dep_runtime import tensor_from
+from shared.service.lifecycle import AsyncService
 from shared.service.metrics_http import MetricsServer
 from shared.service.nats_io import connect, subscribe
 from shared.telemetry.metrics import Metrics
@@ -28,7 +29,7 @@ from shared.telemetry.metrics import Metrics
 log = logging.getLogger(__name__)
 
 
-class BalancerService:
+class BalancerService(AsyncService):
     def __init__(self, cfg: BalancerConfig):
         self.cfg = cfg
         self.subjects = Subjects(cfg.subject_prefix)
@@ -48,12 +49,6 @@ class BalancerService:
         self._tasks: list[asyncio.Task] = []
         self._http: MetricsServer | None = None
 
-    async def __aenter__(self) -> "BalancerService":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.stop()
 
     async def start(self) -> None:
         self.nc = await connect(self.cfg, "moemesh-balancer")

@@ -27,6 +27,7 @@ from services.decode.kv_pull import Pull, PullState, pull_kv
 from shared.engine.engine import RequestError, RequestOutput, StepStats
 from shared.engine.sampling_params import SamplingParamError
 from shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVRelease, PrefillJob, TokenUpdate
+from shared.service.lifecycle import AsyncService
 from shared.service.nats_io import publish
 from shared.service.runtime import WorkerRuntime, logprobs_wire
 from shared.telemetry.propagation import inject_headers
@@ -45,7 +46,7 @@ class Active:
     steps: int = 0
 
 
-class DecodeService:
+class DecodeService(AsyncService):
     def __init__(self, cfg: DecodeConfig, engine=None):
         self.cfg = cfg
         self.rt = WorkerRuntime(cfg, "decode")
@@ -54,16 +55,6 @@ class DecodeService:
         self.active: dict[str, Active] = {}
         self._job_subs = []
 
-    async def __aenter__(self) -> "DecodeService":
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.stop()
 
     async def start(self) -> None:
         rt = self.rt

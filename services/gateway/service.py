@@ -10,6 +10,7 @@ import uvicorn
 
 from services.gateway.app import build_app
 from services.gateway.config import GatewayConfig
+from shared.service.lifecycle import AsyncService
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-class GatewayService:
+class GatewayService(AsyncService):
     def __init__(self, cfg: GatewayConfig, gateway_id: str | None = None):
         self.cfg = cfg
         self.app = build_app(cfg, gateway_id)
@@ -30,12 +31,6 @@ class GatewayService:
         self._task: asyncio.Task | None = None
         self.port = cfg.port
 
-    async def __aenter__(self) -> "GatewayService":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.stop()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._server.serve(), name="uvicorn")

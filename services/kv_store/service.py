@@ -20,10 +20,18 @@ import numpy as np
 from services.kv_store.config import KVStoreConfig
 from services.kv_store.tiers import DiskTier, MemoryTier
 from shared.protocol.messages import (
-    Heartbeat, KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, KVSnapshotRequest, WorkerLoad,
+    Heartbeat,
+    KVEvents,
+    KVFetch,
+    KVFetchReply,
+    KVPut,
+    KVPutReply,
+    KVSnapshotRequest,
+    WorkerLoad,
 )
 from shared.protocol.subjects import Subjects
 from shared.service.heartbeat import Heartbeater, WorkerRegistry
+from shared.service.lifecycle import AsyncService
 from shared.service.metrics_http import MetricsServer
 from shared.service.nats_io import connect, publish, subscribe
 from shared.telemetry.metrics import Metrics
@@ -34,7 +42,7 @@ from shared.transport.ucx import UcxTransport
 log = logging.getLogger(__name__)
 
 
-class KVStoreService:
+class KVStoreService(AsyncService):
     def __init__(self, cfg: KVStoreConfig):
         self.cfg = cfg
         self.id = cfg.worker_id
@@ -55,12 +63,6 @@ class KVStoreService:
         self._tasks: list[asyncio.Task] = []
         self.nc = self.transport = self.staging = self.heartbeat = self._http = None
 
-    async def __aenter__(self) -> "KVStoreService":
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.stop()
 
     async def start(self) -> None:
         cfg, s = self.cfg, self.subjects

@@ -27,9 +27,19 @@ from shared.engine.engine import RequestError, RequestOutput, StepStats
 from shared.engine.prefix_hash import chain
 from shared.engine.sampling_params import SamplingParamError
 from shared.protocol.messages import (
-    Abort, Ack, ErrorReply, Heartbeat, KVPull, KVPullReply, KVReady, KVRelease, PrefillJob, TokenUpdate,
+    Abort,
+    Ack,
+    ErrorReply,
+    Heartbeat,
+    KVPull,
+    KVPullReply,
+    KVReady,
+    KVRelease,
+    PrefillJob,
+    TokenUpdate,
 )
 from shared.service.heartbeat import WorkerRegistry
+from shared.service.lifecycle import AsyncService
 from shared.service.nats_io import RemoteError, Unreachable, request
 from shared.service.runtime import WorkerRuntime, logprobs_wire
 from shared.telemetry.propagation import inject_headers
@@ -53,7 +63,7 @@ class JobState:
     queued_ns: int = 0
 
 
-class PrefillService:
+class PrefillService(AsyncService):
     def __init__(self, cfg: PrefillConfig, engine=None):
         self.cfg = cfg
         self.rt = WorkerRuntime(cfg, "prefill")
@@ -63,16 +73,6 @@ class PrefillService:
         self.peers = WorkerRegistry()  # decode workers, to vet the UCX addresses we send to
         self._job_subs = []
 
-    async def __aenter__(self) -> "PrefillService":
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.stop()
 
     async def start(self) -> None:
         rt = self.rt

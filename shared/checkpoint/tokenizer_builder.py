@@ -76,8 +76,8 @@ def build_tokenizer(vocab_size: int):
     return tok
 
 
-def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int) -> None:
-    tok = build_tokenizer(vocab_size)
+def write_tokenizer(out_dir: Path, tok, max_length: int) -> None:
+    """tok: a trained tokenizer from build_tokenizer()."""
     tok.save(str(out_dir / "tokenizer.json"))
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",

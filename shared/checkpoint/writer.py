@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from shared.checkpoint.names import local_to_hf_names
-from shared.checkpoint.presets import TOKENIZER_VOCAB, preset_config
-from shared.checkpoint.tokenizer_builder import write_tokenizer
+from shared.checkpoint.presets import TOKENIZER_VOCAB, VOCAB_FROM_TOKENIZER, preset_config
+from shared.checkpoint.tokenizer_builder import build_tokenizer, write_tokenizer
 from shared.model.config import ModelConfig
 from shared.model.deepseek import DeepseekForCausalLM
 
@@ -117,6 +117,9 @@ def init_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = preset_config(preset, num_layers)
+    tok = build_tokenizer(TOKENIZER_VOCAB[preset])
+    if preset in VOCAB_FROM_TOKENIZER:
+        raw["vocab_size"] = tok.get_vocab_size()
     dtype = dtype or ("bfloat16" if preset in ("v2-lite", "v3") else "float32")
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}")
@@ -153,7 +156,7 @@ def init_model(
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    write_tokenizer(out, TOKENIZER_VOCAB[preset], raw["max_position_embeddings"])
+    write_tokenizer(out, tok, raw["max_position_embeddings"])
     info = {"preset": preset, "seed": seed, "dtype": dtype, "num_layers": cfg.num_hidden_layers,
             "fused_experts": fused_experts}
     (out / "moemesh_init.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -52,8 +52,8 @@ def steps_table(s: dict) -> str:
 
 
 def overhead_table(o: dict) -> str:
-    lines = [f"serving overhead = 1 - end-to-end tok/s / forward-only tok/s (points of end-to-end time; "
-             f"host includes the loop gap)"]
+    lines = ["serving overhead = 1 - end-to-end tok/s / forward-only tok/s (points of end-to-end time; "
+             "host includes the loop gap)"]
     for run in o["runs"]:
         lines.append(f"[{run['label']}{' ' + run['skew'] if run['skew'] else ''}]")
         lines.append(f"{'batch':>6}{'e2e tok/s':>11}{'fwd tok/s':>11}{'overhead':>10}"

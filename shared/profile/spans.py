@@ -21,12 +21,11 @@ Glossary:
 
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass
 
-from shared.telemetry.chrome_trace import _is_span as is_span  # the one definition of a valid record
+from shared.telemetry.chrome_trace import read_spans
 
 ROOT_PREFIX = "POST "  # the gateway names its request span after the HTTP route
 
@@ -74,39 +73,13 @@ def duration_ns(span: dict | None) -> int | None:
 
 
 def load(path: str | os.PathLike) -> tuple[list[dict], int, int]:
-    """Reads span records as `chrome_trace.load_jsonl` does, but keeps inverted ones.
-
-    A span that ends before it starts is a real span with a racy end time: e.g. queue.wait
-    ends at the start of the engine step that scheduled the job, and that step may have
-    begun before the span was opened. Its end is clamped to its start (it took no time)
-    instead of losing the request's queue phase.
+    """Span records, keeping inverted ones: a span that ends before it starts is a real
+    span with a racy end time, clamped to take no time rather than losing its phase.
 
     Returns:
         (spans, num_malformed, num_inverted)
     """
-    spans, num_malformed, num_inverted = [], 0, 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                num_malformed += 1
-                continue
-            if _is_int(rec, "start_time_ns") and _is_int(rec, "end_time_ns") \
-                    and rec["end_time_ns"] < rec["start_time_ns"]:
-                rec["end_time_ns"] = rec["start_time_ns"]
-                num_inverted += 1
-            if is_span(rec):
-                spans.append(rec)
-            else:
-                num_malformed += 1
-    return spans, num_malformed, num_inverted
-
-
-def _is_int(rec, key: str) -> bool:
-    return isinstance(rec, dict) and isinstance(rec.get(key), int) and not isinstance(rec.get(key), bool)
+    return read_spans(path, clamp_inverted=True)
 
 
 def started_between(spans: list[dict], t0_ns: int, t1_ns: int) -> list[dict]:

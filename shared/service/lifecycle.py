@@ -52,3 +52,21 @@ def run(make_service: Callable[[], Any], drain_timeout_s: float) -> None:
         uvloop.run(serve(make_service, drain_timeout_s))
     except ImportError:  # uvloop is a dependency; this only protects odd platforms
         asyncio.run(serve(make_service, drain_timeout_s))
+
+
+class AsyncService:
+    """The lifecycle every service shares: `async with Service(cfg) as svc:` starts it,
+    and stops it on the way out, or at once if starting failed half-way (so a service
+    that could not start leaves no connection or task behind). Subclasses define
+    start(), drain() and stop(); stop() must be safe to call twice."""
+
+    async def __aenter__(self):
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()

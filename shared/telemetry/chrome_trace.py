@@ -27,7 +27,18 @@ def load_jsonl(path: str | os.PathLike) -> tuple[list[dict], int]:
     Returns:
         (spans, num_malformed); blank lines count as neither.
     """
-    spans, num_malformed = [], 0
+    spans, num_malformed, _ = read_spans(path)
+    return spans, num_malformed
+
+
+def read_spans(path: str | os.PathLike, clamp_inverted: bool = False) -> tuple[list[dict], int, int]:
+    """As load_jsonl; with clamp_inverted, a span that ends before it starts (a racy end
+    time) is kept with its end set to its start instead of being dropped.
+
+    Returns:
+        (spans, num_malformed, num_inverted_kept)
+    """
+    spans, num_malformed, num_inverted = [], 0, 0
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             if not line.strip():
@@ -37,11 +48,15 @@ def load_jsonl(path: str | os.PathLike) -> tuple[list[dict], int]:
             except ValueError:
                 num_malformed += 1
                 continue
+            if (clamp_inverted and isinstance(rec, dict) and type(rec.get("start_time_ns")) is int
+                    and type(rec.get("end_time_ns")) is int and rec["end_time_ns"] < rec["start_time_ns"]):
+                rec["end_time_ns"] = rec["start_time_ns"]
+                num_inverted += 1
             if _is_span(rec):
                 spans.append(rec)
             else:
                 num_malformed += 1
-    return spans, num_malformed
+    return spans, num_malformed, num_inverted
 
 
 def _is_span(rec) -> bool:

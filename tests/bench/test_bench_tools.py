@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 
 def bench(tmp_path, tiny_model, *args, timeout=240):

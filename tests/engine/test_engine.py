@@ -26,7 +26,7 @@ def test_prompt_longer_than_context_is_a_clear_error(tiny_engine_factory):
     assert e.value.param == "prompt"
     with pytest.raises(RequestError, match="empty"):
         eng.add_request("y", [], SamplingParams())
-    with pytest.raises(RequestError, match=r"token ids must be in \[0, 1024\)"):
+    with pytest.raises(RequestError, match=r"token ids must be in \[0, 980\)"):
         eng.add_request("z", [5, 99999], SamplingParams())
     assert not eng.has_unfinished()
 

@@ -51,8 +51,8 @@ def _run(eng, prompts, max_tokens=6, abort_every=0):
 
 def test_reuse_gives_identical_greedy_output_and_counts_hits(tiny_engine_factory):
     rng = random.Random(0)
-    common = [0] + [rng.randrange(4, 1000) for _ in range(70)]
-    prompts = [common + [rng.randrange(4, 1000) for _ in range(rng.randrange(1, 30))] for _ in range(8)]
+    common = [0] + [rng.randrange(4, 970) for _ in range(70)]
+    prompts = [common + [rng.randrange(4, 970) for _ in range(rng.randrange(1, 30))] for _ in range(8)]
     off = _run(tiny_engine_factory(enable_prefix_caching=False), prompts)
     eng = tiny_engine_factory(enable_prefix_caching=True, max_num_batched_tokens=512)
     first = _run(eng, prompts[:1])
@@ -66,9 +66,9 @@ def test_reuse_gives_identical_greedy_output_and_counts_hits(tiny_engine_factory
 def test_random_traffic_with_sharing_and_aborts_never_leaks(tiny_engine_factory):
     rng = random.Random(3)
     eng = tiny_engine_factory(enable_prefix_caching=True, num_kv_blocks=48, max_num_batched_tokens=96)
-    bases = [[0] + [rng.randrange(4, 1000) for _ in range(rng.randrange(10, 60))] for _ in range(3)]
+    bases = [[0] + [rng.randrange(4, 970) for _ in range(rng.randrange(10, 60))] for _ in range(3)]
     for round_ in range(4):
-        prompts = [rng.choice(bases) + [rng.randrange(4, 1000) for _ in range(rng.randrange(0, 20))]
+        prompts = [rng.choice(bases) + [rng.randrange(4, 970) for _ in range(rng.randrange(0, 20))]
                    for _ in range(6)]
         _run(eng, prompts, max_tokens=rng.randrange(1, 12), abort_every=5 if round_ % 2 else 0)
         assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
