@@ -102,35 +102,64 @@ class PrefillService(AsyncService):
 
     # ---- jobs ---------------------------------------------------------------------
     async def _on_job(self, job: PrefillJob, msg, ctx):
+        """Validate and acknowledge at once; admission into the engine follows. The engine
+        takes new requests only between steps, and a long prompt's step can outlast the
+        gateway's wait for an acknowledgement, which would turn a busy worker into a 503."""
         if self.rt.draining:
             return ErrorReply("worker is draining", "unavailable")
         try:
             params = job.sampling.to_params()
+            self.rt.engine.check_request(job.prompt_ids, params)  # reads only fixed limits: safe off the engine thread
         except SamplingParamError as e:
             return ErrorReply(str(e), "bad_request")
+        except RequestError as e:
+            return ErrorReply(str(e), "bad_request")
+        if job.request_id in self.jobs:
+            return ErrorReply(f"duplicate request id {job.request_id!r}", "bad_request")
         span = self.rt.tracer.start_span("prefill", context=ctx, attributes={
             "request.id": job.request_id, "prompt.tokens": len(job.prompt_ids), "worker.id": self.rt.worker_id})
-        cached: list[int] = []
-        if job.kv_sources and self.rt.engine.blocks.enable_caching:
-            # A peer or the KV store holds more of this prompt than we do: pull it first.
-            e = self.rt.engine
-            usable = (len(job.prompt_ids) - 1) // e.cfg.block_size
-            hashes = chain(job.prompt_ids, e.cfg.block_size, e.kv_identity, usable)
-            cached = await self.rt.kv_sharing.acquire_prompt_prefix(hashes, job.kv_sources)
-            span.set_attribute("prefill.cached_blocks", len(cached))
-        try:
-            await self.rt.loop.call(lambda e: e.add_request(job.request_id, job.prompt_ids, params,
-                                                            cached_blocks=cached))
-        except RequestError as e:
-            if cached:
-                await self.rt.loop.call(lambda eng: block_io.release(eng, cached))
-            span.set_status(trace.StatusCode.ERROR, str(e))
-            span.end()
-            return ErrorReply(str(e), "bad_request")
         queued_ns = time.time_ns()
         queue = self.rt.tracer.start_span("queue.wait", context=trace.set_span_in_context(span), start_time=queued_ns)
         self.jobs[job.request_id] = JobState(job, span, time.monotonic(), queue, queued_ns=queued_ns)
+        self.rt.spawn(self._admit(job, params), f"admit-{job.request_id}")
         return Ack()
+
+    async def _admit(self, job: PrefillJob, params) -> None:
+        rid = job.request_id
+        cached: list[int] = []
+        try:
+            if job.kv_sources and self.rt.engine.blocks.enable_caching:
+                # A peer or the KV store holds more of this prompt than we do: pull it first.
+                e = self.rt.engine
+                usable = (len(job.prompt_ids) - 1) // e.cfg.block_size
+                hashes = chain(job.prompt_ids, e.cfg.block_size, e.kv_identity, usable)
+                cached = await self.rt.kv_sharing.acquire_prompt_prefix(hashes, job.kv_sources)
+                if rid in self.jobs:
+                    self.jobs[rid].span.set_attribute("prefill.cached_blocks", len(cached))
+
+            def add(e) -> bool:
+                # Runs on the engine thread, in order with aborts: a job aborted while its
+                # prefix was being pulled is no longer in self.jobs and is never added.
+                if rid not in self.jobs:
+                    block_io.release(e, cached)
+                    return False
+                e.add_request(rid, job.prompt_ids, params, cached_blocks=cached)
+                return True
+
+            await self.rt.loop.call(add)
+        except Exception as e:
+            if cached:
+                await self.rt.loop.call(lambda eng: block_io.release(eng, cached))
+            st = self.jobs.pop(rid, None)
+            if st is None:
+                return
+            log.warning("prefill of %s could not start: %s", rid, e)
+            st.phase.end()
+            st.span.set_status(trace.StatusCode.ERROR, str(e))
+            st.span.end()
+            msg = str(e) if isinstance(e, RequestError) else f"prefill could not start: {type(e).__name__}: {e}"
+            self.rt.tokens.add(job.gateway_id, TokenUpdate(rid, [], "error", error=msg))
+            await self.rt.tokens.flush()
 
     async def _on_outputs(self, outputs: list[RequestOutput], stats: StepStats) -> None:
         rt = self.rt

@@ -68,7 +68,9 @@ def _run_once(cfg: KVReuseBenchConfig, model: str, reuse: bool) -> dict:
     sets = (f"enable_prefix_caching={str(reuse).lower()}", f"max_model_len={ctx}", "max_num_batched_tokens=2048",
             "kv_cache_memory_mb=4096", "num_speculative_tokens=0")
     up = UpConfig(model=model, port=0, num_prefill=cfg.prefill_workers, service_args=sets, kv_store=reuse,
-                  kv_store_args=("capacity_mb=4096",), balancer=False)
+                  kv_store_args=("capacity_mb=4096",), balancer=False,
+                  # a long first turn queues behind the others' prefills for minutes on a CPU
+                  gateway_args=("inactivity_timeout_s=1800",))
     work = wl.WorkloadConfig(kind="agentic", num_sessions=cfg.sessions, turns=wl.LengthDist("fixed", cfg.turns),
                              isl=wl.LengthDist("fixed", cfg.context_tokens),
                              tool_len=wl.LengthDist("fixed", cfg.tool_tokens), osl=wl.LengthDist("fixed", cfg.osl))
@@ -85,6 +87,7 @@ def _run_once(cfg: KVReuseBenchConfig, model: str, reuse: bool) -> dict:
     by_turn = summary.get("ttft_ms_by_turn", {})
     return {"reuse": reuse, "ttft_ms_turn1_mean": by_turn.get("1", {}).get("mean"),
             "ttft_ms_turn2plus_mean": by_turn.get("2+", {}).get("mean"), "errors": summary["num_errors"],
+            "error_messages": summary.get("errors", {}).get("messages", {}),
             "prefill_prompt_tokens": prompt, "prefix_hit_tokens": hit, "pulled_tokens": pulled,
             "token_hit_rate": (hit + pulled) / prompt if prompt else None, "workers": counters}
 
@@ -106,6 +109,9 @@ def table(r: dict) -> str:
         rate = "-" if x["token_hit_rate"] is None else f"{x['token_hit_rate']:.1%}"
         lines.append(f"{name:<14} {x['ttft_ms_turn1_mean'] or float('nan'):>15.1f} "
                      f"{x['ttft_ms_turn2plus_mean'] or float('nan'):>17.1f} {rate:>9} {x['errors']:>7}")
+    for name in ("with_reuse", "without_reuse"):
+        for e in r[name].get("error_messages", []):
+            lines.append(f"  {name} error x{e['count']}: {e['message']}")
     sp = r["turn2plus_ttft_speedup"]
     lines.append(f"turns 2+ TTFT speed-up with reuse: {sp:.1f}x (goal >= {r['goal_speedup']:.0f}x)" if sp else
                  "turns 2+ TTFT speed-up: n/a")

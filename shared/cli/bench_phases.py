@@ -18,7 +18,8 @@ def register(bsub) -> None:
             b.add_argument("--batch", type=ints, default=(8, 32, 64, 128, 256), help="concurrent requests")
         else:
             b.add_argument("--prompt-lens", type=ints, default=(128, 512, 2048))
-        b.add_argument("--requests", type=int, default=0, help="requests per point (default: 2 x batch, or 4)")
+        b.add_argument("--requests", type=int, default=0,
+                       help="requests per point (default: one wave of --batch for decode, 4 for prefill)")
         b.add_argument("--dep", type=int, default=1, help="ranks of the instance (reports its balance ratio)")
         b.add_argument("--skew", default="", help="routing skew, e.g. zipf:1.2")
         b.add_argument("--compare-skew", action="store_true", help="run balanced, then with --skew")

@@ -170,12 +170,20 @@ class Mesh:
                 raise RuntimeError(f"{c.name} exited with code {c.popen.returncode} during start-up:\n{c.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health/ready", timeout=2) as r:
-                    if r.status == 200:
+                    # Ready means every worker started here has joined, not just the first
+                    # of each role: a test or a benchmark right after start sees them all.
+                    if r.status == 200 and self._all_joined():
                         return
             except OSError as e:
                 last = str(e)
             time.sleep(0.25)
         raise TimeoutError(f"mesh not ready after {timeout:.0f}s ({last}); logs in {self.log_dir}")
+
+    def _all_joined(self) -> bool:
+        cfg = self.cfg
+        want = {"prefill": cfg.num_prefill * cfg.prefill_dp, "decode": cfg.num_decode * cfg.decode_dp}
+        have = self.health().get("workers", {})
+        return all(have.get(role, 0) >= n for role, n in want.items())
 
     def health(self) -> dict:
         with urllib.request.urlopen(self.url + "/health", timeout=2) as r:

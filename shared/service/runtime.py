@@ -14,8 +14,8 @@ from nats.aio.client import Client as NATS
 from shared.config.common import WorkerConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.mock_model import MockModel
-from shared.model.config import ModelConfig
 from shared.engine.step_account import StepAccount, account
+from shared.model.config import ModelConfig
 from shared.protocol.messages import (
     Heartbeat, KVLayout, StatsRequest, TokenBatch, TokenLogprobWire, TokenUpdate, WorkerLoad, WorkerStats,
 )
@@ -28,7 +28,8 @@ from shared.service.kv_sharing import KVSharing
 from shared.service.metrics_http import MetricsServer
 from shared.service.nats_io import connect, subscribe
 from shared.telemetry.metrics import Metrics
-from shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
+from shared.telemetry.tracing import get_tracer, setup_tracing
+from shared.telemetry.tracing import shutdown as shutdown_tracing
 from shared.transport.staging import StagingPool
 from shared.transport.ucx import UcxTransport
 
@@ -86,7 +87,7 @@ class WorkerRuntime:
         self.metrics = Metrics()
         self.tracer_provider = None
         self.tracer = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()  # live ones only: a task per request must not accumulate
         self._subs = []
         self._load = WorkerLoad()
         self._closed = False
@@ -145,8 +146,9 @@ class WorkerRuntime:
 
     def spawn(self, coro, name: str) -> asyncio.Task:
         t = asyncio.create_task(coro, name=name)
-        self._tasks.append(t)
+        self._tasks.add(t)
         t.add_done_callback(_log_crash)
+        t.add_done_callback(self._tasks.discard)
         return t
 
     async def sub(self, subject: str, cls, handler, queue: str = ""):
@@ -228,9 +230,10 @@ class WorkerRuntime:
                     await asyncio.wait_for(asyncio.shield(self._loop_task), self.cfg.dp_timeout_s + 5)
                 except (asyncio.TimeoutError, Exception):
                     pass
-        for t in self._tasks:
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.dep is not None:
             self.dep.close()
         if self.nc is not None:

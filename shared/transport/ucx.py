@@ -7,12 +7,15 @@
 - progress runs in "blocking" mode on the asyncio loop (an epoll fd), not a thread;
 - receives land in staging memory allocated once (see staging.py).
 
-A receive is not posted up front. It probes for its tag and receives only once the
-message has arrived (tag_probe + recv_with_handle), so a receive that times out leaves
-nothing behind in UCX that could later write into memory already handed to someone
-else. Messages that arrive after their receiver gave up are drained and discarded.
+A receive is not posted up front. One loop probes for whatever message has arrived,
+under any tag, and receives it (tag_probe + recv_with_handle): into the buffer of the
+receive waiting for that tag, or, when none waits, into memory of its own that a later
+post_recv takes over (or that is dropped after its receiver gave up). So a receive that
+times out leaves nothing behind in UCX that could later write into memory already
+handed to someone else, and one probe per round serves every pending receive.
 
-ucxx keeps one context per process, so one UcxTransport per process.
+ucxx keeps one context per process, so one UcxTransport per process: its loop takes
+every tagged message the worker receives.
 """
 
 from __future__ import annotations
@@ -33,6 +36,16 @@ log = logging.getLogger(__name__)
 # shared memory) is not dominated by the wait, long enough not to spin the event loop.
 _MIN_POLL_S = 10e-6
 _MAX_POLL_S = 200e-6
+# Right after a receive is posted or a message lands, the next message is usually a
+# moment away (the rest of a pull, or the sender's next block), and a timer cannot wake
+# the loop sooner than the selector's millisecond resolution. So for this long the loop
+# yields without a timer instead, then falls back to the growing interval.
+_SPIN_S = 1e-3
+# A message that arrives before its receive is posted waits this long, within this
+# many bytes in all; a receive that gave up has its late message dropped for this long.
+_EARLY_KEEP_S = 30.0
+_EARLY_MAX_BYTES = 256 << 20
+_FORGET_S = 60.0
 
 
 @dataclass
@@ -40,7 +53,14 @@ class _Recv:
     buf: object
     nbytes: int
     fut: asyncio.Future
-    posted: bool = False
+
+
+@dataclass
+class _Inflight:
+    tag: int
+    req: object  # the UCX request receiving the message
+    recv: _Recv | None  # the receive it lands in; None: it lands in `sink`
+    sink: np.ndarray | None = None
 
 
 class UcxTransport:
@@ -55,8 +75,13 @@ class UcxTransport:
         self._worker = None
         self._abandoned: dict[int, float] = {}  # tag -> monotonic time its receiver gave up
         self._janitor: asyncio.Task | None = None
-        self._pending: dict[int, _Recv] = {}
+        self._pending: dict[int, _Recv] = {}  # posted, nothing arrived yet
+        self._inflight: list[_Inflight] = []  # arrived, bytes landing
+        self._early: dict[int, tuple[np.ndarray, float]] = {}  # arrived before its receive
+        self._early_bytes = 0
         self._prober: asyncio.Task | None = None
+        self._spin_until = 0.0
+        self._sends = 0  # in flight
 
     async def start(self) -> None:
         os.environ.setdefault("UCXPY_LOG_LEVEL", "WARNING")
@@ -78,7 +103,7 @@ class UcxTransport:
         self._worker = ucxx.core._get_ctx().worker
         self.address = bytes(ucxx.get_worker_address())
         ucxx.continuous_ucx_progress()
-        self._janitor = asyncio.create_task(self._drain_abandoned(), name="ucx-janitor")
+        self._janitor = asyncio.create_task(self._janitor_loop(), name="ucx-janitor")
 
     async def close(self) -> None:
         for task in (self._janitor, self._prober):
@@ -118,13 +143,23 @@ class UcxTransport:
     def post_recv(self, buf, tag: int) -> Transfer:
         nbytes = _nbytes(buf)
         fut = asyncio.get_running_loop().create_future()
-        self._pending[tag] = _Recv(buf, nbytes, fut)
-        if self._prober is None or self._prober.done():
-            self._prober = asyncio.create_task(self._probe_loop(), name="ucx-prober")
+        self._abandoned.pop(tag, None)
+        early = self._early.pop(tag, None)
+        if early is not None:
+            data = early[0]
+            self._early_bytes -= data.nbytes
+            if data.nbytes != nbytes:
+                fut.set_exception(TransferError(f"expected {nbytes} bytes under tag {tag:#x}, {data.nbytes} arrived"))
+            else:
+                _copy_into(buf, data)
+                fut.set_result(None)
+            return Transfer(fut, nbytes, lambda: True)
+        r = _Recv(buf, nbytes, fut)
+        self._pending[tag] = r
+        self._kick()
 
         def try_cancel() -> bool:
-            r = self._pending.get(tag)
-            if r is None or r.posted:
+            if self._pending.get(tag) is not r:  # its bytes are landing or have landed
                 return fut.done()
             del self._pending[tag]
             fut.cancel()
@@ -133,83 +168,152 @@ class UcxTransport:
 
         return Transfer(fut, nbytes, try_cancel)
 
-    async def _probe_loop(self) -> None:
-        """One task probes for every pending tag; a receive is posted only for a message
-        that has arrived. The delay grows while nothing arrives, to bound the CPU this
-        costs the event loop (and the engine thread, through the GIL)."""
-        from ucxx._lib.arr import Array
-        from ucxx.types import Tag
+    def _kick(self) -> None:
+        self._spin_until = time.monotonic() + _SPIN_S
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.create_task(self._progress_loop(), name="ucx-progress")
 
+    def _busy(self) -> bool:
+        return bool(self._sends or self._pending or self._inflight)
+
+    async def _progress_loop(self) -> None:
+        """Progresses the worker while sends are in flight (their completion is seen only
+        when the worker is progressed), takes arrivals and completes receives. Requests
+        are checked here rather than awaited one task each: a task per message costs
+        more than moving 1 MiB over shared memory. The delay grows while nothing
+        happens, to bound the CPU this costs the event loop (and the engine thread,
+        through the GIL)."""
         delay = _MIN_POLL_S
-        while any(not r.posted for r in self._pending.values()):
-            self._worker.progress()
-            hit = False
-            for tag, r in list(self._pending.items()):
-                if r.posted:
-                    continue
-                probe = self._worker.tag_probe(Tag(tag), remove=True)
-                if not probe.matched:
-                    continue
-                hit = True
-                r.posted = True  # from here on bytes may land in the buffer
-                asyncio.ensure_future(self._receive(tag, r, probe, Array))
-            delay = _MIN_POLL_S if hit else min(delay * 2, _MAX_POLL_S)
-            await asyncio.sleep(delay)
+        while True:
+            try:
+                self._worker.progress()
+                hit = self._take_arrivals()
+                hit = self._complete_finished() or hit
+            except Exception as e:  # fail every waiting receive at once rather than let each time out
+                log.exception("UCX progress failed")
+                self._fail_all(TransferError(f"UCX progress failed: {type(e).__name__}: {e}"))
+                return
+            if not self._busy():
+                return
+            now = time.monotonic()
+            if hit:
+                self._spin_until = now + _SPIN_S
+            if now < self._spin_until:
+                delay = _MIN_POLL_S
+                await asyncio.sleep(0)
+            else:
+                delay = min(delay * 2, _MAX_POLL_S)
+                await asyncio.sleep(delay)
 
-    async def _receive(self, tag: int, r: "_Recv", probe, Array) -> None:
-        try:
-            if probe.length != r.nbytes:
-                sink = np.empty(probe.length, np.uint8)  # held by name: Array does not keep it alive
-                await self._worker.tag_recv_with_handle(Array(sink), probe).wait()
-                raise TransferError(f"expected {r.nbytes} bytes under tag {tag:#x}, {probe.length} arrived")
-            await self._worker.tag_recv_with_handle(Array(r.buf), probe).wait()
-        except Exception as e:
+    def _fail_all(self, err: TransferError) -> None:
+        waiting = list(self._pending.values()) + [i.recv for i in self._inflight if i.recv is not None]
+        self._pending.clear()
+        self._inflight.clear()
+        for r in waiting:
             if not r.fut.done():
-                r.fut.set_exception(e if isinstance(e, TransferError) else TransferError(str(e)))
-        else:
-            if not r.fut.done():
-                r.fut.set_result(None)
-        finally:
-            self._pending.pop(tag, None)
+                r.fut.set_exception(err)
 
-    async def _drain_abandoned(self) -> None:
-        """Receive and drop messages whose receiver timed out, so their senders complete
-        and UCX frees what it buffered. Tags are forgotten after a minute."""
+    def _take_arrivals(self) -> bool:
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag, TagMask
+
+        took = False
+        while True:
+            probe = self._worker.tag_probe(Tag(0), TagMask(0), remove=True)  # any tag
+            if not probe.matched:
+                return took
+            took = True
+            tag = probe.sender_tag.value
+            r = self._pending.pop(tag, None)
+            if r is not None and probe.length == r.nbytes:
+                item = _Inflight(tag, None, r)
+                item.req = self._worker.tag_recv_with_handle(Array(r.buf), probe)
+            else:
+                # No receive for it (yet, or any more), or one of another size: take the
+                # bytes anyway, so the sender completes and UCX frees what it buffered.
+                item = _Inflight(tag, None, r, np.empty(probe.length, np.uint8))
+                item.req = self._worker.tag_recv_with_handle(Array(item.sink), probe)
+            self._inflight.append(item)
+
+    def _complete_finished(self) -> bool:
+        done = [i for i in self._inflight if i.req.completed]
+        if not done:
+            return False
+        self._inflight = [i for i in self._inflight if not i.req.completed]
+        for item in done:
+            try:
+                item.req.check_error()
+                err = None
+            except Exception as e:
+                err = TransferError(f"UCX receive under tag {item.tag:#x} failed: {e}")
+            r = item.recv
+            if r is not None:
+                if err is None and item.sink is not None:
+                    err = TransferError(f"expected {r.nbytes} bytes under tag {item.tag:#x}, "
+                                        f"{item.sink.nbytes} arrived")
+                if r.fut.done():
+                    pass
+                elif err is not None:
+                    r.fut.set_exception(err)
+                else:
+                    r.fut.set_result(None)
+            elif err is not None:
+                log.warning("%s", err)
+            elif self._abandoned.pop(item.tag, None) is not None:
+                log.info("discarding %d bytes that arrived after their receive timed out", item.sink.nbytes)
+            elif self._early_bytes + item.sink.nbytes > _EARLY_MAX_BYTES:
+                log.warning("dropping %d bytes under tag %#x: no receive posted for them and %d bytes "
+                            "already wait for theirs", item.sink.nbytes, item.tag, self._early_bytes)
+            else:
+                self._early[item.tag] = (item.sink, time.monotonic())
+                self._early_bytes += item.sink.nbytes
+        return True
+
+    async def _janitor_loop(self) -> None:
+        """Takes messages whose receiver gave up even when nothing else runs the progress
+        loop, and forgets abandoned tags and unclaimed early arrivals after a while."""
         while True:
             await asyncio.sleep(0.5)
-            try:
-                await self._drain_once()
-            except Exception:  # keep trying later; this must not stop the janitor
-                log.exception("draining abandoned UCX messages failed")
-
-    async def _drain_once(self) -> None:
-        from ucxx._lib.arr import Array
-        from ucxx.types import Tag
-
-        if not self._abandoned:
-            return
-        now = time.monotonic()
-        self._worker.progress()
-        for tag, since in list(self._abandoned.items()):
-            probe = self._worker.tag_probe(Tag(tag), remove=True)
-            if probe.matched:
-                log.info("discarding %d bytes that arrived after their receive timed out", probe.length)
-                sink = np.empty(probe.length, np.uint8)  # held by name: Array does not keep it alive
-                await self._worker.tag_recv_with_handle(Array(sink), probe).wait()
-            if probe.matched or now - since > 60:
-                self._abandoned.pop(tag, None)
+            now = time.monotonic()
+            for tag, since in list(self._abandoned.items()):
+                if now - since > _FORGET_S:
+                    del self._abandoned[tag]
+            for tag, (data, since) in list(self._early.items()):
+                if now - since > _EARLY_KEEP_S:
+                    log.warning("dropping %d bytes under tag %#x: no receive was posted for them", data.nbytes, tag)
+                    del self._early[tag]
+                    self._early_bytes -= data.nbytes
+            if self._abandoned:
+                self._kick()
 
     # ---- sending --------------------------------------------------------------------
     async def send(self, peer: bytes, buf, tag: int, timeout: float) -> None:
+        self._sends += 1
+        self._kick()
         try:
-            ep = await asyncio.wait_for(self._endpoint(peer), timeout)
-            await asyncio.wait_for(ep.send(buf, tag=tag, force_tag=True), timeout)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: wait_for wraps the send in a task of its own,
+            # which costs more than a 1 MiB transfer on shared memory.
+            async with asyncio.timeout(timeout):
+                ep = self._eps.get(peer) or await self._endpoint(peer)
+                await ep.send(buf, tag=tag, force_tag=True)
+        except TimeoutError:
             self.forget(peer)
             raise TransferError(f"UCX send of {_nbytes(buf)} bytes timed out after {timeout:.1f}s") from None
         except Exception as e:
             self.forget(peer)
             raise TransferError(f"UCX send failed: {type(e).__name__}: {e}") from None
+        finally:
+            self._sends -= 1
+            self._spin_until = time.monotonic() + _SPIN_S  # the next send usually follows at once
+
+
+def _copy_into(buf, data: np.ndarray) -> None:
+    if hasattr(buf, "copy_"):  # a torch tensor, possibly on the GPU
+        import torch
+
+        buf.view(-1).view(torch.uint8).copy_(torch.from_numpy(data))
+    else:
+        memoryview(buf).cast("B")[:] = memoryview(data)
 
 
 def _nbytes(buf) -> int:

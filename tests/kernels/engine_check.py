@@ -31,20 +31,20 @@ KERNELS = {
 }
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(0)
-    return [[0] + [rng.randrange(4, 1024) for _ in range(n - 1)] for n in PROMPT_LENS]
+    return [[0] + [rng.randrange(4, vocab) for _ in range(n - 1)] for n in PROMPT_LENS]
 
 
 def _greedy() -> SamplingParams:
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
-def _generate(make) -> dict[str, list[int]]:
+def _generate(make, vocab: int) -> dict[str, list[int]]:
     """Batched, with MTP drafts: decode rows, prefill chunks and draft verification."""
     eng = make(num_kv_blocks=64, num_speculative_tokens=1)
     outs: dict[str, list[int]] = {}
-    for i, p in enumerate(_prompts()):
+    for i, p in enumerate(_prompts(vocab)):
         eng.add_request(f"r{i}", p, _greedy())
         outs[f"r{i}"] = []
     while eng.has_unfinished():
@@ -53,11 +53,11 @@ def _generate(make) -> dict[str, list[int]]:
     return outs
 
 
-def _disaggregated(make) -> list[int]:
+def _disaggregated(make, vocab: int) -> list[int]:
     """Prefill on one engine, pack its KV blocks, unpack them into another, decode there."""
     pre = make(num_kv_blocks=16, role="prefill")
     dec = make(num_kv_blocks=16, role="decode", num_speculative_tokens=0)
-    prompt = _prompts()[-1]
+    prompt = _prompts(vocab)[-1]
     pre.add_request("r", prompt, _greedy())
     first = [t for o in pre.step() for t in o.new_token_ids]
     kv = pre.export_kv("r").clone()
@@ -75,10 +75,11 @@ def main(model_dir: str) -> dict:
     def make(**kw) -> LLMEngine:
         return LLMEngine(EngineConfig(model=model_dir, **kw), model=model)
 
+    vocab = model.cfg.vocab_size
     result = {}
     for mode in ("torch", "triton"):
         os.environ["MOEMESH_KERNELS"] = mode
-        result[mode] = {"batched": _generate(make), "disaggregated": _disaggregated(make)}
+        result[mode] = {"batched": _generate(make, vocab), "disaggregated": _disaggregated(make, vocab)}
     result["launches"] = {name: k.num_launches for name, k in KERNELS.items()}
     return result
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import signal
 import time
 
@@ -94,3 +95,22 @@ def test_gateway_forgets_a_dead_worker_within_seconds(fault_mesh):
     r = httpx.post(fault_mesh.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
     assert r.status_code == 503 and r.headers["Retry-After"] and r.json()["error"]["code"] == "no_workers"
     assert httpx.get(fault_mesh.url + "/health/ready").status_code == 503
+
+
+def test_a_prefill_worker_busy_with_a_long_step_still_takes_new_jobs(tiny_model, tmp_path_factory):
+    # Each prefill step takes 3 s; the gateway waits 1 s for a worker to take a job. A
+    # second request arriving mid-step must be taken at once and run after the step,
+    # not refused with a 503 because the engine was busy.
+    m = start_mesh(tmp_path_factory.mktemp("busy"), tiny_model,
+                   prefill_set=["engine=mock", "mock_step_ms=3000"], decode_set=["engine=mock", "mock_step_ms=5"],
+                   gateway_set=["prefill_timeout_s=1.0"])
+    try:
+        body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 2, "ignore_eos": True}
+        with httpx.Client(timeout=60) as c, cf.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(c.post, m.url + "/v1/completions", json=body)
+            time.sleep(1.0)  # the first request's step is under way
+            second = pool.submit(c.post, m.url + "/v1/completions", json=body)
+            codes = [first.result().status_code, second.result().status_code]
+        assert codes == [200, 200], [first.result().text, second.result().text]
+    finally:
+        m.group.stop()

@@ -56,3 +56,58 @@ def test_a_receive_that_never_gets_data_times_out_and_frees_its_buffer(kind):
             await a.close()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("kind", ["loopback", "ucx"])
+def test_a_message_sent_before_its_receive_is_posted_is_kept_for_it(kind):
+    async def go():
+        a, b = await _pair(kind)
+        try:
+            src = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)[: 1 << 20]
+            await a.send(b.address, src, 4242, timeout=10)
+            await asyncio.sleep(0.05)
+            dst = np.zeros(1 << 20, dtype=np.uint8)
+            await b.post_recv(dst, tag=4242).wait(10)
+            assert np.array_equal(src, dst)
+        finally:
+            await a.close()
+
+    asyncio.run(go())
+
+
+def test_ucx_a_message_of_the_wrong_size_fails_its_receive_and_the_next_one_still_lands():
+    async def go():
+        a, b = await _pair("ucx")
+        try:
+            tr = b.post_recv(np.zeros(64, dtype=np.uint8), tag=9)
+            await a.send(b.address, np.ones(100, dtype=np.uint8), 9, timeout=10)
+            with pytest.raises(TransferError, match="expected 64 bytes"):
+                await tr.wait(10)
+            dst = np.zeros(64, dtype=np.uint8)
+            tr = b.post_recv(dst, tag=10)
+            await a.send(b.address, np.ones(64, dtype=np.uint8), 10, timeout=10)
+            await tr.wait(10)
+            assert dst.sum() == 64
+        finally:
+            await a.close()
+
+    asyncio.run(go())
+
+
+def test_ucx_bytes_that_arrive_after_their_receive_gave_up_never_touch_its_buffer():
+    async def go():
+        a, b = await _pair("ucx")
+        try:
+            dst = np.zeros(4096, dtype=np.uint8)
+            tr = b.post_recv(dst, tag=31)
+            with pytest.raises(TransferError, match="no data within"):
+                await tr.wait(0.1)
+            assert await tr.abandon(0.1)
+            await a.send(b.address, np.ones(4096, dtype=np.uint8), 31, timeout=10)
+            await asyncio.sleep(0.1)
+            assert dst.sum() == 0
+            assert 31 not in b._early and 31 not in b._abandoned  # taken and dropped
+        finally:
+            await a.close()
+
+    asyncio.run(go())
