@@ -271,10 +271,12 @@ class UcxTransport:
         return True
 
     def _complete_receives(self) -> bool:
-        done = [i for i in self._inflight if i.req.completed]
+        done, still = [], []
+        for i in self._inflight:
+            (done if i.req.completed else still).append(i)
         if not done:
             return False
-        self._inflight = [i for i in self._inflight if not i.req.completed]
+        self._inflight = still
         for item in done:
             try:
                 item.req.check_error()
@@ -282,6 +284,12 @@ class UcxTransport:
             except Exception as e:
                 err = TransferError(f"UCX receive under tag {item.tag:#x} failed: {e}")
             r = item.recv
+            if r is None and err is None and item.tag in self._pending:
+                # Its receive was posted while the bytes were landing in a sink of their own.
+                r = self._pending.pop(item.tag)
+                if item.sink.nbytes == r.nbytes:
+                    _copy_into(r.buf, item.sink)
+                    item.sink = None
             if r is not None:
                 if err is None and item.sink is not None:
                     err = TransferError(f"expected {r.nbytes} bytes under tag {item.tag:#x}, "

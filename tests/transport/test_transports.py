@@ -111,3 +111,58 @@ def test_ucx_bytes_that_arrive_after_their_receive_gave_up_never_touch_its_buffe
             await a.close()
 
     asyncio.run(go())
+
+
+class _Probe:
+    def __init__(self, tag, length):
+        from ucxx.types import Tag
+
+        self.matched, self.sender_tag, self.length = True, Tag(tag), length
+
+
+class _Req:
+    completed = False
+
+    def check_error(self):
+        pass
+
+
+class _Worker:
+    """Stands in for the UCX worker to hold a message between "arrived" and "landed"."""
+
+    def __init__(self):
+        self.arrivals, self.reqs = [], []
+
+    def progress(self):
+        pass
+
+    def tag_probe(self, tag, mask, remove):
+        return self.arrivals.pop(0) if self.arrivals else type("NoMatch", (), {"matched": False})()
+
+    def tag_recv_with_handle(self, arr, probe):
+        self.reqs.append(_Req())
+        return self.reqs[-1]
+
+
+def test_ucx_a_receive_posted_while_its_message_is_landing_still_gets_it():
+    # The message arrives before its receive is posted, so it lands in memory of its own;
+    # the receive is posted before that landing completes. It must not wait forever.
+    pytest.importorskip("ucxx")
+    from shared.transport.ucx import UcxTransport
+
+    async def go():
+        t = UcxTransport()
+        t._worker = w = _Worker()
+        w.arrivals.append(_Probe(5, 8))
+        assert t._take_arrivals()
+        dst = np.zeros(8, dtype=np.uint8)
+        tr = t.post_recv(dst, tag=5)
+        t._inflight[0].sink[:] = np.arange(8, dtype=np.uint8)
+        w.reqs[0].completed = True
+        t._complete_receives()
+        await tr.wait(1)
+        assert list(dst) == list(range(8)) and not t._early
+        if t._prober is not None:
+            t._prober.cancel()
+
+    asyncio.run(go())
