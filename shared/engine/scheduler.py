@@ -2,7 +2,10 @@
 
 Each step: running sequences first, in arrival order (decode tokens and draft tokens to
 verify, or the next prefill chunk), then waiting sequences in arrival order while the
-budget and free blocks last. When a running sequence cannot get the blocks it needs,
+budget and free blocks last. A running prefill chunk leaves room (at most half the
+budget) for the short prompts at the head of the queue: a later turn of a conversation,
+whose prefix is cached, then waits one step behind another's long cold prompt rather
+than for the whole of it. When a running sequence cannot get the blocks it needs,
 the newest running sequence is preempted: its blocks are freed and it will be
 recomputed from its tokens. This keeps the oldest requests moving.
 """
@@ -13,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
-from shared.engine.sequence import FinishReason, Sequence, SeqStatus
+from shared.engine.sequence import FinishReason, SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         k = self.cfg.num_spec_tokens
+        reserve = self._short_waiting(budget // 2) if len(self.running) < self.cfg.max_num_seqs else 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -108,6 +112,8 @@ class Scheduler:
             if seq.in_decode and seq.draft_ids:
                 drafts = min(len(seq.draft_ids), budget - 1)
                 num_new += drafts
+            elif not seq.in_decode and num_new > budget - reserve:
+                num_new = max(budget - reserve, 1)  # a prefill chunk: the reserve goes to short prompts
             num_new = min(num_new, budget)
             if not self._ensure_blocks(seq, seq.num_computed + num_new + max(k - 1, 0), out):
                 if seq.status != SeqStatus.RUNNING:  # preempted itself
@@ -134,6 +140,22 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
+
+    def _short_waiting(self, limit: int) -> int:
+        """Tokens that the sequences at the head of the queue have left to prefill (after
+        their cached prefix), counted while each has at most `limit` and up to `limit` in all."""
+        total = 0
+        for seq in self.waiting:
+            left = seq.num_tokens - seq.num_computed
+            if not seq.block_ids and not seq.num_computed:
+                usable = (seq.num_tokens - 1) // self.blocks.block_size
+                left -= len(self.blocks.lookup(seq.block_hashes[:usable])) * self.blocks.block_size
+            if left > limit:
+                break
+            total += left
+            if total >= limit:
+                break
+        return min(total, limit)
 
     def _reuse_prefix(self, seq: Sequence) -> int:
         """Start a fresh sequence on the cached blocks of its longest known prefix. At least

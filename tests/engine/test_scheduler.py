@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from shared.engine.block_manager import BlockManager
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
-from shared.engine.sequence import FinishReason, Sequence, SeqStatus
+from shared.engine.sequence import FinishReason, SeqStatus, Sequence
 
 
 def _seq(rid, n_prompt, max_tokens=4):
@@ -120,3 +120,31 @@ def test_random_traffic_never_leaks_and_always_finishes(arrivals, num_blocks, bu
     assert not pending and not sched.has_work(), "a request never finished"
     assert bm.num_free_blocks == num_blocks
     assert all(s.is_finished for s in all_seqs)
+
+
+def test_a_short_prompt_waits_one_step_behind_a_long_prefill_not_all_of_it():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BlockManager(64, 16))
+    long, short = _seq("long", 400), _seq("short", 10)
+    sched.add(long)
+    _execute(sched, sched.schedule())  # the long prompt's first chunk
+    sched.add(short)
+    out = sched.schedule()
+    assert {s.seq.request_id: s.num_new_tokens for s in out.scheduled} == {"long": 54, "short": 10}
+
+
+def test_short_prompts_never_take_more_than_half_the_budget_from_a_long_prefill():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), BlockManager(128, 16))
+    long = _seq("long", 400)
+    sched.add(long)
+    _execute(sched, sched.schedule())
+    for i in range(6):
+        sched.add(_seq(f"s{i}", 20))
+    out = sched.schedule()
+    got = {s.seq.request_id: s.num_new_tokens for s in out.scheduled}
+    assert got["long"] == 32 and out.num_tokens == 64
+    # a prompt longer than half the budget gets no reserve: the running prefill goes first
+    sched2 = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BlockManager(64, 16))
+    sched2.add(_seq("long", 400))
+    _execute(sched2, sched2.schedule())
+    sched2.add(_seq("mid", 40))
+    assert [s.num_new_tokens for s in sched2.schedule().scheduled] == [64]
