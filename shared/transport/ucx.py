@@ -108,7 +108,8 @@ class UcxTransport:
         try:
             ucxx.init(options=options, progress_mode=self._progress_mode)
         except RuntimeError:
-            # Already initialised in this process (tests run several services in one).
+            # Already initialised: a transport closed and made again in this process (tests
+            # do). Never two at once: each one's loop takes every tagged message.
             log.debug("ucxx already initialised; reusing its context")
         self._ucxx = ucxx
         # The Python UCXWorker (tag_probe, recv_with_handle) hangs off the application context.
