@@ -23,7 +23,7 @@ from shared.protocol.subjects import Subjects
 from shared.service.dep_runtime import tensor_from
 from shared.service.lifecycle import AsyncService
 from shared.service.metrics_http import MetricsServer
-from shared.service.nats_io import connect, subscribe
+from shared.service.nats_io import connect, disconnect, subscribe
 from shared.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,7 @@ class BalancerService(AsyncService):
             self._http = None
         if self.nc is not None:
             nc, self.nc = self.nc, None
-            try:
-                await nc.drain()
-            except Exception:
-                await nc.close()
+            await disconnect(nc)
 
     # ---- observing ----------------------------------------------------------------------
     async def _on_load(self, m: ExpertLoad, msg, ctx) -> None:

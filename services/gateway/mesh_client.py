@@ -25,7 +25,7 @@ from shared.protocol.messages import (
 )
 from shared.protocol.subjects import Subjects
 from shared.service.heartbeat import WorkerRegistry
-from shared.service.nats_io import RemoteError, Unreachable, connect, publish, request, subscribe
+from shared.service.nats_io import RemoteError, Unreachable, connect, disconnect, publish, request, subscribe
 from shared.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,7 @@ class MeshClient:
         if self.nc is None:
             return
         nc, self.nc = self.nc, None
-        try:
-            await nc.drain()
-        except Exception:
-            await nc.close()
+        await disconnect(nc)
 
     # ---- workers ---------------------------------------------------------------------
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:

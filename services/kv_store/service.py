@@ -33,7 +33,7 @@ from shared.protocol.subjects import Subjects
 from shared.service.heartbeat import Heartbeater, WorkerRegistry
 from shared.service.lifecycle import AsyncService
 from shared.service.metrics_http import MetricsServer
-from shared.service.nats_io import connect, publish, subscribe
+from shared.service.nats_io import connect, disconnect, publish, subscribe
 from shared.telemetry.metrics import Metrics
 from shared.transport.base import TransferError
 from shared.transport.staging import StagingPool
@@ -98,10 +98,7 @@ class KVStoreService(AsyncService):
             await self._http.close()
         if self.nc is not None:
             nc, self.nc = self.nc, None
-            try:
-                await nc.drain()
-            except Exception:
-                await nc.close()
+            await disconnect(nc)
         if self.transport is not None:
             await self.transport.close()
 

@@ -146,10 +146,7 @@ class Scheduler:
         their cached prefix), counted while each has at most `limit` and up to `limit` in all."""
         total = 0
         for seq in self.waiting:
-            left = seq.num_tokens - seq.num_computed
-            if not seq.block_ids and not seq.num_computed:
-                usable = (seq.num_tokens - 1) // self.blocks.block_size
-                left -= len(self.blocks.lookup(seq.block_hashes[:usable])) * self.blocks.block_size
+            left = seq.num_tokens - seq.num_computed - len(self._cached_prefix(seq)) * self.blocks.block_size
             if left > limit:
                 break
             total += left
@@ -160,10 +157,7 @@ class Scheduler:
     def _reuse_prefix(self, seq: Sequence) -> int:
         """Start a fresh sequence on the cached blocks of its longest known prefix. At least
         one token is left to compute, since sampling needs its logits."""
-        if seq.block_ids or seq.num_computed or not self.blocks.enable_caching:
-            return 0
-        usable = (seq.num_tokens - 1) // self.blocks.block_size
-        blocks = self.blocks.lookup(seq.block_hashes[:usable])
+        blocks = self._cached_prefix(seq)
         if not blocks:
             return 0
         self.blocks.acquire(blocks)
@@ -172,6 +166,14 @@ class Scheduler:
         seq.num_registered = len(blocks)
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
         return len(blocks)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks a fresh sequence could start on (no references taken); at least
+        one token is left to compute, since sampling needs its logits."""
+        if seq.block_ids or seq.num_computed or not self.blocks.enable_caching:
+            return []
+        usable = (seq.num_tokens - 1) // self.blocks.block_size
+        return self.blocks.lookup(seq.block_hashes[:usable])
 
     def _ensure_blocks(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
         need = self.blocks.blocks_for(num_slots) - len(seq.block_ids)

@@ -61,6 +61,14 @@ async def connect(cfg: ServiceConfig, name: str) -> NATS:
     return await nats.connect(**kw)
 
 
+async def disconnect(nc: NATS) -> None:
+    """Drain (in-flight handlers finish, pending publishes go out), or close when that fails."""
+    try:
+        await nc.drain()
+    except Exception:
+        await nc.close()
+
+
 async def subscribe(nc: NATS, subject: str, cls: type, handler: Handler, queue: str = ""):
     """Subscribe with validation. handler(obj, msg, trace_context) may return a reply
     message object, which is sent when the sender asked for one."""

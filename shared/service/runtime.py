@@ -26,7 +26,7 @@ from shared.service.engine_loop import EngineLoop, OutputSink
 from shared.service.heartbeat import Heartbeater
 from shared.service.kv_sharing import KVSharing
 from shared.service.metrics_http import MetricsServer
-from shared.service.nats_io import connect, subscribe
+from shared.service.nats_io import connect, disconnect, subscribe
 from shared.telemetry.metrics import Metrics
 from shared.telemetry.tracing import get_tracer, setup_tracing
 from shared.telemetry.tracing import shutdown as shutdown_tracing
@@ -237,10 +237,7 @@ class WorkerRuntime:
         if self.dep is not None:
             self.dep.close()
         if self.nc is not None:
-            try:
-                await self.nc.drain()
-            except Exception:
-                await self.nc.close()
+            await disconnect(self.nc)
         if self.transport:
             await self.transport.close()
         if self.tracer_provider is not None:
