@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +25,15 @@ from opentelemetry import trace
 
 from services.decode.config import DecodeConfig
 from services.decode.kv_pull import Pull, PullState, pull_kv
-from shared.engine.engine import RequestError, RequestOutput, StepStats
+from shared.engine.engine import RequestError, StepStats
+from shared.engine.planned_step import StepOutputs
 from shared.engine.sampling_params import SamplingParamError
-from shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVRelease, PrefillJob, TokenUpdate
+from shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVRelease, PrefillJob
 from shared.service.lifecycle import AsyncService
 from shared.service.nats_io import publish
-from shared.service.runtime import WorkerRuntime, logprobs_wire
+from shared.service.runtime import WorkerRuntime, end_fields
 from shared.telemetry.propagation import inject_headers
+from shared.telemetry.tracing import exports_spans
 
 log = logging.getLogger(__name__)
 # Step events per request span: enough to profile steps (moemesh profile), few enough that
@@ -53,6 +56,8 @@ class DecodeService(AsyncService):
         self._engine = engine
         self.pulls: dict[str, Pull] = {}
         self.active: dict[str, Active] = {}
+        self._gateways: Counter[str] = Counter()  # gateways of the active requests
+        self._step_events = False
         self._job_subs = []
 
 
@@ -72,6 +77,8 @@ class DecodeService(AsyncService):
         self.m_pull_bytes = m.counter("kv_bytes_received_total", "KV bytes received")
         self.m_pull_fail = m.counter("kv_pull_failures_total", "KV pulls that failed", ("action",))
         self.m_step = m.histogram("decode_step_seconds", "decode engine step time")
+        # Per-request step events cost a few microseconds per token: only when spans leave the process.
+        self._step_events = exports_spans(rt.tracer_provider)
         log.info("decode worker %s ready (model %s)", rt.worker_id, self.cfg.model_name)
 
     async def drain(self) -> None:
@@ -99,7 +106,7 @@ class DecodeService(AsyncService):
             return ErrorReply(f"duplicate request {r.request_id}", "bad_request")
         span = rt.tracer.start_span("decode", context=ctx, attributes={
             "request.id": r.request_id, "worker.id": rt.worker_id, "prompt.tokens": len(r.prompt_ids)})
-        self.active[r.request_id] = Active(r.gateway_id, span, time.monotonic())
+        self._activate(r.request_id, Active(r.gateway_id, span, time.monotonic()))
         pull = self.pulls[r.request_id] = Pull(r)
         rt.spawn(self._pull_and_import(pull, span), f"pull-{r.request_id}")
         return Ack()
@@ -173,13 +180,25 @@ class DecodeService(AsyncService):
         except Exception as e:  # the prefill lease expires on its own
             log.debug("release not sent: %s", e)
 
-    async def _fail(self, request_id: str, error: str) -> None:
+    def _activate(self, request_id: str, act: Active) -> None:
+        self.active[request_id] = act
+        self._gateways[act.gateway_id] += 1
+
+    def _deactivate(self, request_id: str) -> Active | None:
         act = self.active.pop(request_id, None)
+        if act is not None:
+            self._gateways[act.gateway_id] -= 1
+            if not self._gateways[act.gateway_id]:
+                del self._gateways[act.gateway_id]
+        return act
+
+    async def _fail(self, request_id: str, error: str) -> None:
+        act = self._deactivate(request_id)
         if act is None:
             return
         act.span.set_status(trace.StatusCode.ERROR, error)
         act.span.end()
-        self.rt.tokens.add(act.gateway_id, TokenUpdate(request_id, [], "error", error=error))
+        self.rt.tokens.add(act.gateway_id, request_id, [], "error", error)
         await self.rt.tokens.flush()
 
     async def _on_bench_job(self, job: PrefillJob, msg, ctx):
@@ -197,7 +216,7 @@ class DecodeService(AsyncService):
         first = job.prompt_ids[-1]
         span = rt.tracer.start_span("decode", context=ctx, attributes={
             "request.id": job.request_id, "worker.id": rt.worker_id, "prompt.tokens": n, "bench.dummy_kv": True})
-        self.active[job.request_id] = Active(job.gateway_id, span, time.monotonic())
+        self._activate(job.request_id, Active(job.gateway_id, span, time.monotonic()))
 
         def attempt(engine) -> bool:
             if job.request_id not in self.active:
@@ -215,38 +234,57 @@ class DecodeService(AsyncService):
         return Ack()
 
     # ---- steps ------------------------------------------------------------------------------
-    async def _on_outputs(self, outputs: list[RequestOutput], stats: StepStats) -> None:
+    async def _on_outputs(self, out: StepOutputs, stats: StepStats) -> None:
         rt = self.rt
-        if stats.num_seqs:
-            self.m_step.observe(stats.total_s)
-        for out in outputs:
-            act = self.active.get(out.request_id)
+        if stats.num_seqs and rt.last_account is not None:
+            self.m_step.observe(rt.last_account.total_s)
+        if len(self._gateways) == 1:  # the common case: the step's columns go out as they are
+            rt.tokens.add_step(next(iter(self._gateways)), out)
+        else:
+            ends = {e.row: e for e in out.extras}
+            for i, (rid, ids) in enumerate(out.rows()):
+                act = self.active.get(rid)
+                if act is not None:
+                    e = ends.get(i)
+                    rt.tokens.add(act.gateway_id, rid, ids, *(end_fields(e) if e is not None else ()))
+        if self._step_events:
+            self._add_step_events(out, stats)
+        for e in out.extras:
+            if e.finish_reason is None:
+                continue
+            rid = out.request_ids[e.row]
+            act = self._deactivate(rid)
+            if act is None:
+                continue
+            if e.block_hashes:  # prompt and answer: the next turn's prefix, for the KV store
+                rt.kv_sharing.push_soon(e.block_hashes)
+            act.span.set_attribute("finish.reason", e.finish_reason.value)
+            if self._step_events:
+                act.span.set_attribute("decode.steps", act.steps)
+            act.span.end()
+        await rt.tokens.flush()
+
+    def _add_step_events(self, out: StepOutputs, stats: StepStats) -> None:
+        a = self.rt.last_account
+        attrs = None
+        for rid, ids in out.rows():
+            act = self.active.get(rid)
             if act is None:
                 continue
             act.steps += 1
             if act.steps <= MAX_STEP_EVENTS:
-                a = rt.last_account
-                act.span.add_event("step", {"tokens": len(out.new_token_ids), "batch.num_seqs": stats.num_seqs,
-                                            "forward_ms": a.forward_s * 1e3, "host_ms": a.host_s * 1e3,
-                                            "rank_wait_ms": a.rank_wait_s * 1e3})
-            reason = out.finish_reason.value if out.finished else None
-            rt.tokens.add(act.gateway_id, TokenUpdate(out.request_id, out.new_token_ids, reason,
-                                                      num_prompt_tokens=out.num_prompt_tokens,
-                                                      logprobs=logprobs_wire(out.logprobs)))
-            if out.finished:
-                if out.block_hashes:  # prompt and answer: the next turn's prefix, for the KV store
-                    rt.kv_sharing.push_soon(out.block_hashes)
-                del self.active[out.request_id]
-                act.span.set_attributes({"decode.steps": act.steps, "finish.reason": reason})
-                act.span.end()
-        await rt.tokens.flush()
+                if attrs is None:
+                    attrs = {"batch.num_seqs": stats.num_seqs, "forward_ms": a.forward_s * 1e3,
+                             "host_ms": a.host_s * 1e3, "host_exposed_ms": a.exposed_s * 1e3,
+                             "rank_wait_ms": a.rank_wait_s * 1e3}
+                act.span.add_event("step", {"tokens": len(ids), **attrs})
 
     async def _on_abort(self, a: Abort, msg, ctx) -> None:
         for rid in a.request_ids:
             pull = self.pulls.get(rid)
             if pull is not None:
                 pull.aborted = True
-            act = self.active.pop(rid, None)
+            act = self._deactivate(rid)
             if act is not None:
                 act.span.add_event("aborted", {"reason": a.reason})
                 act.span.end()

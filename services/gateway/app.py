@@ -33,7 +33,7 @@ from services.gateway.auth import ApiKeyMiddleware, load_api_keys
 from services.gateway.config import GatewayConfig
 from services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
 from services.gateway.openapi import OPENAPI
-from services.gateway.stream import events
+from services.gateway.stream import TIMED_OUT, Reader
 from shared.model.config import ModelConfig
 from shared.service.metrics_http import MetricsServer
 from shared.telemetry.metrics import Metrics
@@ -211,33 +211,58 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
 
 
 async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: float, done):
-    first, n_out, finished, seen_token = True, 0, False, False
+    """Everything that arrived for the stream since the last write goes out in one write,
+    one SSE event per token."""
+    n_out, finished, first = 0, False, True
     fast = api.ChunkBytes(req)
+    reader = Reader(st.tok, req.params.stop)
+    add = reader.detok.add
+    plain = not req.params.stop and req.logprobs is None  # the common case: no per-token extras
     stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
     try:
-        async for ev in events(st.mesh, st.tok, req, handle, st.cfg.inactivity_timeout_s):
-            if not seen_token and ev.num_tokens:
-                seen_token = True
+        while True:
+            if await handle.wait() is TIMED_OUT:
+                await st.mesh.abort(req.request_id, "timeout")
+                err = f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted"
+                stream_span.set_status(trace.StatusCode.ERROR, err)
+                yield _sse_data({"error": api.ApiError(500, err, type_="server_error").body()["error"]})
+                break
+            ids, lps, finish, error = handle.take()
+            if ids and first:
                 st.m["ttft"].observe(time.perf_counter() - t0)
                 stream_span.add_event("first_token")
-            n_out += ev.num_tokens
-            if ev.error:
-                stream_span.set_status(trace.StatusCode.ERROR, ev.error)
-                yield _sse_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]})
-                break
-            if ev.text and not (first or ev.finish or ev.logprobs):
-                yield fast.text(ev.text)  # the per-token path: one small serialisation
+            n_out += len(ids)
+            if plain and not first and finish is None and error is None:
+                yield b"".join([fast.text(add([t])) for t in ids])
                 continue
-            lp = api.logprobs_payload(req, st.tok, ev.logprobs)
-            if ev.text or ev.finish or first or lp:
-                yield _sse_data(api.chunk(req, ev.text, ev.finish, first, lp))
+            if not ids and finish is None and error is None:
+                continue
+            parts, end = [], False
+            for ev in reader.events(ids, lps, finish, error):
+                if ev.error:
+                    stream_span.set_status(trace.StatusCode.ERROR, ev.error)
+                    parts.append(_sse_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]}))
+                    end = True
+                    break
+                if not (first or ev.finish or ev.logprob):
+                    parts.append(fast.text(ev.text))
+                else:
+                    lp = api.logprobs_payload(req, st.tok, [ev.logprob] if ev.logprob else [])
+                    parts.append(_sse_data(api.chunk(req, ev.text, ev.finish, first, lp)))
                 first = False
-            if ev.finish:
+                end = ev.finish is not None
+            if end:
+                if reader.stopped_by_string:
+                    await st.mesh.abort(req.request_id, "stop_string")  # the workers keep going otherwise
+                else:
+                    st.mesh.finish(req.request_id)
+                if req.include_usage:
+                    parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out)))
+                parts.append(b"data: [DONE]\n\n")
+                yield b"".join(parts)
+                finished = True
                 break
-        if req.include_usage:
-            yield _sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out))
-        yield b"data: [DONE]\n\n"
-        finished = True
+            yield b"".join(parts)
     finally:
         st.m["tokens"].inc(n_out)  # once per request, not per token
         if not finished:  # the client went away (or the stream broke): stop the work
@@ -254,17 +279,28 @@ def _sse_data(obj: dict) -> bytes:
 
 async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest, handle, span, t0, done):
     async def gather():
-        text, n_out, lps, finish, error, first = [], 0, [], "stop", None, True
-        async for ev in events(st.mesh, st.tok, req, handle, st.cfg.inactivity_timeout_s):
-            if first and ev.num_tokens:
+        reader = Reader(st.tok, req.params.stop)
+        text, n_out, lps, first = [], 0, [], True
+        while True:
+            if await handle.wait() is TIMED_OUT:
+                await st.mesh.abort(req.request_id, "timeout")
+                return "".join(text), n_out, lps, "error", \
+                    f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted"
+            ids, wire_lps, finish, error = handle.take()
+            if first and ids:
                 st.m["ttft"].observe(time.perf_counter() - t0)
                 first = False
-            text.append(ev.text)
-            n_out += ev.num_tokens
-            lps += ev.logprobs
-            if ev.finish:
-                finish, error = ev.finish, ev.error
-        return "".join(text), n_out, lps, finish, error
+            n_out += len(ids)
+            for ev in reader.events(ids, wire_lps, finish, error):
+                text.append(ev.text)
+                if ev.logprob is not None:
+                    lps.append(ev.logprob)
+                if ev.finish:
+                    if reader.stopped_by_string:
+                        await st.mesh.abort(req.request_id, "stop_string")
+                    else:
+                        st.mesh.finish(req.request_id)
+                    return "".join(text), n_out, lps, ev.finish, ev.error
 
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":

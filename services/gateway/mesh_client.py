@@ -1,8 +1,9 @@
 """The gateway's side of the control plane: who is alive, where a request goes, and
 the token streams coming back.
 
-Each admitted request gets a Handle with a queue. Token batches from workers (one per
-worker step) are decoded once and their updates fanned out to the queues.
+Each admitted request gets a Handle (stream.py). Token batches from workers (one per
+worker step) are decoded once, and each row's ids are appended to its handle, which
+wakes the request's reader if it waits.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
 
 from services.gateway.config import GatewayConfig
 from services.gateway.kv_index import KVIndex
 from services.gateway.router import pick_decode, pick_prefill
+from services.gateway.stream import Handle, sweep_inactive
 from shared.engine.prefix_hash import chain
 from shared.protocol.messages import (
-    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, KVSource, PrefillJob, TokenBatch, TokenUpdate, WireSampling,
+    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, KVSource, PrefillJob, TokenBatch, WireSampling,
 )
 from shared.protocol.subjects import Subjects
 from shared.service.heartbeat import WorkerRegistry
@@ -39,14 +40,6 @@ class Rejected(RuntimeError):
     """A worker refused the request (bad parameters it caught, or draining)."""
 
 
-@dataclass
-class Handle:
-    request_id: str
-    decode_id: str
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    done: bool = False
-
-
 class MeshClient:
     def __init__(self, cfg: GatewayConfig, gateway_id: str | None = None):
         self.cfg = cfg
@@ -60,6 +53,7 @@ class MeshClient:
         self._snapshots: set[str] = set()
         self.nc: NATS | None = None
         self._subs = []
+        self._sweeper: asyncio.Task | None = None
         self.batches_received = 0
 
     async def start(self) -> None:
@@ -68,8 +62,13 @@ class MeshClient:
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
         self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id), TokenBatch, self._on_tokens))
         self._subs.append(await subscribe(self.nc, s.kv_events, KVEvents, self._on_kv_events))
+        self._sweeper = asyncio.create_task(sweep_inactive(self.handles, self.cfg.inactivity_timeout_s),
+                                            name="inactivity-sweep")
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self.nc is None:
             return
         nc, self.nc = self.nc, None
@@ -141,7 +140,7 @@ class MeshClient:
             raise NoWorkers("no decode worker is alive")
         if not self.cfg.decode_only_bench and not self.live("prefill"):
             raise NoWorkers("no prefill worker is alive")
-        h = Handle(request_id, decode.worker_id)
+        h = Handle(request_id, decode.worker_id, asyncio.get_running_loop().time())
         self.handles[request_id] = h
         self._assigned[decode.worker_id] += params.max_tokens
         job = PrefillJob(request_id, list(prompt_ids), WireSampling.from_params(params), self.gateway_id,
@@ -173,10 +172,29 @@ class MeshClient:
 
     async def _on_tokens(self, batch: TokenBatch, msg, ctx) -> None:
         self.batches_received += 1
-        for u in batch.updates:
-            h = self.handles.get(u.request_id)
+        handles, rids = self.handles, batch.request_ids
+        now = asyncio.get_running_loop().time()
+        if batch.counts is None:  # the common case: one id per row
+            for rid, t in zip(rids, batch.token_ids):
+                h = handles.get(rid)
+                if h is not None:
+                    h.ids.append(t)
+                    h.last_seen = now
+                    h.wake()
+        else:
+            i = 0
+            for rid, n in zip(rids, batch.counts):
+                h = handles.get(rid)
+                if h is not None and n:
+                    h.ids += batch.token_ids[i : i + n]
+                    h.last_seen = now
+                    h.wake()
+                i += n
+        for e in batch.ends:
+            h = handles.get(rids[e.row])
             if h is not None:
-                h.queue.put_nowait(u)
+                h.last_seen = now
+                h.end(e)
 
     def finish(self, request_id: str) -> None:
         self.handles.pop(request_id, None)
@@ -192,7 +210,3 @@ class MeshClient:
     def abort_soon(self, request_id: str, reason: str = "client") -> None:
         """From a cancelled context (a client that went away), where awaiting is not possible."""
         asyncio.get_running_loop().create_task(self.abort(request_id, reason))
-
-
-def error_update(request_id: str, error: str) -> TokenUpdate:
-    return TokenUpdate(request_id, [], "error", error=error)

@@ -234,7 +234,8 @@ def logprobs_payload(req: GenerateRequest, tok: Tokenizer, lps: list) -> Any:
     if req.kind == "chat":
         return {"content": [
             {"token": text(lp.token_id), "logprob": lp.logprob, "bytes": list(text(lp.token_id).encode()),
-             "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())} for t, v in lp.top]}
+             "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())}
+                              for t, v in zip(lp.top_ids, lp.top_logprobs)]}
             for lp in lps]}
     return {"tokens": [text(lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in lps]}
+            "top_logprobs": [{text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps]}

@@ -1,66 +1,122 @@
-"""Turning one request's token updates into text events: incremental detokenization,
-stop strings, finish reasons, and the inactivity timeout."""
+"""One request's token stream at the gateway, from the ids workers send to the bytes the
+client reads.
+
+Stream lifecycle: open (a Handle is registered) -> tokens arrive (the mesh client appends
+ids to the handle and wakes its reader) -> the reader takes everything that arrived,
+turns each token into one SSE event (incremental detokenization, stop strings) and
+writes them in one chunk -> finished (the worker's finish reason, a stop string, an
+error, or the inactivity timeout).
+
+Nothing here runs per token but the detokenizer and the event's bytes: no task, no
+queue and no timer per token. A stream that falls behind gets several events per write.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
-from services.gateway.mesh_client import Handle, MeshClient
-from services.gateway.openai_api import GenerateRequest
+from shared.protocol.messages import TokenEnd, TokenLogprobWire
 from shared.tokenizer.detokenizer import IncrementalDetokenizer
 from shared.tokenizer.tokenizer import Tokenizer
+
+TIMED_OUT = "timed_out"
+
+
+class Handle:
+    """What has arrived for one request and not been taken yet. Filled by the mesh
+    client (one batch per worker step), emptied by the request's reader."""
+
+    __slots__ = ("request_id", "decode_id", "ids", "logprobs", "finish", "error", "last_seen", "_waiter")
+
+    def __init__(self, request_id: str, decode_id: str, now: float = 0.0):
+        self.request_id = request_id
+        self.decode_id = decode_id
+        self.ids: list[int] = []
+        self.logprobs: list[TokenLogprobWire] = []
+        self.finish: str | None = None
+        self.error: str | None = None
+        self.last_seen = now  # loop time of the last arrival
+        self._waiter: asyncio.Future | None = None
+
+    def wake(self, why: object = None) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(why)
+
+    def end(self, e: TokenEnd) -> None:
+        if e.logprobs:
+            self.logprobs += e.logprobs
+        if e.finish_reason is not None:
+            self.finish, self.error = e.finish_reason, e.error
+        self.wake()
+
+    @property
+    def waiting(self) -> bool:
+        return self._waiter is not None
+
+    async def wait(self) -> object:
+        """Until something arrives (None) or the inactivity sweep gives up (TIMED_OUT)."""
+        if self.ids or self.finish is not None:
+            return None
+        self._waiter = asyncio.get_running_loop().create_future()
+        return await self._waiter
+
+    def take(self) -> tuple[list[int], list[TokenLogprobWire], str | None, str | None]:
+        ids, lps = self.ids, self.logprobs
+        self.ids, self.logprobs = [], []
+        return ids, lps, self.finish, self.error
 
 
 @dataclass
 class Event:
+    """One token's worth of a response (or the end of one)."""
     text: str = ""
     finish: str | None = None  # stop | length | abort | error
     error: str | None = None
-    logprobs: list = field(default_factory=list)
-    num_tokens: int = 0  # tokens that arrived with this event
-
-
-async def events(mesh: MeshClient, tok: Tokenizer, req: GenerateRequest, handle: Handle,
-                 inactivity_timeout_s: float) -> AsyncIterator[Event]:
-    detok = IncrementalDetokenizer(tok, req.params.stop)
-    while True:
-        try:
-            u = await asyncio.wait_for(handle.queue.get(), inactivity_timeout_s)
-        except asyncio.TimeoutError:
-            await mesh.abort(req.request_id, "timeout")
-            yield Event(finish="error", error=f"no tokens for {inactivity_timeout_s:.0f}s; request aborted")
-            return
-        if u.error:
-            mesh.finish(req.request_id)
-            yield Event(finish="error", error=u.error)
-            return
-        text = detok.add(u.token_ids)
-        lps = _as_logprobs(u.logprobs)
-        if detok.stopped:
-            if u.finish_reason is None:
-                await mesh.abort(req.request_id, "stop_string")  # the workers keep going otherwise
-            else:
-                mesh.finish(req.request_id)
-            yield Event(text, "stop", logprobs=lps, num_tokens=len(u.token_ids))
-            return
-        if u.finish_reason is not None:
-            mesh.finish(req.request_id)
-            yield Event(text + detok.flush(), u.finish_reason, logprobs=lps, num_tokens=len(u.token_ids))
-            return
-        if text or lps or u.token_ids:
-            yield Event(text, logprobs=lps, num_tokens=len(u.token_ids))
+    logprob: TokenLogprobWire | None = None
+    token: bool = True  # False: an end with no token of its own
 
 
 @dataclass
-class _LP:
-    token_id: int
-    logprob: float
-    top: list
+class Reader:
+    """Turns what a handle took into events; keeps the detokenizer between takes."""
+    tok: Tokenizer
+    stop: tuple[str, ...]
+    detok: IncrementalDetokenizer = field(init=False)
+    stopped_by_string: bool = False
+
+    def __post_init__(self):
+        self.detok = IncrementalDetokenizer(self.tok, self.stop)
+
+    def events(self, ids: list[int], lps: list[TokenLogprobWire], finish: str | None,
+               error: str | None) -> list[Event]:
+        """One event per token, then, at the end, one that carries the finish (as OpenAI's
+        API sends it: a chunk of its own). A stop string ends the stream at the token that
+        completes it."""
+        if error is not None:
+            return [Event(finish="error", error=error, token=False)]
+        add, detok, out = self.detok.add, self.detok, []
+        for i, t in enumerate(ids):
+            out.append(Event(add([t]), logprob=lps[i] if i < len(lps) else None))
+            if detok.stopped:
+                self.stopped_by_string = finish is None  # the worker does not know: abort it
+                out.append(Event("", "stop", token=False))
+                return out
+        if finish is not None:
+            out.append(Event(detok.flush(), finish, token=False))
+        return out
 
 
-def _as_logprobs(wire) -> list:
-    if not wire:
-        return []
-    return [_LP(w.token_id, w.logprob, [(int(t), v) for t, v in w.top]) for w in wire]
+async def sweep_inactive(handles: dict[str, Handle], timeout_s: float, every_s: float = 1.0) -> None:
+    """Wakes readers whose request has had nothing for timeout_s with TIMED_OUT: one timer
+    for the whole gateway instead of one per wait."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(min(every_s, timeout_s))
+        now = loop.time()
+        for h in list(handles.values()):
+            if h.waiting and now - h.last_seen > timeout_s:
+                h.wake(TIMED_OUT)

@@ -23,7 +23,8 @@ from opentelemetry import trace
 from services.prefill.config import PrefillConfig
 from services.prefill.leases import LeaseTable
 from shared.engine import block_io
-from shared.engine.engine import RequestError, RequestOutput, StepStats
+from shared.engine.engine import RequestError, StepStats, request_outputs
+from shared.engine.planned_step import StepOutputs
 from shared.engine.prefix_hash import chain
 from shared.engine.sampling_params import SamplingParamError
 from shared.protocol.messages import (
@@ -36,7 +37,6 @@ from shared.protocol.messages import (
     KVReady,
     KVRelease,
     PrefillJob,
-    TokenUpdate,
 )
 from shared.service.heartbeat import WorkerRegistry
 from shared.service.lifecycle import AsyncService
@@ -81,7 +81,7 @@ class PrefillService(AsyncService):
         s = rt.subjects
         self._job_subs.append(await rt.sub(s.prefill_jobs, PrefillJob, self._on_job, queue=s.prefill_queue_group))
         self._job_subs.append(await rt.sub(s.prefill_direct(rt.worker_id), PrefillJob, self._on_job))
-        await rt.sub(s.kv_pull(rt.worker_id), KVPull, self._on_pull)
+        await rt.sub(s.kv_pull(rt.worker_id), KVPull, self._on_pull, concurrent=True)
         await rt.sub(s.kv_release(rt.worker_id), KVRelease, self._on_release)
         await rt.sub(s.abort, Abort, self._on_abort)
         await rt.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
@@ -158,11 +158,12 @@ class PrefillService(AsyncService):
             st.span.set_status(trace.StatusCode.ERROR, str(e))
             st.span.end()
             msg = str(e) if isinstance(e, RequestError) else f"prefill could not start: {type(e).__name__}: {e}"
-            self.rt.tokens.add(job.gateway_id, TokenUpdate(rid, [], "error", error=msg))
+            self.rt.tokens.add(job.gateway_id, rid, [], "error", msg)
             await self.rt.tokens.flush()
 
-    async def _on_outputs(self, outputs: list[RequestOutput], stats: StepStats) -> None:
+    async def _on_outputs(self, step: StepOutputs, stats: StepStats) -> None:
         rt = self.rt
+        outputs = request_outputs(step)  # every row is a prompt's first token: few, and each one matters
         for rid in stats.scheduled:
             st = self.jobs.get(rid)
             if st is not None and not st.scheduled:
@@ -183,9 +184,8 @@ class PrefillService(AsyncService):
             self.m_prefill.observe(time.monotonic() - st.t0)
             span.set_attribute("prefill.first_token", out.new_token_ids[0] if out.new_token_ids else -1)
             reason = out.finish_reason.value if out.finished else None
-            rt.tokens.add(job.gateway_id, TokenUpdate(job.request_id, out.new_token_ids, reason,
-                                                      num_prompt_tokens=out.num_prompt_tokens,
-                                                      logprobs=logprobs_wire(out.logprobs)))
+            rt.tokens.add(job.gateway_id, job.request_id, out.new_token_ids, reason,
+                          logprobs=logprobs_wire(out.logprobs))
             if out.prefill_done:
                 seq = rt.engine.held_sequence(job.request_id)
                 n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)
@@ -216,8 +216,7 @@ class PrefillService(AsyncService):
             log.warning("decode worker %s did not take %s: %s", job.decode_id, job.request_id, e)
             span.set_status(trace.StatusCode.ERROR, f"handoff failed: {e}")
             await self._free_lease(job.request_id)
-            rt.tokens.add(job.gateway_id, TokenUpdate(job.request_id, [], "error",
-                                                      error=f"decode worker {job.decode_id} unavailable: {e}"))
+            rt.tokens.add(job.gateway_id, job.request_id, [], "error", f"decode worker {job.decode_id} unavailable: {e}")
             await rt.tokens.flush()
         finally:
             span.end()
@@ -270,7 +269,7 @@ class PrefillService(AsyncService):
                 return KVPullReply(False, error=str(e))
             finally:
                 rt.staging.free(slot)
-                await self._free_lease(p.request_id)
+                self._free_lease_soon(p.request_id)
 
     async def _on_release(self, r: KVRelease, msg, ctx) -> Ack:
         if self.leases.get(r.request_id, r.lease_id) is not None:
@@ -278,12 +277,20 @@ class PrefillService(AsyncService):
         return Ack()
 
     async def _free_lease(self, request_id: str) -> None:
+        fut = self._free_lease_soon(request_id)
+        if fut is not None:
+            await fut
+
+    def _free_lease_soon(self, request_id: str):
+        """Give the lease's blocks back (a future for when the engine has them)."""
         lease = self.leases.pop(request_id)
-        if lease is not None:
-            await self.rt.loop.call(lambda e: e.release(request_id))
-            e = self.rt.engine
-            if e.blocks.enable_caching:  # the prompt's blocks stay cached here; offer them to the store
-                self.rt.kv_sharing.push_soon(chain(lease.job.prompt_ids, e.cfg.block_size, e.kv_identity))
+        if lease is None:
+            return None
+        fut = self.rt.loop.post(lambda e: e.release(request_id), f"freeing the KV of {request_id}")
+        e = self.rt.engine
+        if e.blocks.enable_caching:  # the prompt's blocks stay cached here; offer them to the store
+            self.rt.kv_sharing.push_soon(chain(lease.job.prompt_ids, e.cfg.block_size, e.kv_identity))
+        return fut
 
     async def _reap_leases(self) -> None:
         while True:

@@ -10,11 +10,15 @@ Glossary:
   it stays on the free list with its contents and hash: a later request with the same
   prefix takes it back instead of recomputing it. The free list is kept in LRU order,
   so allocation evicts the least recently freed cached block first.
+- deferred block: freed while steps are in flight (the serving loop overlaps the host
+  with the device and queues the next step early). Those steps may still write it, so
+  it joins the free list only once the newest of them is done (`end_step`); until then
+  it cannot be handed out and filled by an import.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 
 class BlockManager:
@@ -28,6 +32,8 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        self._fence = -1  # the newest step in flight, -1: none
+        self._deferred: deque[tuple[int, int]] = deque()  # (fence when freed, block), oldest first
         # KV events since the last drain: hashes that became available / stopped being.
         self.stored: list[bytes] = []
         self.removed: list[bytes] = []
@@ -73,7 +79,24 @@ class BlockManager:
                 raise ValueError(f"block {b} freed twice")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free[b] = None  # most recently freed: evicted last
+                if self._fence >= 0:
+                    self._deferred.append((self._fence, b))
+                else:
+                    self._free[b] = None  # most recently freed: evicted last
+
+    def begin_step(self, step_id: int) -> None:
+        """Step `step_id` (ids increase) is in flight: blocks freed from now on wait until it is done."""
+        self._fence = step_id
+
+    def end_step(self, step_id: int) -> None:
+        """Steps up to `step_id` are done: blocks freed while only they were in flight are free."""
+        d = self._deferred
+        while d and d[0][0] <= step_id:
+            b = d.popleft()[1]
+            if self._refs[b] == 0 and b not in self._free:  # not taken back meanwhile
+                self._free[b] = None
+        if step_id >= self._fence:
+            self._fence = -1
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -103,7 +126,7 @@ class BlockManager:
     def acquire(self, blocks: list[int]) -> None:
         """Take a reference on cached blocks, in use or free."""
         for b in blocks:
-            if self._refs[b] == 0:
+            if self._refs[b] == 0 and b in self._free:  # else a deferred block: end_step skips it
                 del self._free[b]
             self._refs[b] += 1
 
@@ -123,8 +146,10 @@ class BlockManager:
 
     def check(self) -> None:
         """Exact accounting: every block is either free (ref 0) or referenced, never both."""
+        deferred = {b for _, b in self._deferred if self._refs[b] == 0 and b not in self._free}
         for b, r in enumerate(self._refs):
-            assert (r == 0) == (b in self._free), f"block {b}: refs={r}, on free list={b in self._free}"
-        assert len(self._free) == sum(1 for r in self._refs if r == 0)
+            free = b in self._free or b in deferred
+            assert (r == 0) == free, f"block {b}: refs={r}, on free list={b in self._free}, deferred={b in deferred}"
+        assert len(self._free) + len(deferred) == sum(1 for r in self._refs if r == 0)
         for h, b in self._block_of.items():
             assert self._hash_of.get(b) == h, f"hash index out of step at block {b}"

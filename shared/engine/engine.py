@@ -1,7 +1,13 @@
 """The engine: one step is schedule -> execute -> update.
 
 Request lifecycle (see sequence.py): waiting -> running (prefill chunks, then decode
-steps with MTP drafts verified by the target) -> finished. Roles:
+steps with MTP drafts verified by the target) -> finished.
+
+Two ways through a step. Without MTP drafts or lockstep, a step is planned, run and
+landed in three calls (planned_step.py), so that a serving loop can plan step N+1 and
+land step N while N+1 runs on the device thread; step() calls the three in a row.
+With MTP drafts, or as a lockstep rank, step() runs schedule -> forward -> verify ->
+draft in one call (the drafts of N decide what N+1 computes). Roles:
 - both: offline or single-process serving.
 - prefill: a request stops after its first token and is HELD; export_kv() hands its
   blocks out as one contiguous buffer and release() frees them.
@@ -22,11 +28,12 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.drafter import Drafter
 from shared.engine.kv_cache import KVCache
+from shared.engine.planned_step import Finished, PlannedStep, StepOutputs, run
 from shared.engine.prefix_hash import chain, kv_identity
 from shared.engine.runner import Chunk, build_batch
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from shared.engine.sequence import FinishReason, Sequence, SeqStatus, TokenLogprob
+from shared.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SeqStatus, TokenLogprob
 from shared.engine.spec_decode import verify
 from shared.model.deepseek import DeepseekForCausalLM
 
@@ -43,6 +50,14 @@ class RequestError(ValueError):
 
 class NoCapacity(RuntimeError):
     """Not enough free KV blocks right now; the caller may retry later."""
+
+
+class Blocked:
+    """plan_step's answer when the next step would need a preemption while a step is in
+    flight: land that step first, then plan again."""
+
+
+BLOCKED = Blocked()
 
 
 @dataclass
@@ -68,7 +83,12 @@ class StepStats:
     sample_s: float = 0.0
     draft_s: float = 0.0
     logits_s: float = 0.0
+    land_s: float = 0.0  # planned steps: writing the sampled ids back, stop checks, outputs
     total_s: float = 0.0
+    # Overlapped steps (set by the serving loop): the host work of the loop round that
+    # landed the step, and the part of it the device waited for.
+    loop_host_s: float | None = None
+    host_exposed_s: float | None = None
     num_drafted: int = 0
     num_accepted: int = 0
     preempted: list[str] = field(default_factory=list)
@@ -77,6 +97,34 @@ class StepStats:
     @property
     def host_s(self) -> float:
         return self.total_s - self.forward_s - self.draft_s
+
+
+def request_outputs(out: StepOutputs) -> list[RequestOutput]:
+    """The per-request view of a step's columns (offline use and tests)."""
+    extras = {e.row: e for e in out.extras}
+    res = []
+    for i, rid in enumerate(out.request_ids):
+        o = RequestOutput(rid, out.tokens_of(i))
+        e = extras.get(i)
+        if e is not None:
+            o.finished, o.finish_reason = e.finish_reason is not None, e.finish_reason
+            o.logprobs, o.prefill_done, o.block_hashes = e.logprobs, e.prefill_done, e.block_hashes
+            o.num_prompt_tokens = e.num_prompt_tokens
+        res.append(o)
+    return res
+
+
+def step_outputs(outs: list[RequestOutput]) -> StepOutputs:
+    """The column view of per-request outputs (the speculative step's)."""
+    res = StepOutputs(counts=[])
+    for i, o in enumerate(outs):
+        res.request_ids.append(o.request_id)
+        res.token_ids += o.new_token_ids
+        res.counts.append(len(o.new_token_ids))
+        if o.finished or o.logprobs or o.prefill_done or o.block_hashes:
+            res.extras.append(Finished(i, o.finish_reason if o.finished else None, o.logprobs, o.prefill_done,
+                                       o.block_hashes, o.num_prompt_tokens))
+    return res
 
 
 class LLMEngine:
@@ -105,6 +153,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
         self.eos_ids = set(mcfg.eos_token_ids)
+        self._eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.drafter = Drafter(self.model, self.kv.tensor, cfg.block_size, self.num_spec, self.max_model_len,
                                self.device, lockstep)
         self.last_stats = StepStats()
@@ -112,6 +161,11 @@ class LLMEngine:
         self.num_accepted_total = 0
         self.num_prompt_tokens_total = 0
         self.num_cached_tokens_total = 0  # prompt tokens whose KV came from the prefix cache
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether steps go through plan/run/land, so that a loop can overlap them."""
+        return not (self.use_mtp or self.lockstep)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -153,6 +207,7 @@ class LLMEngine:
             raise RequestError(f"duplicate request id {request_id!r}")
         self.check_request(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, num_prompt_tokens=len(prompt_ids))
+        seq.last_slot = self._last_slot(seq)
         seq.block_hashes = chain(seq.token_ids, self.cfg.block_size, self.kv_identity)
         if cached_blocks:
             bs = self.cfg.block_size
@@ -232,6 +287,7 @@ class LLMEngine:
         if not self.blocks.can_allocate(n_blocks):
             raise NoCapacity(f"{n_blocks} KV blocks needed, {self.blocks.num_free_blocks} free")
         seq = Sequence(request_id, list(token_ids), params, num_prompt_tokens=num_prompt_tokens)
+        seq.last_slot = self._last_slot(seq)
         seq.block_ids = self.blocks.allocate(n_blocks)
         try:
             self.kv.import_blocks(seq.block_ids, kv)
@@ -245,8 +301,179 @@ class LLMEngine:
         self.scheduler.add_running(seq)
 
     # ---- the step -------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        if not self.can_overlap:
+            return self._step_speculative()
+        plan = self.plan_step()
+        if plan is None:
+            return []
+        with torch.inference_mode():
+            self.run_step(plan)
+        return request_outputs(self.land_step(plan))
+
+    # ---- planned steps: plan (host) -> run (device thread) -> land (host) ------------
+    def plan_step(self, inflight: PlannedStep | None = None) -> PlannedStep | Blocked | None:
+        """Schedule and build the next step. With `inflight` (the step the device runs
+        now), the plan assumes it landed; nothing is preempted then (BLOCKED instead).
+        Returns None when there is nothing to do."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule(can_preempt=inflight is None)
+        if sched.blocked:
+            return BLOCKED
+        st = StepStats(preempted=[s.request_id for s in sched.preempted])
+        if sched.empty:
+            self.last_stats = st
+            return None
+        chunks = [self._chunk(s) for s in sched.scheduled]
+        t1 = time.perf_counter()
+        batch = build_batch(chunks, self.cfg.block_size, self.device)
+        step = PlannedStep(chunks, batch, [], [], [], None, None)
+        step.stats = st
+        sid = step.step_id
+        seqs, slots, params, rows = step.seqs, step.slots, step.params, []
+        fill_rows, fill_from, register = [], [], []
+        bs = self.cfg.block_size
+        for c in chunks:
+            seq = c.seq
+            q = len(c.token_ids)
+            if c.token_ids[-1] == PLACEHOLDER:  # its input is what the step in flight samples
+                fill_rows.append(c.row + q - 1)
+                fill_from.append(seq.sample_row)
+            end = seq.num_computed = c.start + q
+            if end // bs > seq.num_registered:
+                register.append((seq, end))
+            if end == len(seq.token_ids):  # it reaches its newest token: it samples the next
+                rows.append(c.row + q - 1)
+                seq.sample_step, seq.sample_row = sid, len(seqs)
+                if end >= seq.last_slot or end == seq.num_prompt_tokens or seq.params.stop_token_ids:
+                    step.special.append(len(seqs))
+                seqs.append(seq)
+                slots.append(end)
+                params.append(seq.params)
+                seq.token_ids.append(PLACEHOLDER)
+        if rows and rows[-1] != len(rows) - 1:
+            step.sample_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if fill_rows:
+            step.fill_rows = torch.tensor(fill_rows, dtype=torch.long, device=self.device)
+            step.fill_from = torch.tensor(fill_from, dtype=torch.long, device=self.device)
+        if any(p.seed is not None for p in params):
+            step.generators = [self._gen_at(s, slot) for s, slot in zip(seqs, slots)]
+        if any(p.logprobs is not None for p in params):
+            step.logprobs = [p.logprobs for p in params]
+        step.prev = inflight
+        step.register = register
+        st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
+        st.scheduled = [c.seq.request_id for c in chunks]
+        t2 = time.perf_counter()
+        st.schedule_s, st.prepare_s = t1 - t0, t2 - t1
+        return step
+
+    def run_step(self, step: PlannedStep, before_wait=None) -> None:
+        """The device part (forward, logits, sampling). Safe on another thread while the
+        host plans or lands other steps; call it under torch.inference_mode(), which the
+        device thread enters once. before_wait: see planned_step.run."""
+        run(step, self.model, self.kv.tensor, before_wait)
+
+    @property
+    def device_is_async(self) -> bool:
+        """Whether the device computes while the thread that queued the work goes on (a
+        GPU, or the mock's fixed step time), rather than on that thread (a CPU)."""
+        return self.device.type != "cpu" or hasattr(self.model, "synchronize")
+
+    def land_step(self, step: PlannedStep) -> StepOutputs:
+        """Write the step's sampled ids into its sequences, check stops, finish and hold
+        requests. Host only: call after run_step has returned."""
+        t0 = time.perf_counter()
+        st = step.stats
+        toks = step.sampled.tolist() if step.seqs else []
+        seqs, slots = step.seqs, step.slots
+        for seq, slot, t in zip(seqs, slots, toks):
+            seq.token_ids[slot] = t
+        for seq, end in step.register:
+            if seq.status is SeqStatus.RUNNING:
+                self._register(seq, end)
+        out = StepOutputs([s.request_id for s in seqs], toks)
+        live = [s.status is SeqStatus.RUNNING for s in seqs]
+        ends = self._ends(step, toks)
+        if ends or not all(live):
+            out = self._land_rows(step, toks, live, ends)
+        st.land_s = time.perf_counter() - t0
+        st.forward_s, st.logits_s, st.sample_s = step.forward_s, step.logits_s, step.sample_s
+        st.forward_s += st.logits_s  # the LM head is model compute, not sampling
+        st.total_s = st.schedule_s + st.prepare_s + step.forward_s + step.sample_s + st.land_s
+        self.last_stats = st
+        return out
+
+    def _ends(self, step: PlannedStep, toks: list[int]) -> list[int]:
+        """Rows that need more than their id written: the request may stop, or the row
+        carries logprobs, a prompt's first token, or a prefill hand-off."""
+        if not toks:
+            return []
+        if step.logprobs is not None:
+            return list(range(len(toks)))
+        eos = torch.isin(step.sampled, self._eos).nonzero().flatten().tolist() if len(self._eos) else []
+        return sorted(set(step.special).union(eos)) if eos else step.special
+
+    def _land_rows(self, step: PlannedStep, toks: list[int], live: list[bool], ends: list[int]) -> StepOutputs:
+        out = StepOutputs()
+        todo = set(ends)
+        for i, (seq, slot, t) in enumerate(zip(step.seqs, step.slots, toks)):
+            if not live[i]:  # aborted, or stopped by a token it sampled in the step before
+                continue
+            if i in todo:
+                extra = self._land_row(step, i, seq, slot, t)
+                if extra is not None:
+                    extra.row = len(out.request_ids)
+                    out.extras.append(extra)
+            out.request_ids.append(seq.request_id)
+            out.token_ids.append(t)
+        return out
+
+    def _land_row(self, step: PlannedStep, i: int, seq: Sequence, slot: int, t: int) -> Finished | None:
+        p = seq.params
+        n_out = slot + 1 - seq.num_prompt_tokens
+        extra = Finished(0)
+        if slot == seq.num_prompt_tokens:  # its prompt is done
+            self.num_prompt_tokens_total += seq.num_prompt_tokens
+            self.num_cached_tokens_total += seq.num_cached_tokens
+            extra.num_prompt_tokens = seq.num_prompt_tokens
+        if step.token_logprobs is not None and step.token_logprobs[i] is not None:
+            extra.logprobs = [step.token_logprobs[i]]
+        if n_out >= p.min_tokens and ((t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids):
+            reason = FinishReason.STOP
+        elif n_out >= p.max_tokens or slot + 1 >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        else:
+            reason = None
+        if reason is not None:
+            del seq.token_ids[slot + 1 :]  # a placeholder of the step in flight
+            self.scheduler.finish(seq, reason)
+            extra.finish_reason = reason
+            if self.blocks.enable_caching:
+                extra.block_hashes = seq.block_hashes[: seq.num_registered]
+            self.seqs.pop(seq.request_id, None)
+        elif self.cfg.role == "prefill":
+            self.scheduler.detach(seq)
+            self.seqs.pop(seq.request_id, None)
+            self.held[seq.request_id] = seq
+            extra.prefill_done = True
+        if reason is None and not extra.prefill_done and not extra.logprobs and not extra.num_prompt_tokens:
+            return None
+        return extra
+
+    def _last_slot(self, seq: Sequence) -> int:
+        n_out = 1 if self.cfg.role == "prefill" else seq.params.max_tokens
+        return min(seq.num_prompt_tokens + n_out, self.max_model_len) - 1
+
+    def _gen_at(self, seq: Sequence, slot: int) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        return torch.Generator().manual_seed((seq.params.seed * 1_000_003 + slot - seq.num_prompt_tokens)
+                                             & (2**63 - 1))
+
+    # ---- the speculative step (MTP drafts, lockstep ranks) ----------------------------
+    @torch.inference_mode()
+    def _step_speculative(self) -> list[RequestOutput]:
         st = StepStats()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -281,6 +508,8 @@ class LLMEngine:
 
     def _chunk(self, s: ScheduledSeq) -> Chunk:
         seq = s.seq
+        if s.num_new_tokens == 1 and not s.num_draft_tokens:
+            return Chunk(seq, seq.num_computed, [seq.token_ids[seq.num_computed]])
         n_real = s.num_new_tokens - s.num_draft_tokens
         ids = seq.token_ids[seq.num_computed : seq.num_computed + n_real] + seq.draft_ids[: s.num_draft_tokens]
         return Chunk(seq, seq.num_computed, ids)
@@ -336,7 +565,7 @@ class LLMEngine:
                 mtp_work.append((c, c.q_len))
                 continue
             seq.num_computed = c.start + (c.q_len - (row_of[id(c)][1] - 1)) + (len(toks) - 1)
-            self._register(seq, toks[:-1])  # accepted drafts are computed but not yet appended
+            self._register(seq, pending=toks[:-1])  # accepted drafts are computed but not yet appended
             if seq.num_output_tokens == 0:  # its prompt is done
                 self.num_prompt_tokens_total += seq.num_prompt_tokens
                 self.num_cached_tokens_total += seq.num_cached_tokens
@@ -359,12 +588,13 @@ class LLMEngine:
             outputs.append(out)
         return outputs, mtp_work
 
-    def _register(self, seq: Sequence, pending: list[int] = ()) -> None:
-        """Put the sequence's newly completed full blocks into the prefix cache. `pending`:
-        tokens whose KV is computed but that are not in seq.token_ids yet."""
+    def _register(self, seq: Sequence, through: int | None = None, pending: list[int] = ()) -> None:
+        """Put the sequence's newly completed full blocks into the prefix cache. through:
+        positions computed (default num_computed); `pending`: tokens whose KV is computed
+        but that are not in seq.token_ids yet."""
         if not self.blocks.enable_caching:
             return
-        n_full = seq.num_computed // self.cfg.block_size
+        n_full = (seq.num_computed if through is None else through) // self.cfg.block_size
         if n_full <= seq.num_registered:
             return
         tokens = seq.token_ids + list(pending) if pending else seq.token_ids
@@ -376,9 +606,7 @@ class LLMEngine:
     def _gen(self, seq: Sequence) -> torch.Generator | None:
         # Keyed by output position, so a seeded request draws the same numbers whether it
         # is sampled here or on another worker, and however it was batched.
-        if seq.params.seed is None:
-            return None
-        return torch.Generator().manual_seed((seq.params.seed * 1_000_003 + seq.num_output_tokens) & (2**63 - 1))
+        return self._gen_at(seq, seq.num_tokens)
 
     def _logprobs(self, seq: Sequence, logits, row: int, toks: list[int]):
         n = seq.params.logprobs

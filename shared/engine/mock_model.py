@@ -1,10 +1,15 @@
 """A stand-in model for infrastructure benchmarks (`engine = "mock"`).
 
-It computes nothing: each forward sleeps for a set step time and the logits pick a
-token from a hash of the position, so the real engine around it (scheduler, paged
-KV accounting, sampling) and the whole serving path (NATS, UCX, gateway, SSE) can be
+It computes nothing: the logits pick a token from a hash of the position, and each step
+takes a set time on the "device", so the real engine around it (scheduler, paged KV
+accounting, sampling) and the whole serving path (NATS, UCX, gateway, SSE) can be
 measured at high concurrency without the model's cost. Like Dynamo's mocker. It is
 never the default, it is logged loudly, and /v1/models shows it.
+
+The set time covers the whole device part of a step, as on a GPU where forward, LM head
+and sampling are queued kernels and the host waits once, for the sampled ids: forward()
+starts the clock and synchronize() sleeps until the step time is up. The sampler's own
+CPU time therefore counts inside the step time, unless it runs longer.
 """
 
 from __future__ import annotations
@@ -28,16 +33,23 @@ class MockModel(nn.Module):
         self.step_time_s = step_time_s
         self.rope = RotaryEmbedding(self.cfg)
         self._positions = torch.zeros(0, dtype=torch.long)
+        self._started = 0.0
 
     def moe_layers(self) -> dict:
         return {}
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
-        if self.step_time_s > 0:
-            time.sleep(self.step_time_s)  # releases the GIL, as a real forward on a device would
+        self._started = time.perf_counter()
         self._positions = batch.positions
         return batch.positions.to(torch.float32)[:, None]  # [T, 1]: the "hidden state" is the position
+
+    def synchronize(self) -> None:
+        """Wait for the step's device time to be up. The sleep releases the GIL, as a
+        wait for a device would."""
+        left = self._started + self.step_time_s - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,12 +16,22 @@ from shared.engine.sequence import TokenLogprob
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Apply temperature, top-k and top-p. logits [N, V] fp32 -> probs [N, V].
     Greedy rows come back one-hot on their argmax."""
+    probs = _tempered_probs(logits, params)
+    greedy = [p.greedy for p in params]
+    if any(greedy):
+        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(torch.tensor(greedy)[:, None], onehot, probs)
+    return probs
+
+
+def _tempered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     N, V = logits.shape
-    temps = torch.tensor([max(p.temperature, 1e-5) for p in params], dtype=logits.dtype)
-    x = logits / temps[:, None]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-    if (top_k < V).any() or (top_p < 1).any():
+    temps = [max(p.temperature, 1e-5) for p in params]
+    x = logits.float() / torch.tensor(temps, dtype=torch.float32)[:, None] if any(t != 1.0 for t in temps) \
+        else logits.float()
+    if any(0 < p.top_k < V or p.top_p < 1 for p in params):
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params])
+        top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype)
         sorted_x, idx = x.sort(dim=-1, descending=True)
         ranks = torch.arange(V)[None, :]
         drop = ranks >= top_k[:, None]
@@ -30,39 +40,38 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         drop |= (probs_sorted.cumsum(dim=-1) - probs_sorted) >= top_p[:, None]
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(1, idx, sorted_x)
-    probs = x.softmax(dim=-1)
-    greedy = torch.tensor([p.greedy for p in params])
-    if greedy.any():
-        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], onehot, probs)
-    return probs
+    return x.softmax(dim=-1)
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row, by inverse-CDF sampling: one uniform number per row, so a
     seeded row draws from its own generator and its result does not depend on what it was
     batched with. (A draw per vocabulary entry, as multinomial and the Gumbel trick make,
-    costs milliseconds at batch 256 on a CPU; this costs a cumulative sum.)"""
+    costs milliseconds at batch 256 on a CPU; this costs a cumulative sum, done in place
+    so that no second [N, V] buffer is made: probs is overwritten.)"""
     n = probs.shape[0]
     u = torch.rand(n, dtype=torch.float64)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand(1, generator=g, dtype=torch.float64)
-    cdf = probs.double().cumsum(dim=-1)
-    cdf /= cdf[:, -1:].clone()  # exact 1.0 at the end, whatever the rounding of the sum
-    idx = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1)
+    if any(g is not None for g in generators):
+        for i, g in enumerate(generators):
+            if g is not None:
+                u[i] = torch.rand(1, generator=g, dtype=torch.float64)
+    cdf = torch.cumsum(probs, dim=-1, out=probs) if probs.dtype == torch.float32 else probs.float().cumsum(-1)
+    # The last entry is the row's total (1 up to rounding): scaling u by it never runs off the end.
+    target = (u * cdf[:, -1].double()).float()[:, None]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return idx.clamp_(max=probs.shape[1] - 1)
 
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    greedy = torch.tensor([p.greedy for p in params])
-    if bool(greedy.all()):
+    greedy = [p.greedy for p in params]
+    if all(greedy):
         return logits.argmax(dim=-1)
-    probs = processed_probs(logits, params)
-    tokens = draw(probs, generators)
-    return torch.where(greedy, logits.argmax(dim=-1), tokens)
+    tokens = draw(_tempered_probs(logits, params), generators)
+    if any(greedy):
+        tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
+    return tokens
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int | None]) -> list[TokenLogprob | None]:

@@ -8,6 +8,12 @@ whose prefix is cached, then waits one step behind another's long cold prompt ra
 than for the whole of it. When a running sequence cannot get the blocks it needs,
 the newest running sequence is preempted: its blocks are freed and it will be
 recomputed from its tokens. This keeps the oldest requests moving.
+
+While a step is in flight (the engine plans step N+1 during step N), a sequence that N
+samples for already ends in a placeholder token, and the scheduler plans N+1 as if N had
+landed. A sequence whose placeholder is its last token by length (past `last_slot`) is
+left out, and nothing is preempted then (`can_preempt=False`): the plan reports
+`blocked` and the engine waits for N to land before it schedules again.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ class SchedulerConfig:
             raise ValueError("num_spec_tokens must be >= 0")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, draft tokens included
@@ -47,6 +53,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    blocked: bool = False  # a running sequence needs blocks that only a preemption would free
 
     @property
     def num_tokens(self) -> int:
@@ -99,15 +106,27 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- one step ------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, can_preempt: bool = True) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         k = self.cfg.num_spec_tokens
         reserve = self._short_waiting(budget // 2) if len(self.running) < self.cfg.max_num_seqs else 0
+        bs, extra = self.blocks.block_size, max(k - 1, 0)
+        running, scheduled = self.running, out.scheduled
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = seq.num_tokens - seq.num_computed
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n_tok = len(seq.token_ids)
+            if n_tok > seq.last_slot:  # its last token is in flight
+                i += 1
+                continue
+            done = seq.num_computed
+            if n_tok - done == 1 and not seq.draft_ids and (done + extra) // bs < len(seq.block_ids):
+                scheduled.append(ScheduledSeq(seq, 1))  # a decode token with its slot in place: the bulk
+                budget -= 1
+                i += 1
+                continue
+            num_new = n_tok - done
             drafts = 0
             if seq.in_decode and seq.draft_ids:
                 drafts = min(len(seq.draft_ids), budget - 1)
@@ -115,6 +134,10 @@ class Scheduler:
             elif not seq.in_decode and num_new > budget - reserve:
                 num_new = max(budget - reserve, 1)  # a prefill chunk: the reserve goes to short prompts
             num_new = min(num_new, budget)
+            if not can_preempt and not self.blocks.can_allocate(
+                    self.blocks.blocks_for(seq.num_computed + num_new + max(k - 1, 0)) - len(seq.block_ids)):
+                out.blocked = True
+                return out
             if not self._ensure_blocks(seq, seq.num_computed + num_new + max(k - 1, 0), out):
                 if seq.status != SeqStatus.RUNNING:  # preempted itself
                     continue

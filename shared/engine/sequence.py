@@ -17,6 +17,8 @@ import torch
 from shared.engine.sampling_params import SamplingParams
 
 _arrival = itertools.count()
+# Stands for a token that a step in flight is sampling; the step's landing overwrites it.
+PLACEHOLDER = -1
 
 
 class SeqStatus(enum.Enum):
@@ -60,6 +62,10 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of full blocks, a chain
     num_registered: int = 0  # leading blocks whose hashes are in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    # The step in flight that samples the placeholder at the end of token_ids, and its row there.
+    sample_step: int = -1
+    sample_row: int = -1
+    last_slot: int = 1 << 62  # index in token_ids of its last token by length (set by the engine)
 
     def __post_init__(self):
         if self.num_prompt_tokens < 0:

@@ -7,10 +7,14 @@ new token ids per request, once per engine step per gateway.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from dataclasses import dataclass, field
 
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol.wire import ProtocolError, register_codec
+
+_SWAP = sys.byteorder != "little"  # token ids travel as little-endian int32
 
 
 @dataclass
@@ -116,52 +120,89 @@ class ErrorReply:
 class TokenLogprobWire:
     token_id: int
     logprob: float
-    top: list[list[float]] = field(default_factory=list)  # [[token_id, logprob], ...]
+    top_ids: list[int] = field(default_factory=list)  # the alternatives, most likely first
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
-class TokenUpdate:
-    request_id: str
-    token_ids: list[int]
+class TokenEnd:
+    """What a row of a TokenBatch carries besides its ids."""
+    row: int
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
-    num_prompt_tokens: int = 0
     logprobs: list[TokenLogprobWire] | None = None
-    worker_id: str = ""
 
 
 @dataclass
 class TokenBatch:
-    updates: list[TokenUpdate]
+    """One worker step's tokens for one gateway, by column: row i is request_ids[i], and its
+    ids are the next counts[i] of token_ids (one each when counts is None). The few rows
+    that end their request, fail it, or carry logprobs have an entry in `ends`."""
+    request_ids: list[str]
+    token_ids: list[int]
+    counts: list[int] | None = None
+    ends: list[TokenEnd] = field(default_factory=list)
+    worker_id: str = ""
     sent_at: float = 0.0
+
+    @classmethod
+    def error(cls, request_id: str, error: str, worker_id: str = "") -> "TokenBatch":
+        return cls([request_id], [], [0], [TokenEnd(0, "error", error)], worker_id)
+
+
+def _ids_to_wire(ids: list[int]) -> bytes:
+    a = array("i", ids)
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _ids_from_wire(b: bytes, what: str) -> list[int]:
+    if not isinstance(b, bytes) or len(b) % 4:
+        raise TypeError(f"{what}: expected int32 bytes")
+    a = array("i")
+    a.frombytes(b)
+    if _SWAP:
+        a.byteswap()
+    return a.tolist()
 
 
 def _batch_to_plain(b: TokenBatch) -> list:
-    return [b.sent_at, [[u.request_id, u.token_ids, u.finish_reason, u.error, u.num_prompt_tokens, u.worker_id,
-                         None if u.logprobs is None else [[lp.token_id, lp.logprob, lp.top] for lp in u.logprobs]]
-                        for u in b.updates]]
+    return [b.sent_at, b.worker_id, b.request_ids, _ids_to_wire(b.token_ids),
+            None if b.counts is None else _ids_to_wire(b.counts),
+            [[e.row, e.finish_reason, e.error,
+              None if e.logprobs is None else [[lp.token_id, lp.logprob, lp.top_ids, lp.top_logprobs]
+                                               for lp in e.logprobs]] for e in b.ends]]
 
 
 def _batch_from_plain(raw) -> TokenBatch:
-    """The compact form, checked field by field: this runs once per step per gateway."""
+    """The compact form, checked column by column: this runs once per step per gateway."""
     try:
-        sent_at, rows = raw
-        if not isinstance(sent_at, (int, float)) or not isinstance(rows, list):
+        sent_at, worker, rids, toks, counts, ends = raw
+        if not (isinstance(sent_at, (int, float)) and isinstance(worker, str) and isinstance(rids, list)
+                and all(type(r) is str for r in rids) and isinstance(ends, list)):
             raise TypeError("header")
-        updates = []
-        for i, (rid, ids, finish, error, n_prompt, worker, lps) in enumerate(rows):
-            if not (isinstance(rid, str) and isinstance(ids, list) and all(type(t) is int for t in ids)
-                    and (finish is None or isinstance(finish, str)) and (error is None or isinstance(error, str))
-                    and type(n_prompt) is int and isinstance(worker, str)):
-                raise TypeError(f"update {i}")
+        token_ids = _ids_from_wire(toks, "token_ids")
+        if counts is None:
+            if len(token_ids) != len(rids):
+                raise ValueError(f"{len(rids)} rows but {len(token_ids)} token ids")
+        else:
+            counts = _ids_from_wire(counts, "counts")
+            if len(counts) != len(rids) or sum(counts) != len(token_ids) or min(counts, default=0) < 0:
+                raise ValueError("counts do not match the rows and ids")
+        out = []
+        for row, finish, error, lps in ends:
+            if not (type(row) is int and 0 <= row < len(rids) and (finish is None or isinstance(finish, str))
+                    and (error is None or isinstance(error, str))):
+                raise TypeError(f"end of row {row!r}")
             wire_lps = None
             if lps is not None:
-                wire_lps = [TokenLogprobWire(int(t), float(v), [[float(a), float(b)] for a, b in top])
-                            for t, v, top in lps]
-            updates.append(TokenUpdate(rid, ids, finish, error, n_prompt, wire_lps, worker))
+                wire_lps = [TokenLogprobWire(int(t), float(v), [int(x) for x in ids], [float(x) for x in vals])
+                            for t, v, ids, vals in lps]
+            out.append(TokenEnd(row, finish, error, wire_lps))
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"TokenBatch: malformed ({e})") from None
-    return TokenBatch(updates, float(sent_at))
+    return TokenBatch(rids, token_ids, counts, out, worker, float(sent_at))
 
 
 register_codec(TokenBatch, _batch_to_plain, _batch_from_plain)

@@ -1,25 +1,41 @@
 """Drives an LLMEngine from asyncio.
 
-The engine is touched only between steps, by this loop, or during a step, by its one
-worker thread: never both at once. Everything else (NATS handlers, KV transfers)
-submits operations that run between steps. The step runs in a thread so the event
-loop keeps serving NATS and UCX while the model computes.
+The device part of a step (forward, logits, sampling) runs on one worker thread, so the
+event loop keeps serving NATS and UCX while the model computes. Everything else touches
+the engine from the loop, between its own awaits: NATS handlers and KV transfers submit
+operations that run there.
+
+When the engine takes planned steps (no MTP drafts, not a lockstep rank), the loop
+overlaps the host with the device:
+
+    plan N+1, queue it  ->  wait for N  ->  land N, publish N's tokens
+    (host, while N runs)    (N+1 starts    (host, while N+1 runs)
+                             as N ends)
+
+so the device waits only for what cannot be done earlier. Otherwise a step runs whole
+on the thread and the host work sits between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
-from shared.engine.engine import LLMEngine, RequestOutput, StepStats
+import torch
+
+from shared.engine.engine import BLOCKED, LLMEngine, StepStats, step_outputs
+from shared.engine.planned_step import PlannedStep, StepOutputs
 
 log = logging.getLogger(__name__)
 
 Op = Callable[[LLMEngine], Any]
-OutputSink = Callable[[list[RequestOutput], StepStats], Awaitable[None]]
+OutputSink = Callable[[StepOutputs, StepStats], Awaitable[None]]
 
 
 class EngineLoop:
@@ -35,23 +51,46 @@ class EngineLoop:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self.pending_retry: list[Callable[[LLMEngine], bool]] = []
         self.num_steps = 0
-        self.after_ops: Callable[[], None] | None = None  # e.g. refresh a load snapshot
+        self.after_ops: Callable[[bool], None] | None = None  # e.g. refresh a load snapshot (force: bool)
         self.after_step: list[Callable[[], None]] = []  # e.g. close a load-tracking window step
         self.last_gap_s = 0.0  # loop time between the previous step's end and this step's start
         self._step_end: float | None = None
+        self._ops_s = 0.0  # host time applying operations since the last step was accounted
+        self._immediate = False  # ops run as submitted (planned steps), not between steps
+        self._publish_s = 0.0  # host time publishing the previous step's outputs
 
     def submit(self, op: Op) -> asyncio.Future:
-        """Run op(engine) before the next step; the future gets its result or exception."""
+        """Run op(engine); the future gets its result or exception. With planned steps the
+        engine is only ever touched from the event loop (the device thread keeps to its
+        step's own tensors), so the op runs at once. Otherwise it runs between steps."""
         fut = asyncio.get_running_loop().create_future()
-        self._ops.append((op, fut))
+        if self._immediate:
+            t = time.perf_counter()
+            _settle(fut, op, self.engine)
+            self._ops_s += time.perf_counter() - t
+            if self.after_ops is not None:
+                self.after_ops(False)
+        else:
+            self._ops.append((op, fut))
         self._wake.set()
         return fut
 
     async def call(self, op: Op) -> Any:
         return await self.submit(op)
 
+    def post(self, op: Op, what: str) -> asyncio.Future:
+        """submit(), for a caller that does not wait: a failure is logged, never lost."""
+        fut = self.submit(op)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                              or log.error("%s failed: %s", what, f.exception()))
+        return fut
+
     def retry_each_step(self, attempt: Callable[[LLMEngine], bool]) -> None:
-        """attempt(engine) runs between steps until it returns True (e.g. waits for blocks)."""
+        """attempt(engine) runs until it returns True (e.g. waits for blocks): at once when
+        ops run as submitted, then before every step."""
+        if self._immediate and _safe(attempt, self.engine):
+            self._wake.set()
+            return
         self.pending_retry.append(attempt)
         self._wake.set()
 
@@ -67,81 +106,208 @@ class EngineLoop:
         self._wake.set()
 
     async def run(self) -> None:
-        if self.lockstep is not None:
-            return await self._run_lockstep()
-        loop = asyncio.get_running_loop()
         try:
-            while not self._stopping:
-                self._apply_ops()
-                if not self.engine.has_unfinished():
-                    self._step_end = None
-                    self._wake.clear()
-                    if self._ops:
-                        continue
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), self._idle_poll_s)
-                    except asyncio.TimeoutError:
-                        pass
-                    continue
-                await self._step(loop)
+            if self.lockstep is not None:
+                await self._run_lockstep()
+            elif self.engine.can_overlap:
+                self._immediate = True
+                await self._run_overlapped()
+            else:
+                await self._run_whole_steps()
         finally:
             self._pool.shutdown(wait=False)  # a collective still blocking must not block the loop
 
-    async def _step(self, loop) -> None:
-        start = time.perf_counter()
-        self.last_gap_s = start - self._step_end if self._step_end is not None else 0.0
-        outputs = await loop.run_in_executor(self._pool, self.engine.step)
+    async def _idle(self, timeout: float) -> None:
+        self._step_end = None  # the next gap is waiting for work, not host overhead
+        self._wake.clear()
+        if self._ops:  # retries alone wait for a wake (an op, or a freed block)
+            return
+        if self.after_ops is not None:
+            self.after_ops(True)  # the snapshot an idle worker reports must be exact
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    # ---- planned steps, overlapped -----------------------------------------------------
+    async def _run_overlapped(self) -> None:
+        """Each round: plan the next step and queue it on the device thread (it starts the
+        moment the running one ends), then wait for the oldest step and land it. At most
+        two steps are out: one running, one queued behind it."""
+        eng = self.engine
+        device = DeviceThread(eng.run_step, eng.device_is_async)
+        out: deque[tuple[PlannedStep, asyncio.Future]] = deque()  # queued or running, oldest first
+        device_end: float | None = None  # when the device finished its last step, while busy
+        try:
+            while not self._stopping:
+                t0 = time.perf_counter()
+                self._apply_ops()
+                plan = eng.plan_step(out[-1][0] if out else None) if len(out) < 2 else None
+                if plan is BLOCKED:  # only a preemption would make room: land first, plan again
+                    plan = None
+                if plan is not None:
+                    eng.blocks.begin_step(plan.step_id)
+                    out.append((plan, device.submit(plan)))
+                    if len(out) < 2:  # the device just got work: queue the step behind it too
+                        continue
+                if not out:
+                    device_end = None
+                    await self._idle(self._idle_poll_s)
+                    continue
+                host_s = time.perf_counter() - t0
+                landed, fut = out.popleft()
+                await fut
+                eng.blocks.end_step(landed.step_id)
+                t1 = time.perf_counter()
+                outputs = eng.land_step(landed)
+                st = landed.stats
+                st.host_exposed_s = max(0.0, landed.t_start - device_end) if device_end is not None else 0.0
+                device_end = landed.t_end if out else None  # idle next: the next gap is not overhead
+                # The host work of this loop round (ops, planning the next step, landing this
+                # one, publishing the one before), all of it beside a running step.
+                st.loop_host_s = host_s + (time.perf_counter() - t1) + self._publish_s + self._take_ops_s()
+                await self._finish_step(outputs, st)
+        finally:
+            for _, fut in out:
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), 5.0)  # never leave the device mid-step
+                except Exception:
+                    pass
+            device.close()
+
+    async def _finish_step(self, outputs: StepOutputs, st: StepStats) -> None:
         self.num_steps += 1
         for fn in self.after_step:
             fn()
         if self.after_ops is not None:
-            self.after_ops()
+            self.after_ops(False)
+        t = time.perf_counter()
         try:
-            await self._on_outputs(outputs, self.engine.last_stats)
+            await self._on_outputs(outputs, st)
         except Exception:
             log.exception("publishing step outputs failed")
+        self._publish_s = time.perf_counter() - t
+
+    def _take_ops_s(self) -> float:
+        s, self._ops_s = self._ops_s, 0.0
+        return s
+
+    # ---- whole steps (MTP drafts) -------------------------------------------------------
+    async def _run_whole_steps(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            self._apply_ops()
+            if not self.engine.has_unfinished():
+                await self._idle(self._idle_poll_s)
+                continue
+            await self._step(loop)
+
+    async def _step(self, loop) -> None:
+        start = time.perf_counter()
+        self.last_gap_s = start - self._step_end if self._step_end is not None else 0.0
+        outs = await loop.run_in_executor(self._pool, self.engine.step)
+        await self._finish_step(step_outputs(outs), self.engine.last_stats)
         self._step_end = time.perf_counter()
 
     async def _run_lockstep(self) -> None:
         loop = asyncio.get_running_loop()
         ls = self.lockstep
-        try:
-            while True:
-                self._apply_ops()
-                d = await loop.run_in_executor(self._pool, ls.agree, self.engine.has_unfinished())
-                if d.commit:
-                    ls.switch()  # every rank does this at this same boundary
-                if d.stop:
-                    return
-                if d.run:
-                    ls.step += 1
-                    await self._step(loop)
-                    continue
-                self._step_end = None  # idle: the next gap is not host overhead
-                self._wake.clear()
-                if not self._ops:
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), ls.idle_s)
-                    except asyncio.TimeoutError:
-                        pass
-        finally:
-            self._pool.shutdown(wait=False)  # a collective still blocking must not block the loop
+        while True:
+            self._apply_ops()
+            d = await loop.run_in_executor(self._pool, ls.agree, self.engine.has_unfinished())
+            if d.commit:
+                ls.switch()  # every rank does this at this same boundary
+            if d.stop:
+                return
+            if d.run:
+                ls.step += 1
+                await self._step(loop)
+                continue
+            await self._idle(ls.idle_s)
 
     def _apply_ops(self) -> None:
+        if not self._ops and not self.pending_retry:
+            return
+        t = time.perf_counter()
         ops, self._ops = self._ops, []
         for op, fut in ops:
-            try:
-                res = op(self.engine)
-            except Exception as e:
-                if not fut.done():
-                    fut.set_exception(e)
-            else:
-                if not fut.done():
-                    fut.set_result(res)
+            _settle(fut, op, self.engine)
         if self.pending_retry:
             self.pending_retry = [a for a in self.pending_retry if not _safe(a, self.engine)]
-        if (ops or self.pending_retry) and self.after_ops is not None:
-            self.after_ops()
+        if ops and self.after_ops is not None:
+            self.after_ops(False)
+        self._ops_s += time.perf_counter() - t
+
+
+class DeviceThread:
+    """Runs planned steps one after another on a thread of its own, as a device stream
+    would: a step queued while another runs starts the moment that one ends, without a
+    round trip through the event loop.
+
+    On an asynchronous device (a GPU, or the mock) the loop hears that step N is done
+    once step N+1 has been queued on the device, not before: waking the loop costs this
+    thread the GIL for as long as the loop then runs Python, and that wait belongs beside
+    N+1, not between N and N+1."""
+
+    def __init__(self, run: Callable[..., None], device_is_async: bool):
+        self._run = run
+        self._defer = device_is_async
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: tuple | None = None  # a finished step not announced yet
+        self._thread = threading.Thread(target=self._main, name="engine-device", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: PlannedStep) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put((step, fut, loop))
+        return fut
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5.0)
+
+    def _announce(self) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            loop, fut, err = done
+            loop.call_soon_threadsafe(_resolve, fut, err)
+
+    def _main(self) -> None:
+        with torch.inference_mode():
+            while (item := self._queue.get()) is not None:
+                step, fut, loop = item
+                try:  # announces the step before this one when it is about to wait
+                    self._run(step, self._announce if self._defer else None)
+                    err = None
+                except BaseException as e:  # handed to the loop, which owns the step
+                    err = e
+                self._announce()  # if the run did not (no wait, or it failed first)
+                self._done = (loop, fut, err)
+                if not self._defer or self._queue.empty():
+                    self._announce()  # no step behind it to announce it: now
+        self._announce()
+
+
+def _resolve(fut: asyncio.Future, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)
+
+
+def _settle(fut: asyncio.Future, op: Op, engine: LLMEngine) -> None:
+    try:
+        res = op(engine)
+    except Exception as e:
+        if not fut.done():
+            fut.set_exception(e)
+    else:
+        if not fut.done():
+            fut.set_result(res)
+
 
 def _safe(attempt: Callable[[LLMEngine], bool], engine: LLMEngine) -> bool:
     try:

@@ -69,9 +69,14 @@ async def disconnect(nc: NATS) -> None:
         await nc.close()
 
 
-async def subscribe(nc: NATS, subject: str, cls: type, handler: Handler, queue: str = ""):
+async def subscribe(nc: NATS, subject: str, cls: type, handler: Handler, queue: str = "",
+                    concurrent: bool = False):
     """Subscribe with validation. handler(obj, msg, trace_context) may return a reply
-    message object, which is sent when the sender asked for one."""
+    message object, which is sent when the sender asked for one.
+
+    NATS hands a subscription's messages to its callback one at a time. concurrent=True
+    runs each handler in a task of its own, for handlers that wait on something else
+    (a transfer) and must not hold up the next message."""
 
     async def cb(msg: Msg) -> None:
         try:
@@ -89,7 +94,16 @@ async def subscribe(nc: NATS, subject: str, cls: type, handler: Handler, queue: 
         if reply is not None:
             await _respond(msg, reply)
 
-    return await nc.subscribe(subject, queue=queue, cb=cb)
+    if not concurrent:
+        return await nc.subscribe(subject, queue=queue, cb=cb)
+    tasks: set[asyncio.Task] = set()
+
+    async def spawn(msg: Msg) -> None:
+        t = asyncio.get_running_loop().create_task(cb(msg))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+
+    return await nc.subscribe(subject, queue=queue, cb=spawn)  # the subscription holds `tasks` through spawn
 
 
 async def _respond(msg: Msg, obj: Any) -> None:

@@ -7,17 +7,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict, deque
+from collections import deque
 
 from nats.aio.client import Client as NATS
 
 from shared.config.common import WorkerConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.mock_model import MockModel
+from shared.engine.planned_step import Finished, StepOutputs
 from shared.engine.step_account import StepAccount, account
 from shared.model.config import ModelConfig
 from shared.protocol.messages import (
-    Heartbeat, KVLayout, StatsRequest, TokenBatch, TokenLogprobWire, TokenUpdate, WorkerLoad, WorkerStats,
+    Heartbeat, KVLayout, StatsRequest, TokenBatch, TokenEnd, TokenLogprobWire, WorkerLoad, WorkerStats,
 )
 from shared.protocol.subjects import Subjects
 from shared.protocol.wire import encode
@@ -34,6 +35,7 @@ from shared.transport.staging import StagingPool
 from shared.transport.ucx import UcxTransport
 
 log = logging.getLogger(__name__)
+LOAD_REFRESH_S = 0.05
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
@@ -44,30 +46,61 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
 
 
 class TokenPublisher:
-    """Collects one step's token updates and sends one message per gateway."""
+    """Collects one step's tokens and sends one TokenBatch per gateway."""
 
     def __init__(self, nc: NATS, subjects: Subjects, worker_id: str):
         self._nc, self._subjects, self._worker = nc, subjects, worker_id
-        self._pending: dict[str, list[TokenUpdate]] = defaultdict(list)
+        self._pending: dict[str, TokenBatch] = {}
 
-    def add(self, gateway_id: str, update: TokenUpdate) -> None:
-        update.worker_id = self._worker
-        self._pending[gateway_id].append(update)
+    def add(self, gateway_id: str, request_id: str, token_ids: list[int], finish_reason: str | None = None,
+            error: str | None = None, logprobs: list[TokenLogprobWire] | None = None) -> None:
+        b = self._pending.get(gateway_id)
+        if b is None:
+            b = self._pending[gateway_id] = TokenBatch([], [], [], worker_id=self._worker)
+        elif b.counts is None:  # a whole step went in as it was: copy before appending to it
+            b = self._pending[gateway_id] = TokenBatch(list(b.request_ids), list(b.token_ids),
+                                                       [1] * len(b.request_ids), list(b.ends), self._worker)
+        if finish_reason is not None or error is not None or logprobs:
+            b.ends.append(TokenEnd(len(b.request_ids), finish_reason, error, logprobs))
+        b.request_ids.append(request_id)
+        b.token_ids += token_ids
+        b.counts.append(len(token_ids))
+
+    def add_step(self, gateway_id: str, out: StepOutputs) -> None:
+        """Every row of a step's outputs, for one gateway: the columns go out as they are."""
+        ends = {e.row: f for e in out.extras if (f := end_fields(e)) != _NO_END}
+        if gateway_id not in self._pending:
+            self._pending[gateway_id] = TokenBatch(out.request_ids, out.token_ids, out.counts,
+                                                   [TokenEnd(r, *f) for r, f in ends.items()], self._worker)
+            return
+        for i, (rid, ids) in enumerate(out.rows()):  # rare: a step plus other updates
+            self.add(gateway_id, rid, ids, *ends.get(i, _NO_END))
 
     async def flush(self) -> None:
-        pending, self._pending = self._pending, defaultdict(list)
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
         now = time.time()
-        for gw, updates in pending.items():
+        for gw, batch in pending.items():
+            batch.sent_at = now
             try:
-                await self._nc.publish(self._subjects.gateway_tokens(gw), encode(TokenBatch(updates, now)))
+                await self._nc.publish(self._subjects.gateway_tokens(gw), encode(batch))
             except Exception as e:  # NATS down: the gateway's inactivity timeout covers the request
                 log.warning("token batch for gateway %s not sent: %s", gw, e)
+
+
+_NO_END = (None, None, None)
+
+
+def end_fields(e: Finished) -> tuple:
+    """(finish reason, error, logprobs) of a row's extras, as TokenEnd takes them."""
+    return (e.finish_reason.value if e.finish_reason is not None else None, None, logprobs_wire(e.logprobs))
 
 
 def logprobs_wire(lps) -> list[TokenLogprobWire] | None:
     if not lps:
         return None
-    return [TokenLogprobWire(lp.token_id, lp.logprob, [[float(t), v] for t, v in lp.top]) for lp in lps]
+    return [TokenLogprobWire(lp.token_id, lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top]) for lp in lps]
 
 
 class WorkerRuntime:
@@ -90,6 +123,7 @@ class WorkerRuntime:
         self._tasks: set[asyncio.Task] = set()  # live ones only: a task per request must not accumulate
         self._subs = []
         self._load = WorkerLoad()
+        self._load_at = 0.0
         self._closed = False
         self.dep: DepRuntime | None = None
         self.kv_sharing: KVSharing | None = None
@@ -151,8 +185,8 @@ class WorkerRuntime:
         t.add_done_callback(self._tasks.discard)
         return t
 
-    async def sub(self, subject: str, cls, handler, queue: str = ""):
-        s = await subscribe(self.nc, subject, cls, handler, queue)
+    async def sub(self, subject: str, cls, handler, queue: str = "", concurrent: bool = False):
+        s = await subscribe(self.nc, subject, cls, handler, queue, concurrent)
         self._subs.append(s)
         return s
 
@@ -168,13 +202,19 @@ class WorkerRuntime:
         self._seen_prompt, self._seen_cached = e.num_prompt_tokens_total, e.num_cached_tokens_total
         if a.num_seqs:  # empty lockstep steps are waiting, not serving
             self.recent_steps.append([time.time(), a.total_s, a.forward_s, a.host_s, a.rank_wait_s,
-                                      self.loop.last_gap_s, a.num_seqs])
-        for phase, v in (("forward", a.forward_s), ("host", a.host_s), ("rank_wait", a.rank_wait_s),
-                         ("total", a.total_s)):
+                                      self.loop.last_gap_s, a.num_seqs, a.exposed_s])
+        for phase, v in (("forward", a.forward_s), ("host", a.host_s), ("host_exposed", a.exposed_s),
+                         ("rank_wait", a.rank_wait_s), ("total", a.total_s)):
             self.h_phase.labels(phase).observe(v)
 
-    def refresh_load(self) -> None:
-        """Snapshot the engine's load. Only from the engine loop: between steps or in an op."""
+    def refresh_load(self, force: bool = True) -> None:
+        """Snapshot the engine's load. Only from the engine loop: between steps or in an op.
+        Unforced, at most every LOAD_REFRESH_S: it walks every request, and heartbeats read
+        it once a second; an idle loop always refreshes it (forced)."""
+        now = time.monotonic()
+        if not force and now - self._load_at < LOAD_REFRESH_S:
+            return
+        self._load_at = now
         r, w, free, total, out = self.engine.load()
         self._load = WorkerLoad(r, w, free, total, out, self.engine.pending_prompt_tokens())
 

@@ -31,6 +31,7 @@ from shared.telemetry.jsonl_exporter import JsonLinesSpanExporter
 OTLP_TRACES_PATH = "v1/traces"
 
 _shut_down: weakref.WeakSet[TracerProvider] = weakref.WeakSet()
+_exporting: weakref.WeakSet[TracerProvider] = weakref.WeakSet()
 
 
 def setup_tracing(service_name: str, jsonl_path: str | os.PathLike | None = None,
@@ -50,14 +51,23 @@ def setup_tracing(service_name: str, jsonl_path: str | os.PathLike | None = None
     if jsonl_path is not None:
         # Synchronous on purpose: the file holds a request's spans as soon as the request ends.
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(jsonl_path)))
-    if otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") \
-            or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+    otlp = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") \
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if otlp:
         # Imported here so that services without a collector do not load the HTTP stack.
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         # Batched: a network round trip per span would stall the event loop.
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=_traces_url(otlp_endpoint))))
+    if jsonl_path is not None or otlp:
+        _exporting.add(provider)
     return provider
+
+
+def exports_spans(provider: TracerProvider | None) -> bool:
+    """Whether spans leave the process: detail that only a trace shows (per-step events)
+    is worth its cost then."""
+    return provider is not None and provider in _exporting
 
 
 def _traces_url(endpoint: str | None) -> str | None:

@@ -1,13 +1,21 @@
 """Incremental detokenization and stop strings.
 
 Text is released only once it can no longer change. A byte-level BPE token may hold
-part of a multi-byte character; the window decode then ends in U+FFFD and the text is
-withheld until a later token completes it, so a character is never split across two
-stream chunks. Text that could be the start of a stop string is withheld too, until
-the stop string is matched (and cut off) or ruled out.
+part of a multi-byte character: that character is withheld until a later token
+completes it, so a character is never split across two stream chunks. Text that could
+be the start of a stop string is withheld too, until the stop string is matched (and
+cut off) or ruled out.
+
+Two ways to the text, the same text either way:
+- byte-level tokenizers (the DeepSeek family): each id's bytes from a table, through an
+  incremental UTF-8 decoder. Constant work per token, no library call.
+- any other tokenizer: decode a short window that starts a little before the new
+  tokens, which gives the same characters as decoding everything.
 """
 
 from __future__ import annotations
+
+import codecs
 
 from shared.tokenizer.tokenizer import Tokenizer
 
@@ -17,52 +25,57 @@ class IncrementalDetokenizer:
         self.tok = tokenizer
         self.stop = stop
         self.skip = skip_special_tokens
-        self.ids: list[int] = []
-        self.text = ""  # decoded text that is final
+        self._pieces = tokenizer.byte_pieces(skip_special_tokens)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._pieces is not None else None
+        self.ids: list[int] = []  # the window decode's tokens (the other way only)
         self._prefix = 0  # decode window start (token index)
-        self._read = 0  # tokens before this are reflected in self.text
-        self._sent = 0  # characters of self.text already released
+        self._read = 0  # tokens before this are reflected in the released or held text
+        self._held = ""  # final text withheld because a stop string may start in it
         self.stopped = False  # a stop string was found; nothing more is released
 
     def add(self, new_ids: list[int]) -> str:
         """Feed tokens; returns the text that became final (possibly empty)."""
         if self.stopped:
             return ""
+        if self._pieces is not None:
+            pieces, n = self._pieces, len(self._pieces)
+            return self._release(self._utf8.decode(b"".join([pieces[i] if 0 <= i < n else b"" for i in new_ids])))
         self.ids += new_ids
-        # Decoding a short window that starts a little before the new tokens gives the
-        # same characters as decoding everything, at a constant cost per token.
         before = self.tok.decode(self.ids[self._prefix : self._read], self.skip)
         after = self.tok.decode(self.ids[self._prefix :], self.skip)
+        new = ""
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
+            new = after[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)
-        return self._release(final=False)
+        return self._release(new)
 
     def flush(self) -> str:
         """At the end of a request: release whatever was held back, minus any stop string."""
-        if not self.stopped and self._read < len(self.ids):
-            before = self.tok.decode(self.ids[self._prefix : self._read], self.skip)
-            after = self.tok.decode(self.ids[self._prefix :], self.skip)
-            self.text += after[len(before) :]
-            self._prefix = self._read = len(self.ids)
-        return self._release(final=True)
-
-    def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
-        end = len(self.text)
-        if self.stop:
-            start = max(0, self._sent - max(len(s) for s in self.stop) + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
-                end = len(self.text)
-            elif not final:
-                end -= max(_partial_suffix(self.text, s) for s in self.stop)
-        out = self.text[self._sent : end] if end > self._sent else ""
-        self._sent = max(self._sent, end)
-        return out
+        if self._pieces is not None:
+            new = self._utf8.decode(b"", final=True)
+        else:
+            new = ""
+            if self._read < len(self.ids):
+                before = self.tok.decode(self.ids[self._prefix : self._read], self.skip)
+                after = self.tok.decode(self.ids[self._prefix :], self.skip)
+                new = after[len(before) :]
+                self._prefix = self._read = len(self.ids)
+        return self._release(new, final=True)
+
+    def _release(self, new: str, final: bool = False) -> str:
+        if not self.stop:
+            return new
+        text = self._held + new
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._held = ""
+            return text[: min(hits)]
+        keep = 0 if final else max(_partial_suffix(text, s) for s in self.stop)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
 
 
 def _partial_suffix(text: str, stop: str) -> int:

@@ -47,6 +47,8 @@ class Tokenizer:
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._compiled = self._env.from_string(template) if template else None
         self.vocab_size = self._tok.get_vocab_size()
+        self._byte_level = _decoder_type(tok_file) == "ByteLevel"
+        self._pieces: dict[bool, list[bytes] | None] = {}
         self.max_length = int(cfg.get("model_max_length", 1 << 30)) if isinstance(cfg.get("model_max_length"), int) else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -57,6 +59,34 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
+
+    def byte_pieces(self, skip_special_tokens: bool = True) -> list[bytes] | None:
+        """The bytes each token id decodes to, for a byte-level BPE decoder: decoding is
+        then a table lookup and an incremental UTF-8 decode. None for other decoders.
+
+        Checked against decode() token by token when built, so a table that would ever
+        disagree with the library is never used."""
+        if skip_special_tokens not in self._pieces:
+            self._pieces[skip_special_tokens] = self._build_pieces(skip_special_tokens) if self._byte_level else None
+        return self._pieces[skip_special_tokens]
+
+    def _build_pieces(self, skip: bool) -> list[bytes] | None:
+        to_byte = _unicode_to_byte()
+        special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        n = max(self.vocab_size, max(special, default=-1) + 1)
+        pieces = []
+        for i in range(n):
+            t = self._tok.id_to_token(i)
+            if t is None or (skip and i in special):
+                pieces.append(b"")
+            elif all(c in to_byte for c in t):
+                pieces.append(bytes(to_byte[c] for c in t))
+            else:  # as the byte-level decoder does: a token with a character outside its alphabet is taken as is
+                pieces.append(t.encode())
+        for i, b in enumerate(pieces):
+            if b.decode("utf-8", "replace") != self._tok.decode([i], skip_special_tokens=skip):
+                return None
+        return pieces
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._compiled is None:
@@ -71,3 +101,24 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         # The template writes the BOS itself, so the tokenizer must not add another.
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _decoder_type(tok_file: Path) -> str | None:
+    try:
+        dec = json.loads(tok_file.read_text()).get("decoder") or {}
+    except ValueError:
+        return None
+    return dec.get("type") if isinstance(dec, dict) else None
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """The byte-level BPE alphabet, inverted: printable bytes stand for themselves, the
+    others for the code points from 256 up, in order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out = {chr(b): b for b in keep}
+    n = 0
+    for b in range(256):
+        if b not in out.values():
+            out[chr(256 + n)] = b
+            n += 1
+    return out

@@ -1,7 +1,9 @@
 import msgpack
 import pytest
 
-from shared.protocol.messages import Heartbeat, KVReady, KVLayout, PrefillJob, TokenBatch, TokenUpdate, WireSampling, WorkerLoad
+from shared.protocol.messages import (
+    Heartbeat, KVReady, KVLayout, PrefillJob, TokenBatch, TokenEnd, TokenLogprobWire, WireSampling, WorkerLoad,
+)
 from shared.protocol.wire import ProtocolError, decode, encode
 
 
@@ -11,8 +13,25 @@ def test_round_trip_keeps_every_field():
     ready = KVReady("r1", [1, 2], [3], WireSampling(), "gw", "pre", b"\x00\x01ucx", 9, 2, 4096,
                     KVLayout(4, 16, 40, "float32", "fp"))
     assert decode(encode(ready), KVReady) == ready
-    batch = TokenBatch([TokenUpdate("a", [1, 2]), TokenUpdate("b", [], "error", error="boom")], 1.0)
+    batch = TokenBatch(["a", "b", "c"], [1, 2, 70000], [2, 0, 1],
+                       [TokenEnd(1, "error", "boom"), TokenEnd(2, "stop", None, [TokenLogprobWire(5, -0.5, [5], [-0.5])])],
+                       "w", 1.0)
     assert decode(encode(batch), TokenBatch) == batch
+    one_each = TokenBatch(["a", "b"], [7, 8], worker_id="w")
+    assert decode(encode(one_each), TokenBatch) == one_each
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ([0.0, "w", ["a", "b"], b"\x01\x00\x00\x00", None, []], "2 rows but 1 token ids"),
+    ([0.0, "w", ["a"], b"\x01\x00\x00", None, []], "int32 bytes"),
+    ([0.0, "w", ["a"], b"\x01\x00\x00\x00", b"\x02\x00\x00\x00", []], "counts do not match"),
+    ([0.0, "w", ["a"], b"\x01\x00\x00\x00", None, [[3, "stop", None, None]]], "end of row 3"),
+    ([0.0, "w", [1], b"\x01\x00\x00\x00", None, []], "header"),
+    ([0.0, "w"], "malformed"),
+])
+def test_a_malformed_token_batch_is_one_protocol_error(raw, needle):
+    with pytest.raises(ProtocolError, match=needle):
+        decode(msgpack.packb(raw), TokenBatch)
 
 
 @pytest.mark.parametrize("payload,needle", [

@@ -43,3 +43,21 @@ def test_chat_template_and_specials(tiny_model):
     ids = tok.encode_chat([{"role": "user", "content": "hi"}])
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
     assert tok.decode(ids) == "hi"
+
+
+def test_the_byte_table_and_the_window_decode_give_the_same_text(tiny_model):
+    # Random ids, specials and lone bytes of multi-byte characters included: streamed one
+    # at a time through either way, the text is the library's decode of all of them.
+    import random
+
+    tok = Tokenizer(tiny_model)
+    assert tok.byte_pieces(True) is not None  # the tiny model's tokenizer is byte-level
+    rng = random.Random(0)
+    for trial in range(30):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 60))]
+        for skip in (True, False):
+            fast = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+            slow = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+            slow._pieces = None
+            got = ["".join(d.add([i]) for i in ids) + d.flush() for d in (fast, slow)]
+            assert got[0] == got[1] == tok.decode(ids, skip_special_tokens=skip), (trial, skip)

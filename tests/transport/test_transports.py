@@ -1,4 +1,4 @@
-"""Both transports against the same contract; UCX for real, within one process."""
+"""Both transports against the same contract; UCX for real, two workers in one process."""
 
 import asyncio
 
@@ -18,9 +18,10 @@ async def _pair(kind):
         return a, b
     from shared.transport.ucx import UcxTransport
 
-    t = UcxTransport()
-    await t.start()
-    return t, t  # one ucxx context per process: the worker sends to itself
+    a, b = UcxTransport(), UcxTransport()
+    await a.start()
+    await b.start()
+    return a, b
 
 
 @pytest.mark.parametrize("kind", ["loopback", "ucx"])
@@ -38,6 +39,7 @@ def test_send_lands_in_the_posted_buffer(kind):
                 assert tr.state == TransferState.DONE and np.array_equal(src, dst)
         finally:
             await a.close()
+            await b.close()
 
     asyncio.run(go())
 
@@ -54,6 +56,7 @@ def test_a_receive_that_never_gets_data_times_out_and_frees_its_buffer(kind):
             assert await tr.abandon(0.1)
         finally:
             await a.close()
+            await b.close()
 
     asyncio.run(go())
 
@@ -71,6 +74,7 @@ def test_a_message_sent_before_its_receive_is_posted_is_kept_for_it(kind):
             assert np.array_equal(src, dst)
         finally:
             await a.close()
+            await b.close()
 
     asyncio.run(go())
 
@@ -90,6 +94,7 @@ def test_ucx_a_message_of_the_wrong_size_fails_its_receive_and_the_next_one_stil
             assert dst.sum() == 64
         finally:
             await a.close()
+            await b.close()
 
     asyncio.run(go())
 
@@ -109,6 +114,7 @@ def test_ucx_bytes_that_arrive_after_their_receive_gave_up_never_touch_its_buffe
             assert 31 not in b._early and 31 not in b._abandoned  # taken and dropped
         finally:
             await a.close()
+            await b.close()
 
     asyncio.run(go())
 
@@ -151,8 +157,10 @@ def test_ucx_a_receive_posted_while_its_message_is_landing_still_gets_it():
     from shared.transport.ucx import UcxTransport
 
     async def go():
+        import ucxx._lib.libucxx as api
+
         t = UcxTransport()
-        t._worker = w = _Worker()
+        t._api, t._worker = api, (w := _Worker())
         w.arrivals.append(_Probe(5, 8))
         assert t._take_arrivals()
         dst = np.zeros(8, dtype=np.uint8)
@@ -162,7 +170,47 @@ def test_ucx_a_receive_posted_while_its_message_is_landing_still_gets_it():
         t._complete_receives()
         await tr.wait(1)
         assert list(dst) == list(range(8)) and not t._early
-        if t._prober is not None:
-            t._prober.cancel()
+
+    asyncio.run(go())
+
+
+def test_ucx_a_transport_that_waits_is_asleep():
+    # A posted receive with nothing coming, and an idle transport beside it: neither may
+    # spin. Progress runs on the worker's event fd (and a slow watchdog while a receive
+    # is pending), so half a second of waiting costs a handful of drives, not thousands.
+    async def go():
+        a, b = await _pair("ucx")
+        try:
+            tr = b.post_recv(np.zeros(4096, dtype=np.uint8), tag=12)
+            a0, b0 = a.num_drives, b.num_drives
+            await asyncio.sleep(0.5)
+            assert a.num_drives - a0 <= 2 and b.num_drives - b0 <= 6
+            src = np.arange(4096, dtype=np.uint16).view(np.uint8)[:4096]
+            await a.send(b.address, src, 12, timeout=10)
+            await tr.wait(10)
+            assert b.missed_wakeups == 0
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
+
+
+def test_ucx_large_messages_both_ways_at_once():
+    async def go():
+        a, b = await _pair("ucx")
+        try:
+            n = 8 << 20
+            xs = [np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i in range(4)]
+            outs = [np.zeros(n, dtype=np.uint8) for _ in range(4)]
+            trs = [b.post_recv(outs[0], 1), b.post_recv(outs[1], 2), a.post_recv(outs[2], 3), a.post_recv(outs[3], 4)]
+            await asyncio.gather(a.send(b.address, xs[0], 1, 10), a.send(b.address, xs[1], 2, 10),
+                                 b.send(a.address, xs[2], 3, 10), b.send(a.address, xs[3], 4, 10))
+            for tr in trs:
+                await tr.wait(10)
+            assert all(np.array_equal(x, o) for x, o in zip(xs, outs))
+        finally:
+            await a.close()
+            await b.close()
 
     asyncio.run(go())

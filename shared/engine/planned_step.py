@@ -1,0 +1,142 @@
+"""One engine step as three parts, so that the host can work while the device computes.
+
+    planned (host)   schedule, build the batch, mark what each sequence will sample
+      -> run (device thread)   forward, logits, sampling; inputs that the step before
+                               sampled are taken from its output here, on the device
+      -> landed (host)   sampled ids written into the sequences, stops checked, outputs
+
+The serving loop plans step N+1 while step N runs and lands N while N+1 runs, so the
+device never waits for Python bookkeeping that could have been done earlier (the
+scheme of SGLang's overlap scheduler and vLLM's async scheduling). While N is in
+flight, each sequence it samples for ends in a placeholder id and its num_computed
+already counts N's positions: N+1 is planned exactly as if N had landed. The price is
+a wasted row when N samples a stop token for a sequence that N+1 already computes.
+
+Glossary: a sampling row is a sequence that gets its next token in this step (a decode
+token, or the last chunk of a prompt); other chunks only fill the cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine import sampler
+from shared.engine.runner import Chunk
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.sequence import FinishReason, Sequence, TokenLogprob
+from shared.model.batch import ForwardBatch
+
+_step_ids = itertools.count()
+
+
+@dataclass
+class PlannedStep:
+    chunks: list[Chunk]
+    batch: ForwardBatch
+    seqs: list[Sequence]  # one per sampling row, in row order
+    slots: list[int]  # where each row's token goes in its sequence's token_ids
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None] | None  # None: no seeded row
+    sample_rows: torch.Tensor | None  # hidden rows that sample; None: the first len(seqs) rows
+    fill_rows: torch.Tensor | None = None  # input rows whose token the previous step samples ...
+    fill_from: torch.Tensor | None = None  # ... at these rows of its output
+    prev: "PlannedStep | None" = None
+    logprobs: list[int | None] | None = None  # per row: alternatives wanted, None: off
+    special: list[int] = field(default_factory=list)  # rows that may end or carry more than an id
+    register: list = field(default_factory=list)  # (sequence, positions computed): blocks to cache
+    stats: object = None  # the engine's StepStats for this step
+    step_id: int = field(default_factory=lambda: next(_step_ids))
+    # Set by run():
+    sampled: torch.Tensor | None = None  # [rows] token ids, on the CPU
+    token_logprobs: list[TokenLogprob | None] | None = None
+    forward_s: float = 0.0
+    logits_s: float = 0.0
+    sample_s: float = 0.0
+    t_start: float = 0.0
+    t_end: float = 0.0
+    error: BaseException | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seqs)
+
+
+def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> None:
+    """The device part of a step. Runs on the engine's device thread, one step at a time.
+    Touches only the step's own tensors and the cache slots its chunks own.
+
+    before_wait() is called once the step's work is queued on the device, just before
+    the thread waits for it (a device that computes asynchronously; see DeviceThread)."""
+    step.t_start = time.perf_counter()
+    prev, step.prev = step.prev, None  # no chain of steps kept alive
+    batch = step.batch
+    if step.fill_rows is not None:
+        ids = prev.sampled.to(batch.input_ids.device)
+        batch.input_ids[step.fill_rows] = ids[step.fill_from]
+    hidden = model(batch, kv_caches)
+    t1 = time.perf_counter()
+    if step.seqs:
+        rows = hidden[: step.num_rows] if step.sample_rows is None else hidden[step.sample_rows]
+        logits = model.compute_logits(rows)
+        t2 = time.perf_counter()
+        sampled = sampler.sample(logits, step.params, step.generators or [None] * step.num_rows)
+        if step.logprobs is not None:
+            step.token_logprobs = sampler.logprobs_of(logits, sampled, step.logprobs)
+        t3 = time.perf_counter()
+        step.logits_s, step.sample_s = t2 - t1, t3 - t2
+        if before_wait is not None:
+            before_wait()
+            before_wait = None
+        step.sampled = sampled.cpu()  # a CUDA device is waited for here
+    if before_wait is not None:
+        before_wait()
+    sync = getattr(model, "synchronize", None)
+    if sync is not None:
+        sync()
+    step.t_end = time.perf_counter()
+    step.forward_s = step.t_end - step.t_start - step.sample_s
+
+
+@dataclass
+class Finished:
+    """A row whose request ends, or that carries more than its token ids."""
+    row: int
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prefill_done: bool = False
+    block_hashes: list[bytes] | None = None
+    num_prompt_tokens: int = 0
+
+
+@dataclass
+class StepOutputs:
+    """One step's new tokens, by column: row i of request_ids got the ids
+    token_ids[offsets[i]:offsets[i + 1]] (one each when counts is None). `extras` holds
+    the few rows that finish or carry logprobs, in row order."""
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    counts: list[int] | None = None
+    extras: list[Finished] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def rows(self):
+        """(request id, its new ids) per row."""
+        if self.counts is None:
+            yield from ((rid, [t]) for rid, t in zip(self.request_ids, self.token_ids))
+            return
+        i = 0
+        for rid, n in zip(self.request_ids, self.counts):
+            yield rid, self.token_ids[i : i + n]
+            i += n
+
+    def tokens_of(self, row: int) -> list[int]:
+        if self.counts is None:
+            return self.token_ids[row : row + 1]
+        start = sum(self.counts[:row])
+        return self.token_ids[start : start + self.counts[row]]
