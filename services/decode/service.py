@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # Step events per request span: enough to profile steps (moemesh profile), few enough that
 # a long generation does not pay several microseconds per token for them.
 MAX_STEP_EVENTS = 32
+DRAIN_HANDOFF_GRACE_S = 0.5
 
 
 @dataclass
@@ -66,7 +67,9 @@ class DecodeService(AsyncService):
         await rt.start(self._on_outputs, self._engine)
         rt.extra_stats = lambda: {"num_transfers": len(self.pulls)}
         s = rt.subjects
-        self._job_subs.append(await rt.sub(s.decode_kv_ready(rt.worker_id), KVReady, self._on_ready))
+        # Not a job subscription: a draining worker still takes the hand-off of a request that
+        # was routed to it before it announced the drain (its prompt is already computed).
+        await rt.sub(s.decode_kv_ready(rt.worker_id), KVReady, self._on_ready)
         if self.cfg.bench_dummy_kv:
             log.warning("BENCH MODE: requests to %s get a dummy KV cache instead of a prefill; outputs are "
                         "meaningless. Never use this for serving.", s.decode_bench_job(rt.worker_id))
@@ -83,7 +86,11 @@ class DecodeService(AsyncService):
 
     async def drain(self) -> None:
         await self.rt.begin_drain(self._job_subs)
-        while self.pulls or self.active:
+        # A request the gateway routed here just before it heard of the drain may still be
+        # in its prefill: its hand-off is taken for a short while (prefill workers send it
+        # elsewhere after that).
+        grace = time.monotonic() + min(DRAIN_HANDOFF_GRACE_S, self.cfg.heartbeat_interval_s)
+        while self.pulls or self.active or time.monotonic() < grace:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
@@ -92,8 +99,6 @@ class DecodeService(AsyncService):
     # ---- hand-off from prefill --------------------------------------------------------
     async def _on_ready(self, r: KVReady, msg, ctx):
         rt = self.rt
-        if rt.draining:
-            return ErrorReply("worker is draining", "unavailable")
         if r.layout != rt.layout:
             return ErrorReply(f"incompatible KV layout: mine {rt.layout}, sent {r.layout}", "bad_request")
         try:

@@ -12,7 +12,6 @@ Request lifecycle at the gateway:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -25,7 +24,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.gateway import openai_api as api
@@ -33,7 +32,8 @@ from services.gateway.auth import ApiKeyMiddleware, load_api_keys
 from services.gateway.config import GatewayConfig
 from services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
 from services.gateway.openapi import OPENAPI
-from services.gateway.stream import TIMED_OUT, Reader
+from services.gateway.sse import EventStream
+from services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
 from shared.model.config import ModelConfig
 from shared.service.metrics_http import MetricsServer
 from shared.telemetry.metrics import Metrics
@@ -72,7 +72,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         metrics = Metrics()
         st = GatewayState(cfg, mesh, tok, min(cfg.max_model_len or mcfg.max_position_embeddings,
                                               mcfg.max_position_embeddings),
-                          get_tracer(provider, "moemesh.gateway"), metrics)
+                          get_tracer(provider, "moemesh.gateway", root=True), metrics)
         st.m = {
             "requests": metrics.counter("requests_total", "HTTP requests by route and status",
                                         ("route", "status")),
@@ -110,7 +110,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             *([] if separate_metrics else [Route("/metrics", metrics_route, methods=["GET"])]),
             Route("/openapi.json", openapi, methods=["GET"]),
         ],
-        middleware=[Middleware(ApiKeyMiddleware, keys=api_keys)],
+        middleware=[Middleware(ApiKeyMiddleware, keys=api_keys)] if api_keys else [],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, api.ApiError: _api_error},
     )
@@ -139,7 +139,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def _generate(request: Request, kind: str) -> Response:
     st = _state(request)
-    route = request.url.path
+    route = request.scope["path"]
     ctx = extract_context(request.headers)
     span = st.tracer.start_span(f"POST {route}", context=ctx, kind=trace.SpanKind.SERVER)
     t0 = time.perf_counter()
@@ -178,9 +178,8 @@ async def _generate(request: Request, kind: str) -> Response:
         raise api.ApiError(400, str(e)) from None
     span.set_attribute("decode.id", handle.decode_id)
     if req.stream:
-        return StreamingResponse(_sse(st, req, handle, span, t0, done), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": req.request_id,
-                                          "X-Moemesh-Worker": handle.decode_id})
+        return EventStream(_sse(st, req, handle, span, t0, done), handle,
+                           {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id})
     return await _collect(request, st, req, handle, span, t0, done)
 
 
@@ -189,8 +188,8 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
         raise api.ApiError(503, "gateway is shutting down", type_="service_unavailable",
                            headers={"Retry-After": str(st.cfg.retry_after_s)})
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
         raise api.ApiError(400, f"request body is not valid JSON: {e}") from None
     parse = api.parse_chat if kind == "chat" else api.parse_completion
     req = parse(body, st.tok, st.cfg.default_max_tokens)
@@ -221,7 +220,10 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
     try:
         while True:
-            if await handle.wait() is TIMED_OUT:
+            why = await handle.wait()
+            if why is DISCONNECTED:
+                break
+            if why is TIMED_OUT:
                 await st.mesh.abort(req.request_id, "timeout")
                 err = f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted"
                 stream_span.set_status(trace.StatusCode.ERROR, err)

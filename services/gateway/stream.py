@@ -21,13 +21,14 @@ from shared.tokenizer.detokenizer import IncrementalDetokenizer
 from shared.tokenizer.tokenizer import Tokenizer
 
 TIMED_OUT = "timed_out"
+DISCONNECTED = "disconnected"
 
 
 class Handle:
     """What has arrived for one request and not been taken yet. Filled by the mesh
     client (one batch per worker step), emptied by the request's reader."""
 
-    __slots__ = ("request_id", "decode_id", "ids", "logprobs", "finish", "error", "last_seen", "_waiter")
+    __slots__ = ("request_id", "decode_id", "ids", "logprobs", "finish", "error", "last_seen", "gone", "_waiter")
 
     def __init__(self, request_id: str, decode_id: str, now: float = 0.0):
         self.request_id = request_id
@@ -37,6 +38,7 @@ class Handle:
         self.finish: str | None = None
         self.error: str | None = None
         self.last_seen = now  # loop time of the last arrival
+        self.gone = False  # the client went away
         self._waiter: asyncio.Future | None = None
 
     def wake(self, why: object = None) -> None:
@@ -53,12 +55,19 @@ class Handle:
             self.finish, self.error = e.finish_reason, e.error
         self.wake()
 
+    def disconnect(self) -> None:
+        self.gone = True
+        self.wake(DISCONNECTED)
+
     @property
     def waiting(self) -> bool:
         return self._waiter is not None
 
     async def wait(self) -> object:
-        """Until something arrives (None) or the inactivity sweep gives up (TIMED_OUT)."""
+        """Until something arrives (None), the inactivity sweep gives up (TIMED_OUT), or
+        the client goes away (DISCONNECTED)."""
+        if self.gone:
+            return DISCONNECTED
         if self.ids or self.finish is not None:
             return None
         self._waiter = asyncio.get_running_loop().create_future()

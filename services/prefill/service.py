@@ -46,6 +46,7 @@ from shared.telemetry.propagation import inject_headers
 from shared.transport.base import TransferError
 
 log = logging.getLogger(__name__)
+INLINE_EXPORT_BYTES = 1 << 20  # larger exports are copied on a thread, off the event loop
 
 
 def start_time_ns(stats: StepStats) -> int:
@@ -199,7 +200,8 @@ class PrefillService(AsyncService):
             rt.spawn(self._hand_off(*h), f"handoff-{h[0].request_id}")
 
     async def _hand_off(self, job: PrefillJob, span, lease, output_ids: list[int]) -> None:
-        """Tell the chosen decode worker that the KV is ready to pull."""
+        """Tell the decode worker the gateway chose that the KV is ready to pull. If it has
+        gone, or is draining, another live decode worker takes the request instead."""
         rt = self.rt
         ready = KVReady(
             request_id=job.request_id, prompt_ids=job.prompt_ids, output_ids=output_ids, sampling=job.sampling,
@@ -208,15 +210,25 @@ class PrefillService(AsyncService):
             lease_expires_in_s=self.cfg.lease_timeout_s,
         )
         headers = inject_headers(context=trace.set_span_in_context(span))
+        others = [hb.worker_id for hb in self.peers.live("decode") if hb.worker_id != job.decode_id]
+        err: Exception | None = None
         try:
-            await request(rt.nc, rt.subjects.decode_kv_ready(job.decode_id), ready, Ack,
-                          self.cfg.kv_ready_timeout_s, headers)
-            span.add_event("kv_ready_sent", {"decode.id": job.decode_id, "kv.bytes": lease.nbytes})
-        except (Unreachable, RemoteError) as e:
-            log.warning("decode worker %s did not take %s: %s", job.decode_id, job.request_id, e)
-            span.set_status(trace.StatusCode.ERROR, f"handoff failed: {e}")
+            for decode_id in [job.decode_id, *others]:
+                try:
+                    await request(rt.nc, rt.subjects.decode_kv_ready(decode_id), ready, Ack,
+                                  self.cfg.kv_ready_timeout_s, headers)
+                    span.add_event("kv_ready_sent", {"decode.id": decode_id, "kv.bytes": lease.nbytes})
+                    return
+                except Unreachable as e:
+                    err = e
+                except RemoteError as e:
+                    err = e
+                    if e.reply.code != "unavailable":
+                        break
+                log.warning("decode worker %s did not take %s: %s", decode_id, job.request_id, err)
+            span.set_status(trace.StatusCode.ERROR, f"handoff failed: {err}")
             await self._free_lease(job.request_id)
-            rt.tokens.add(job.gateway_id, job.request_id, [], "error", f"decode worker {job.decode_id} unavailable: {e}")
+            rt.tokens.add(job.gateway_id, job.request_id, [], "error", f"decode worker {job.decode_id} unavailable: {err}")
             await rt.tokens.flush()
         finally:
             span.end()
@@ -259,7 +271,11 @@ class PrefillService(AsyncService):
                 shape = (kv.shape[0], lease.num_blocks, *kv.shape[2:])
                 # A held request's blocks are never written by a step, so the copy runs beside
                 # the engine, not between its steps: a pull never waits behind a long prefill.
-                await asyncio.to_thread(rt.engine.export_kv, p.request_id, slot.typed(kv.dtype, shape))
+                # A small one is cheaper here than a thread's round trip.
+                if lease.nbytes <= INLINE_EXPORT_BYTES:
+                    rt.engine.export_kv(p.request_id, slot.typed(kv.dtype, shape))
+                else:
+                    await asyncio.to_thread(rt.engine.export_kv, p.request_id, slot.typed(kv.dtype, shape))
                 if self.cfg.debug_kv_fault != "drop":
                     await rt.transport.send(p.decode_address, slot.buffer(), p.tag, self.cfg.transfer_timeout_s)
                 self.m_sent.inc(lease.nbytes)

@@ -51,17 +51,91 @@ def decode(data: bytes, cls: type[T]) -> T:
 
 
 def from_plain(raw: Any, cls: type[T], path: str = "") -> T:
+    if dataclasses.is_dataclass(cls):
+        return _decoder(cls)(raw, path or cls.__name__)
     return _convert(raw, cls, path or cls.__name__)
 
 
+@lru_cache(maxsize=None)
+def _decoder(cls: type):
+    """A message class's decoder, compiled once: each field gets a check made for its
+    annotation. Anything the quick checks do not accept goes through _convert, which
+    either converts it (an int for a float) or names what is wrong."""
+    req = _required(cls)
+    convs = {name: _field_check(tp) for name, tp in _hints(cls).items()}
+
+    def dec(v: Any, path: str):
+        if not isinstance(v, dict):
+            raise ProtocolError(f"{path}: expected an object, got {type(v).__name__}")
+        if not req <= v.keys():
+            raise ProtocolError(f"{path}: missing field {sorted(req - v.keys())[0]!r}")
+        kw = {k: c(x, path, k) for k, x in v.items() if (c := convs.get(k)) is not None}
+        try:
+            return cls(**kw)
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"{path}: {e}") from None
+
+    return dec
+
+
+def _field_check(tp: Any):
+    def slow(x, p, k):
+        return _convert(x, tp, f"{p}.{k}")
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp in _EXACT or tp is bool:
+        return lambda x, p, k: x if type(x) is tp else slow(x, p, k)
+    if tp is float:
+        return lambda x, p, k: float(x) if type(x) is float or type(x) is int else slow(x, p, k)
+    if origin is list and args and args[0] in _EXACT:
+        item = args[0]
+        return lambda x, p, k: x if type(x) is list and all(type(e) is item for e in x) else slow(x, p, k)
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        inner = _field_check(args[0] if args[1] is type(None) else args[1])
+        return lambda x, p, k: None if x is None else inner(x, p, k)
+    if dataclasses.is_dataclass(tp):
+        return lambda x, p, k: _decoder(tp)(x, f"{p}.{k}")
+    return slow
+
+
 def _to_plain(v: Any) -> Any:
+    enc = _ENCODERS.get(type(v))
+    if enc is not None:
+        return enc(v)
     if dataclasses.is_dataclass(v):
-        return {f.name: _to_plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        return _encoder(type(v))(v)
     if isinstance(v, (list, tuple)):
         return [_to_plain(x) for x in v]
     if isinstance(v, dict):
         return {k: _to_plain(x) for k, x in v.items()}
     return v
+
+
+_ENCODERS: dict[type, Any] = {}
+_PLAIN = (int, float, str, bytes, bool, type(None))
+
+
+def _encoder(cls: type):
+    """A dataclass's fields as a dict, compiled once per class: fields of plain types, and
+    lists of them, are taken as they are; only nested messages are walked."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    hints = _hints(cls)
+    plain = {n for n in names if _is_plain(hints[n])}
+
+    def enc(v):
+        return {n: (getattr(v, n) if n in plain else _to_plain(getattr(v, n))) for n in names}
+
+    _ENCODERS[cls] = enc
+    return enc
+
+
+def _is_plain(tp: Any) -> bool:
+    if tp in _PLAIN:
+        return True
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return all(_is_plain(a) for a in args)
+    return origin is list and len(args) == 1 and args[0] in _PLAIN
 
 
 @lru_cache(maxsize=None)
@@ -75,6 +149,9 @@ def _required(cls: type) -> frozenset[str]:
         f.name for f in dataclasses.fields(cls)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     )
+
+
+_EXACT = (int, str, bytes)  # list items that are valid exactly when of this type
 
 
 def _convert(v: Any, tp: Any, path: str) -> Any:
@@ -93,21 +170,13 @@ def _convert(v: Any, tp: Any, path: str) -> Any:
                 errors.append(str(e))
         raise ProtocolError(errors[0] if errors else f"{path}: unexpected null")
     if dataclasses.is_dataclass(tp):
-        if not isinstance(v, dict):
-            raise ProtocolError(f"{path}: expected an object, got {type(v).__name__}")
-        missing = _required(tp) - v.keys()
-        if missing:
-            raise ProtocolError(f"{path}: missing field {sorted(missing)[0]!r}")
-        hints = _hints(tp)
-        kw = {k: _convert(x, hints[k], f"{path}.{k}") for k, x in v.items() if k in hints}
-        try:
-            return tp(**kw)
-        except (TypeError, ValueError) as e:
-            raise ProtocolError(f"{path}: {e}") from None
+        return _decoder(tp)(v, path)
     if origin in (list, tuple):
         if not isinstance(v, (list, tuple)):
             raise ProtocolError(f"{path}: expected a list, got {type(v).__name__}")
         (item,) = typing.get_args(tp)[:1] or (Any,)
+        if item in _EXACT and all(type(x) is item for x in v):  # a prompt's ids: no walk per element
+            return tuple(v) if origin is tuple else (v if isinstance(v, list) else list(v))
         out = [_convert(x, item, f"{path}[{i}]") for i, x in enumerate(v)]
         return tuple(out) if origin is tuple else out
     if origin is dict:

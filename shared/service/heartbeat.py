@@ -14,6 +14,8 @@ from shared.protocol.messages import Heartbeat
 from shared.protocol.subjects import Subjects
 from shared.protocol.wire import encode
 
+PRUNE_EVERY_S = 0.1
+
 log = logging.getLogger(__name__)
 
 
@@ -65,6 +67,7 @@ class WorkerRegistry:
         self.workers: dict[str, LiveWorker] = {}
         self._miss = miss_factor
         self._min = min_timeout_s
+        self._pruned_at = 0.0
 
     def observe(self, hb: Heartbeat, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -83,7 +86,10 @@ class WorkerRegistry:
 
     def live(self, role: str | None, model: str | None = None) -> list[Heartbeat]:
         """Live workers of a role (None: every role)."""
-        self.prune()
+        now = time.monotonic()
+        if now - self._pruned_at > PRUNE_EVERY_S:  # asked once per request: a sweep each time adds up
+            self._pruned_at = now
+            self.prune(now)
         return [lw.beat for lw in self.workers.values()
                 if (role is None or lw.beat.role == role) and (model is None or lw.beat.model == model)]
 

@@ -24,7 +24,7 @@ import weakref
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-from opentelemetry.trace import Tracer
+from opentelemetry.trace import NoOpTracer, Tracer
 
 from shared.telemetry.jsonl_exporter import JsonLinesSpanExporter
 
@@ -79,8 +79,14 @@ def _traces_url(endpoint: str | None) -> str | None:
     return endpoint.rstrip("/") + "/" + OTLP_TRACES_PATH
 
 
-def get_tracer(provider: TracerProvider, name: str) -> Tracer:
-    return provider.get_tracer(name)
+def get_tracer(provider: TracerProvider, name: str, root: bool = False) -> Tracer:
+    """The service's tracer. A worker whose spans go nowhere gets a no-op tracer: its spans
+    cost nothing, and the context it was handed still passes through to the services it
+    calls. root: the service that starts traces (the gateway) records its spans always,
+    so that trace ids exist for the services after it."""
+    if root or exports_spans(provider):
+        return provider.get_tracer(name)
+    return NoOpTracer()
 
 
 def shutdown(provider: TracerProvider) -> None:

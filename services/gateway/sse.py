@@ -1,0 +1,41 @@
+"""The ASGI response for a token stream: server-sent events from an async iterator of
+byte chunks.
+
+Starlette's StreamingResponse runs a task group of two tasks per response (one sends,
+one listens for the client going away). Here the request's own task sends, and one
+small task waits for the disconnect and wakes the stream's reader, so that a client
+that leaves while its request waits for tokens is noticed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from services.gateway.stream import Handle
+
+_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+class EventStream:
+    def __init__(self, chunks: AsyncIterator[bytes], handle: Handle, headers: dict[str, str]):
+        self.chunks = chunks
+        self.handle = handle
+        self.headers = _HEADERS + [(k.encode(), v.encode()) for k, v in headers.items()]
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        watch = asyncio.ensure_future(_disconnected(receive))
+        watch.add_done_callback(lambda t: t.cancelled() or self.handle.disconnect())
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watch.cancel()
+            await self.chunks.aclose()
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
