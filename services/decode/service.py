@@ -1,11 +1,12 @@
 """The decode worker.
 
 Request lifecycle here:
-1. announced: KVReady arrives from a prefill worker; validated and acknowledged.
-2. pulling: staging memory is reserved, a UCX receive is posted, KVPull goes to the
-   prefill worker, which sends the bytes (kv_pull.py).
-3. importing: between two engine steps the bytes are scattered into freshly allocated
-   cache blocks (waiting for free blocks if needed); the staging range is freed.
+1. announced: KVReady arrives from a prefill worker, with the requests one of its steps
+   finished for this worker; each is validated, and the reply names those refused.
+2. pulling: staging memory is reserved for all of them, a UCX receive is posted, KVPull
+   goes to the prefill worker, which sends their bytes as one message (kv_pull.py).
+3. importing: each request's bytes are scattered into freshly allocated cache blocks
+   (waiting for free blocks if needed); the staging range is freed after the last one.
 4. running: continuous batching; new tokens go to the gateway once per step.
 5. finished or aborted: blocks freed.
 If step 2 fails: "recompute" re-runs the prompt here, "fail" ends the request with an
@@ -24,15 +25,15 @@ import torch
 from opentelemetry import trace
 
 from services.decode.config import DecodeConfig
-from services.decode.kv_pull import Pull, PullState, pull_kv
+from services.decode.kv_pull import Pull, PullBatch, PullState, finish, pull_kv
 from shared.engine.engine import RequestError, StepStats
 from shared.engine.planned_step import StepOutputs
 from shared.engine.sampling_params import SamplingParamError
-from shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVRelease, PrefillJob
+from shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob
 from shared.service.lifecycle import AsyncService
 from shared.service.nats_io import publish
 from shared.service.runtime import WorkerRuntime, end_fields
-from shared.telemetry.propagation import inject_headers
+from shared.telemetry.propagation import extract_context, traceparent_of
 from shared.telemetry.tracing import exports_spans
 
 log = logging.getLogger(__name__)
@@ -101,87 +102,114 @@ class DecodeService(AsyncService):
         rt = self.rt
         if r.layout != rt.layout:
             return ErrorReply(f"incompatible KV layout: mine {rt.layout}, sent {r.layout}", "bad_request")
-        try:
-            r.sampling.to_params()
-        except SamplingParamError as e:
-            return ErrorReply(str(e), "bad_request")
-        if not r.output_ids:
-            return ErrorReply("KVReady must carry the first sampled token", "bad_request")
-        if r.request_id in self.pulls or r.request_id in self.active:
-            return ErrorReply(f"duplicate request {r.request_id}", "bad_request")
-        span = rt.tracer.start_span("decode", context=ctx, attributes={
-            "request.id": r.request_id, "worker.id": rt.worker_id, "prompt.tokens": len(r.prompt_ids)})
-        self._activate(r.request_id, Active(r.gateway_id, span, time.monotonic()))
-        pull = self.pulls[r.request_id] = Pull(r)
-        rt.spawn(self._pull_and_import(pull, span), f"pull-{r.request_id}")
-        return Ack()
+        batch, refused, off = PullBatch(r), {}, 0
+        for item in r.items:
+            why = self._refusal(item)
+            if why:
+                refused[item.request_id] = why
+                continue
+            span = rt.tracer.start_span("decode", context=extract_context({"traceparent": item.traceparent}),
+                                        attributes={"request.id": item.request_id, "worker.id": rt.worker_id,
+                                                    "prompt.tokens": len(item.prompt_ids)})
+            self._activate(item.request_id, Active(item.gateway_id, span, time.monotonic()))
+            pull = self.pulls[item.request_id] = Pull(item, batch, off)
+            batch.pulls.append(pull)
+            off += item.nbytes
+        if batch.pulls:
+            rt.spawn(self._pull_and_import(batch), f"pull-{r.prefill_id}")
+        return KVReadyReply(refused)
 
-    async def _pull_and_import(self, pull: Pull, parent: trace.Span) -> None:
-        rt, r = self.rt, pull.ready
-        ctx = trace.set_span_in_context(parent)
-        with rt.tracer.start_as_current_span("kv.transfer", context=ctx, attributes={
-                "kv.bytes": r.nbytes, "kv.blocks": r.num_blocks, "prefill.id": r.prefill_id}) as span:
-            t0 = time.perf_counter()
-            await pull_kv(rt, pull, self.cfg.transfer_timeout_s, inject_headers(context=trace.set_span_in_context(span)))
-            dt = time.perf_counter() - t0
+    def _refusal(self, item: KVReadyItem) -> str:
+        try:
+            item.sampling.to_params()
+        except SamplingParamError as e:
+            return str(e)
+        if not item.output_ids:
+            return "KVReady must carry the first sampled token"
+        if item.request_id in self.pulls or item.request_id in self.active:
+            return f"duplicate request {item.request_id}"
+        return ""
+
+    async def _pull_and_import(self, batch: PullBatch) -> None:
+        rt, r = self.rt, batch.ready
+        spans = []
+        for p in batch.pulls:
+            act = self.active.get(p.request_id)
+            spans.append(rt.tracer.start_span(
+                "kv.transfer", context=trace.set_span_in_context(act.span) if act else None,
+                attributes={"kv.bytes": p.item.nbytes, "kv.blocks": p.item.num_blocks, "prefill.id": r.prefill_id,
+                            "kv.batch_requests": len(batch.pulls)}))
+        t0 = time.perf_counter()
+        await pull_kv(rt, batch, self.cfg.transfer_timeout_s, [traceparent_of(s) for s in spans])
+        dt = time.perf_counter() - t0
+        for span, p in zip(spans, batch.pulls):
             span.set_attribute("kv.seconds", dt)
-            if pull.state == PullState.FAILED:
-                span.set_status(trace.StatusCode.ERROR, pull.error)
-        if pull.state == PullState.ARRIVED:
+            if p.state == PullState.FAILED:
+                span.set_status(trace.StatusCode.ERROR, p.error)
+            span.end()
+        if batch.state == PullState.ARRIVED:
             self.m_pull.observe(dt)
-            self.m_pull_bytes.inc(r.nbytes)
-        else:
-            await self._release_remote(r, ok=False)
-        if pull.aborted:
-            self._drop_pull(pull)
-            return
-        params = r.sampling.to_params()
-        if pull.state == PullState.FAILED:
-            action = self.cfg.on_transfer_failure
-            self.m_pull_fail.labels(action).inc()
-            log.warning("KV pull for %s failed (%s); %s", r.request_id, pull.error, action)
-            parent.add_event("kv_pull_failed", {"error": pull.error, "action": action})
-            if action == "recompute":
-                try:
-                    await rt.loop.call(lambda e: e.add_request(r.request_id, r.prompt_ids, params, r.output_ids))
-                except RequestError as e:
-                    await self._fail(r.request_id, f"recompute refused: {e}")
-                self.pulls.pop(r.request_id, None)
+            self.m_pull_bytes.inc(batch.nbytes)
+        for p in batch.pulls:
+            if p.state == PullState.ARRIVED:
+                self._import(p)
             else:
-                self.pulls.pop(r.request_id, None)
-                await self._fail(r.request_id, f"KV transfer failed: {pull.error}")
+                await self._pull_failed(p)
+
+    async def _pull_failed(self, pull: Pull) -> None:
+        rt, item = self.rt, pull.item
+        await self._release_remote(pull, ok=False)
+        self._drop_pull(pull)
+        if pull.aborted:
             return
+        action = self.cfg.on_transfer_failure
+        self.m_pull_fail.labels(action).inc()
+        log.warning("KV pull for %s failed (%s); %s", item.request_id, pull.error, action)
+        act = self.active.get(item.request_id)
+        if act is not None:
+            act.span.add_event("kv_pull_failed", {"error": pull.error, "action": action})
+        if action == "recompute":
+            params = item.sampling.to_params()
+            try:
+                await rt.loop.call(lambda e: e.add_request(item.request_id, item.prompt_ids, params, item.output_ids))
+            except RequestError as e:
+                await self._fail(item.request_id, f"recompute refused: {e}")
+        else:
+            await self._fail(item.request_id, f"KV transfer failed: {pull.error}")
+
+    def _import(self, pull: Pull) -> None:
+        """Between steps, once blocks are free: scatter the request's bytes into the cache."""
+        rt, item = self.rt, pull.item
+        params = item.sampling.to_params()
         kv = rt.engine.kv.tensor
-        shape = (kv.shape[0], r.num_blocks, *kv.shape[2:])
+        shape = (kv.shape[0], item.num_blocks, *kv.shape[2:])
 
         def attempt(engine) -> bool:
             if pull.aborted:
                 self._drop_pull(pull)
                 return True
-            if not engine.can_import(len(r.prompt_ids)):
+            if not engine.can_import(len(item.prompt_ids)):
                 return False  # wait for blocks to free up
             try:
-                engine.add_prefilled(r.request_id, r.prompt_ids + r.output_ids, len(r.prompt_ids), params,
-                                     pull.slot.typed(kv.dtype, shape))
+                engine.add_prefilled(item.request_id, item.prompt_ids + item.output_ids, len(item.prompt_ids),
+                                     params, pull.staging().typed(kv.dtype, shape))
             except RequestError as e:
-                rt.spawn(self._fail(r.request_id, f"import refused: {e}"), "fail")
+                rt.spawn(self._fail(item.request_id, f"import refused: {e}"), "fail")
             finally:
-                if not pull.aborted:
-                    self._drop_pull(pull)
+                self._drop_pull(pull)
             return True
 
         rt.loop.retry_each_step(attempt)
 
     def _drop_pull(self, pull: Pull) -> None:
-        if pull.slot is not None:
-            self.rt.staging.free(pull.slot)
-            pull.slot = None
-        self.pulls.pop(pull.ready.request_id, None)
+        finish(self.rt, pull)
+        if self.pulls.get(pull.request_id) is pull:
+            del self.pulls[pull.request_id]
 
-    async def _release_remote(self, r: KVReady, ok: bool) -> None:
+    async def _release_remote(self, pull: Pull, ok: bool) -> None:
         try:
-            await publish(self.rt.nc, self.rt.subjects.kv_release(r.prefill_id),
-                          KVRelease(r.request_id, r.lease_id, ok))
+            await publish(self.rt.nc, self.rt.subjects.kv_release(pull.batch.ready.prefill_id),
+                          KVRelease(pull.request_id, pull.item.lease_id, ok))
         except Exception as e:  # the prefill lease expires on its own
             log.debug("release not sent: %s", e)
 

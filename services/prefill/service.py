@@ -5,9 +5,10 @@ Request lifecycle here:
    acknowledged, and enters the engine.
 2. prefilling: the prompt is computed, in chunks, batched with other prompts.
 3. held: the first token is sampled. It goes straight to the gateway; the KV blocks
-   stay allocated under a lease, and KVReady goes to the decode worker the gateway chose.
-4. pulled: the decode worker sends KVPull; the blocks are gathered into staging
-   memory, sent over UCX, and freed.
+   stay allocated under a lease, and KVReady goes to the decode worker the gateway chose,
+   one message for all the requests of a step that go there.
+4. pulled: the decode worker sends KVPull for them; their blocks are gathered end to end
+   into staging memory, sent over UCX as one message, and freed.
    Or expired (no pull before the lease ends), or aborted: the blocks are freed.
 """
 
@@ -35,6 +36,8 @@ from shared.protocol.messages import (
     KVPull,
     KVPullReply,
     KVReady,
+    KVReadyItem,
+    KVReadyReply,
     KVRelease,
     PrefillJob,
 )
@@ -42,7 +45,7 @@ from shared.service.heartbeat import WorkerRegistry
 from shared.service.lifecycle import AsyncService
 from shared.service.nats_io import RemoteError, Unreachable, request
 from shared.service.runtime import WorkerRuntime, logprobs_wire
-from shared.telemetry.propagation import inject_headers
+from shared.telemetry.propagation import extract_context, traceparent_of
 from shared.transport.base import TransferError
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,14 @@ INLINE_EXPORT_BYTES = 1 << 20  # larger exports are copied on a thread, off the 
 def start_time_ns(stats: StepStats) -> int:
     """Wall-clock start of the step these stats describe."""
     return time.time_ns() - int(stats.total_s * 1e9)
+
+
+@dataclass
+class Handoff:
+    job: PrefillJob
+    span: trace.Span
+    lease: object
+    output_ids: list[int]
 
 
 @dataclass
@@ -175,7 +186,7 @@ class PrefillService(AsyncService):
                 st.phase = self.rt.tracer.start_span(
                     "prefill.batch", context=trace.set_span_in_context(st.span), start_time=t,
                     attributes={"batch.num_tokens": stats.num_tokens, "batch.num_seqs": stats.num_seqs})
-        handoffs = []
+        handoffs: dict[str, list] = {}  # decode worker -> what it is to pull
         for out in outputs:
             st = self.jobs.pop(out.request_id, None)
             if st is None:
@@ -192,46 +203,51 @@ class PrefillService(AsyncService):
                 n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)
                 nbytes = n_blocks * rt.engine.kv.tensor[:, 0].numel() * rt.engine.kv.tensor.element_size()
                 lease = self.leases.grant(job, n_blocks, nbytes)
-                handoffs.append((job, span, lease, list(out.new_token_ids)))
+                handoffs.setdefault(job.decode_id, []).append(Handoff(job, span, lease, list(out.new_token_ids)))
             else:
                 span.end()
         await rt.tokens.flush()
-        for h in handoffs:
-            rt.spawn(self._hand_off(*h), f"handoff-{h[0].request_id}")
+        for decode_id, group in handoffs.items():
+            rt.spawn(self._hand_off(decode_id, group), f"handoff-{decode_id}")
 
-    async def _hand_off(self, job: PrefillJob, span, lease, output_ids: list[int]) -> None:
-        """Tell the decode worker the gateway chose that the KV is ready to pull. If it has
-        gone, or is draining, another live decode worker takes the request instead."""
+    async def _hand_off(self, decode_id: str, group: list["Handoff"]) -> None:
+        """Tell a decode worker that the KV of these requests (one step's, routed to it)
+        is ready to pull, in one message. If it has gone, or is draining, another live
+        decode worker takes them instead."""
         rt = self.rt
-        ready = KVReady(
-            request_id=job.request_id, prompt_ids=job.prompt_ids, output_ids=output_ids, sampling=job.sampling,
-            gateway_id=job.gateway_id, prefill_id=rt.worker_id, prefill_address=rt.transport.address,
-            lease_id=lease.lease_id, num_blocks=lease.num_blocks, nbytes=lease.nbytes, layout=rt.layout,
-            lease_expires_in_s=self.cfg.lease_timeout_s,
-        )
-        headers = inject_headers(context=trace.set_span_in_context(span))
-        others = [hb.worker_id for hb in self.peers.live("decode") if hb.worker_id != job.decode_id]
+        ready = KVReady(rt.worker_id, rt.transport.address, rt.layout, [
+            KVReadyItem(h.job.request_id, h.job.prompt_ids, h.output_ids, h.job.sampling, h.job.gateway_id,
+                        h.lease.lease_id, h.lease.num_blocks, h.lease.nbytes, traceparent_of(h.span))
+            for h in group], self.cfg.lease_timeout_s)
+        others = [hb.worker_id for hb in self.peers.live("decode") if hb.worker_id != decode_id]
         err: Exception | None = None
-        try:
-            for decode_id in [job.decode_id, *others]:
-                try:
-                    await request(rt.nc, rt.subjects.decode_kv_ready(decode_id), ready, Ack,
-                                  self.cfg.kv_ready_timeout_s, headers)
-                    span.add_event("kv_ready_sent", {"decode.id": decode_id, "kv.bytes": lease.nbytes})
-                    return
-                except Unreachable as e:
-                    err = e
-                except RemoteError as e:
-                    err = e
-                    if e.reply.code != "unavailable":
-                        break
-                log.warning("decode worker %s did not take %s: %s", decode_id, job.request_id, err)
-            span.set_status(trace.StatusCode.ERROR, f"handoff failed: {err}")
-            await self._free_lease(job.request_id)
-            rt.tokens.add(job.gateway_id, job.request_id, [], "error", f"decode worker {job.decode_id} unavailable: {err}")
-            await rt.tokens.flush()
-        finally:
-            span.end()
+        refused: dict[str, str] = {}
+        taken_by = None
+        for candidate in [decode_id, *others]:
+            try:
+                reply = await request(rt.nc, rt.subjects.decode_kv_ready(candidate), ready, KVReadyReply,
+                                      self.cfg.kv_ready_timeout_s)
+                refused, taken_by = reply.refused, candidate
+                break
+            except Unreachable as e:
+                err = e
+            except RemoteError as e:
+                err = e
+                if e.reply.code != "unavailable":
+                    break
+            log.warning("decode worker %s did not take %d requests: %s", candidate, len(group), err)
+        for h in group:
+            rid = h.job.request_id
+            if taken_by is not None and rid not in refused:
+                h.span.add_event("kv_ready_sent", {"decode.id": taken_by, "kv.bytes": h.lease.nbytes})
+                h.span.end()
+                continue
+            why = refused.get(rid) or f"decode worker {decode_id} unavailable: {err}"
+            h.span.set_status(trace.StatusCode.ERROR, f"handoff failed: {why}")
+            h.span.end()
+            self._free_lease_soon(rid)
+            rt.tokens.add(h.job.gateway_id, rid, [], "error", why)
+        await rt.tokens.flush()
 
     # ---- KV pulls -----------------------------------------------------------------
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
@@ -250,42 +266,62 @@ class PrefillService(AsyncService):
             await asyncio.sleep(0.05)  # a worker that just started may not have beaten yet
 
     async def _on_pull(self, p: KVPull, msg, ctx) -> KVPullReply:
+        """Gather the requests' KV end to end into staging memory and send it as one
+        message. A request without a live lease keeps its range empty and is named in the
+        reply; the others still go."""
         rt = self.rt
         if not await self._known_decode_address(p.decode_address):
             return KVPullReply(False, error="the pulling address belongs to no live decode worker")
-        lease = self.leases.get(p.request_id, p.lease_id)
-        if lease is None:
-            return KVPullReply(False, error=f"no live lease {p.lease_id} for {p.request_id} (expired or released)")
-        if p.nbytes != lease.nbytes:
-            return KVPullReply(False, error=f"size mismatch: lease holds {lease.nbytes} bytes, asked {p.nbytes}")
         if self.cfg.debug_kv_fault == "error":
             return KVPullReply(False, error="injected fault")
-        slot = rt.staging.alloc(lease.nbytes)
+        leases, failed = [], {}
+        for item in p.items:
+            lease = self.leases.get(item.request_id, item.lease_id)
+            if lease is None:
+                failed[item.request_id] = f"no live lease {item.lease_id} for {item.request_id} (expired or released)"
+            elif item.nbytes != lease.nbytes:
+                failed[item.request_id] = f"size mismatch: lease holds {lease.nbytes} bytes, asked {item.nbytes}"
+            leases.append(lease if item.request_id not in failed else None)
+        total = p.nbytes
+        slot = rt.staging.alloc(total)
         if slot is None:
+            for item, lease in zip(p.items, leases):
+                if lease is not None:
+                    self._free_lease_soon(item.request_id)
             return KVPullReply(False, error="prefill staging memory is full")
-        lease.pulling = True
-        with rt.tracer.start_as_current_span("kv.send", context=ctx, attributes={
-                "request.id": p.request_id, "kv.bytes": lease.nbytes}) as span:
-            try:
-                kv = rt.engine.kv.tensor
-                shape = (kv.shape[0], lease.num_blocks, *kv.shape[2:])
-                # A held request's blocks are never written by a step, so the copy runs beside
-                # the engine, not between its steps: a pull never waits behind a long prefill.
-                # A small one is cheaper here than a thread's round trip.
-                if lease.nbytes <= INLINE_EXPORT_BYTES:
-                    rt.engine.export_kv(p.request_id, slot.typed(kv.dtype, shape))
-                else:
-                    await asyncio.to_thread(rt.engine.export_kv, p.request_id, slot.typed(kv.dtype, shape))
-                if self.cfg.debug_kv_fault != "drop":
-                    await rt.transport.send(p.decode_address, slot.buffer(), p.tag, self.cfg.transfer_timeout_s)
-                self.m_sent.inc(lease.nbytes)
-                return KVPullReply(True, lease.nbytes)
-            except (TransferError, KeyError) as e:
+        spans = []
+        try:
+            kv = rt.engine.kv.tensor
+            off = 0
+            for item, lease in zip(p.items, leases):
+                if lease is not None:
+                    lease.pulling = True
+                    spans.append(rt.tracer.start_span("kv.send", context=extract_context({"traceparent": item.traceparent}),
+                                                      attributes={"request.id": item.request_id, "kv.bytes": item.nbytes}))
+                    dst = slot.part(off, item.nbytes).typed(kv.dtype, (kv.shape[0], lease.num_blocks, *kv.shape[2:]))
+                    # A held request's blocks are never written by a step, so the copy runs beside
+                    # the engine, not between its steps: a pull never waits behind a long prefill.
+                    # A small one is cheaper here than a thread's round trip.
+                    if item.nbytes <= INLINE_EXPORT_BYTES:
+                        rt.engine.export_kv(item.request_id, dst)
+                    else:
+                        await asyncio.to_thread(rt.engine.export_kv, item.request_id, dst)
+                off += item.nbytes
+            if self.cfg.debug_kv_fault != "drop":
+                await rt.transport.send(p.decode_address, slot.buffer(), p.tag, self.cfg.transfer_timeout_s)
+            self.m_sent.inc(total)
+            return KVPullReply(True, total, failed=failed)
+        except (TransferError, KeyError) as e:
+            for span in spans:
                 span.set_status(trace.StatusCode.ERROR, str(e))
-                return KVPullReply(False, error=str(e))
-            finally:
-                rt.staging.free(slot)
-                self._free_lease_soon(p.request_id)
+            return KVPullReply(False, error=str(e))
+        finally:
+            for span in spans:
+                span.end()
+            rt.staging.free(slot)
+            for item, lease in zip(p.items, leases):
+                if lease is not None:
+                    self._free_lease_soon(item.request_id)
 
     async def _on_release(self, r: KVRelease, msg, ctx) -> Ack:
         if self.leases.get(r.request_id, r.lease_id) is not None:

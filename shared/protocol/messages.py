@@ -66,28 +66,52 @@ class KVLayout:
 
 
 @dataclass
-class KVReady:
+class KVReadyItem:
     request_id: str
     prompt_ids: list[int]
     output_ids: list[int]  # tokens already sampled on the prefill worker (at least one)
     sampling: WireSampling
     gateway_id: str
-    prefill_id: str
-    prefill_address: bytes  # UCX worker address of the prefill worker
     lease_id: int
     num_blocks: int
     nbytes: int
+    traceparent: str = ""  # the request's span on the prefill worker
+
+
+@dataclass
+class KVReady:
+    """The requests whose prompts one prefill step finished, for one decode worker: it
+    pulls their KV in one transfer."""
+    prefill_id: str
+    prefill_address: bytes  # UCX worker address of the prefill worker
     layout: KVLayout
+    items: list[KVReadyItem]
     lease_expires_in_s: float = 30.0
 
 
 @dataclass
-class KVPull:
+class KVReadyReply:
+    refused: dict[str, str] = field(default_factory=dict)  # request id -> why it was not taken
+
+
+@dataclass
+class KVPullItem:
     request_id: str
     lease_id: int
+    nbytes: int
+    traceparent: str = ""  # the request's transfer span on the decode worker
+
+
+@dataclass
+class KVPull:
+    """Send the KV of these requests as one message, laid end to end in item order."""
+    items: list[KVPullItem]
     decode_address: bytes
     tag: int
-    nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
 
 
 @dataclass
@@ -95,6 +119,7 @@ class KVPullReply:
     ok: bool
     nbytes: int = 0
     error: str = ""
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its range holds nothing
 
 
 @dataclass

@@ -3,7 +3,7 @@
 | subject                                 | kind          | from -> to        | message (reply)                   |
 |-----------------------------------------|---------------|-------------------|-----------------------------------|
 | {p}.prefill.jobs   (queue group prefill)| request/reply | gateway -> prefill| PrefillJob (Ack)                  |
-| {p}.decode.{worker}.kv_ready            | request/reply | prefill -> decode | KVReady (Ack)                     |
+| {p}.decode.{worker}.kv_ready            | request/reply | prefill -> decode | KVReady (KVReadyReply)            |
 | {p}.decode.{worker}.bench_job           | request/reply | gateway -> decode | PrefillJob (Ack), bench mode only |
 | {p}.prefill.{worker}.kv.pull            | request/reply | decode -> prefill | KVPull (KVPullReply)              |
 | {p}.prefill.{worker}.kv.release         | request/reply | decode -> prefill | KVRelease (Ack)                   |

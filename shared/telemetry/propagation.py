@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
 
+from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -68,3 +69,9 @@ def extract_context(headers: Mapping | None) -> Context:
         return _PROPAGATOR.extract(headers, getter=_GETTER)
     except Exception:  # any parse failure just means "no parent"
         return Context()
+
+
+def traceparent_of(span) -> str:
+    """The `traceparent` value naming `span` as parent ("" when it has no valid context),
+    for messages that carry several requests' contexts in their body."""
+    return inject_headers(context=trace.set_span_in_context(span)).get("traceparent", "")

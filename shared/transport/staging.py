@@ -69,6 +69,10 @@ class StagingSlot:
     def typed(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return self.tensor.view(dtype).view(shape)
 
+    def part(self, offset: int, nbytes: int) -> "StagingSlot":
+        """A range of this slot (it is not allocated on its own: never free it)."""
+        return StagingSlot(self.offset + offset, nbytes, self.tensor[offset : offset + nbytes])
+
     def buffer(self):
         """An object exposing the buffer (host) or CUDA array interface, for UCX."""
         return self.tensor.numpy() if self.tensor.device.type == "cpu" else self.tensor

@@ -121,14 +121,14 @@ def test_one_request_is_one_trace_across_all_services(mesh):
 def test_a_pull_naming_an_unknown_address_is_refused_not_fatal(mesh):
     """UCX aborts a process given a malformed worker address; the prefill worker must
     never hand one to it, and must keep serving."""
-    from shared.protocol.messages import KVPull, KVPullReply
+    from shared.protocol.messages import KVPull, KVPullItem, KVPullReply
     from shared.protocol.wire import encode
 
     async def go():
         nc = await nats.connect(mesh.nats_url)
         try:
             msg = await nc.request(f"{mesh.prefix}.prefill.{mesh.prefill_id}.kv.pull",
-                                   encode(KVPull("r-x", 1, b"\x00garbage-address", 5, 64)), timeout=10)
+                                   encode(KVPull([KVPullItem("r-x", 1, 64)], b"\x00garbage-address", 5)), timeout=10)
             return decode(msg.data, KVPullReply)
         finally:
             await nc.close()

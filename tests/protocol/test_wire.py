@@ -2,7 +2,7 @@ import msgpack
 import pytest
 
 from shared.protocol.messages import (
-    Heartbeat, KVReady, KVLayout, PrefillJob, TokenBatch, TokenEnd, TokenLogprobWire, WireSampling, WorkerLoad,
+    Heartbeat, KVReady, KVReadyItem, KVLayout, PrefillJob, TokenBatch, TokenEnd, TokenLogprobWire, WireSampling, WorkerLoad,
 )
 from shared.protocol.wire import ProtocolError, decode, encode
 
@@ -10,8 +10,8 @@ from shared.protocol.wire import ProtocolError, decode, encode
 def test_round_trip_keeps_every_field():
     job = PrefillJob("r1", [0, 5, 9], WireSampling(max_tokens=7, seed=3, stop_token_ids=[2]), "gw", "dec", 1.5)
     assert decode(encode(job), PrefillJob) == job
-    ready = KVReady("r1", [1, 2], [3], WireSampling(), "gw", "pre", b"\x00\x01ucx", 9, 2, 4096,
-                    KVLayout(4, 16, 40, "float32", "fp"))
+    ready = KVReady("pre", b"\x00\x01ucx", KVLayout(4, 16, 40, "float32", "fp"),
+                    [KVReadyItem("r1", [1, 2], [3], WireSampling(), "gw", 9, 2, 4096, "00-ab-cd-01")])
     assert decode(encode(ready), KVReady) == ready
     batch = TokenBatch(["a", "b", "c"], [1, 2, 70000], [2, 0, 1],
                        [TokenEnd(1, "error", "boom"), TokenEnd(2, "stop", None, [TokenLogprobWire(5, -0.5, [5], [-0.5])])],
