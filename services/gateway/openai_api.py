@@ -6,8 +6,8 @@ app turns into OpenAI's error object: {"error": {"message", "type", "param", "co
 
 from __future__ import annotations
 
+import random
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # number of alternatives per token, when requested
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=lambda: f"{random.getrandbits(128):032x}")
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -77,7 +77,7 @@ def _point(mesh: Mesh, cfg: PhaseBenchConfig, isl: int, osl: int, concurrency: i
     return serve_runner.run(scfg)["points"][0]["summary"]
 
 
-async def _instance_state(mesh: Mesh, dep: int) -> tuple[float | None, list[list[float]]]:
+async def instance_state(mesh: Mesh, dep: int) -> tuple[float | None, list[list[float]]]:
     """(balance ratio of the decode instance over its recent window, rank 0's recent steps)."""
     s = Subjects()
     nc = await nats.connect(mesh.nats_url)
@@ -125,6 +125,8 @@ def _steps_between(steps: list[list[float]], t0: float, t1: float, batch: int = 
             "host_ms_p50": percentile([s[3] for s in sel], 50) * 1e3,
             "rank_wait_ms_p50": percentile([s[4] for s in sel], 50) * 1e3,
             "loop_gap_ms_p50": percentile([s[5] for s in sel], 50) * 1e3,
+            # The host work the device waited for (all of it, unless the loop overlaps it).
+            "host_exposed_ms_p50": percentile([s[7] if len(s) > 7 else s[3] for s in sel], 50) * 1e3,
             "step_ms_p50": percentile([s[1] for s in sel], 50) * 1e3}
 
 
@@ -143,7 +145,7 @@ def run_decode(cfg: PhaseBenchConfig) -> dict:
                 # One wave of `b` requests that start and end together: no ramp to dilute the batch.
                 summ = _point(mesh, cfg, cfg.isl, cfg.osl, b, cfg.requests_per_point or b)
                 t1 = time.time()
-                ratio, steps = asyncio.run(_instance_state(mesh, cfg.dep))
+                ratio, steps = asyncio.run(instance_state(mesh, cfg.dep))
                 fo = fwd_by_b[b]["forward_tokens_per_s"]
                 tpot = summ["tpot_ms"]["p50"]
                 # Steady state as clients see it: b streams, one token each per TPOT. The
@@ -166,7 +168,7 @@ def run_prefill(cfg: PhaseBenchConfig) -> dict:
         with _mesh(cfg, "prefill", skew[1]) as mesh:
             for n in cfg.prompt_lens:
                 summ = _point(mesh, cfg, n, 1, 1, cfg.requests_per_point or 4)
-                ratio, _ = asyncio.run(_instance_state(mesh, cfg.dep))
+                ratio, _ = asyncio.run(instance_state(mesh, cfg.dep))
                 ttft = summ["ttft_ms"]["p50"]
                 rows.append({"prompt_len": n, "ttft_ms_p50": ttft, "ttft_ms_p90": summ["ttft_ms"]["p90"],
                              "prompt_tokens_per_s": n / (ttft / 1e3) if ttft else None,

@@ -1,102 +1,102 @@
-"""`moemesh bench stream`: the serving path alone (gateway + NATS + decode), with the
-mock engine, at high concurrency.
+"""`moemesh bench stream`: the host overhead of the serving path (gateway, NATS, prefill,
+decode) on the mock engine, measured the same way every time.
 
-Workers run `engine = "mock"`: no model compute, a fixed step time, one token per
-sequence per step. Many concurrent SSE streams run for a fixed time. Reported: output
-tokens/s relayed to clients, and the gateway's CPU time per output token (from
-/proc/<pid>/stat before and after), which is what the streaming path costs.
+Run: one local mesh with `engine = "mock"` (a fixed step of `mock_step_ms`, one token per
+sequence per step) -> a short warm-up -> for each stream count S, the load client
+(`shared.bench.sse_client`) in its own process: S streamed chat requests back to back for
+`seconds` -> per point, tokens/s against the ideal S × 1000 / mock_step_ms, CPU µs per
+output token of each mesh process and of the mesh as a whole (gateway + prefill + decode
++ nats; the client apart), and the decode worker's step figures over the load window.
+
+Goals: at least 94% of the ideal at every stream count with a 20 ms step; with a 1 ms
+step at 256 streams, at least 45,000 tokens/s and at most 25 µs of mesh CPU per token.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
+from shared.bench import overhead
 from shared.bench.env import environment
 from shared.launch.up import Mesh, UpConfig
+
+GOALS = {"share_of_ideal_min": 0.94, "share_at_step_ms": 20.0,
+         "fast_step_ms": 1.0, "fast_streams": 256, "fast_tokens_per_s_min": 45000.0,
+         "fast_mesh_cpu_us_per_token_max": 25.0}
+BLOCK_SIZE = 16
+PROMPT_TOKENS_MAX = 64  # the client's chat prompt with its template stays under this
 
 
 @dataclass(frozen=True)
 class StreamBenchConfig:
     model: str = ""
-    streams: int = 256
+    streams: tuple[int, ...] = (8, 64, 256)
     seconds: float = 20.0
     osl: int = 256
-    mock_step_ms: float = 2.0
-    prompt_words: int = 16
+    mock_step_ms: float = 20.0
+    warmup_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.streams or min(self.streams) < 1:
+            raise ValueError("--streams needs one or more counts >= 1")
+        if self.mock_step_ms <= 0 or self.osl < 1 or self.seconds < 0:
+            raise ValueError("--mock-step-ms must be > 0, --osl >= 1, --seconds >= 0")
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc (Linux)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def worker_settings(max_streams: int, osl: int, step_ms: float) -> tuple[str, ...]:
+    """Mock worker settings under which no admission or memory limit caps the run: every
+    stream runs at once, and a whole wave of prompts is one prefill step."""
+    blocks_per_seq = -(-(PROMPT_TOKENS_MAX + osl) // BLOCK_SIZE)
+    return ("engine=mock", f"mock_step_ms={step_ms}", f"block_size={BLOCK_SIZE}",
+            f"max_num_seqs={max(max_streams, 64)}", f"max_num_batched_tokens={max(16384, max_streams * 64)}",
+            f"num_kv_blocks={max(16384, 2 * max_streams * blocks_per_seq)}")
 
 
-async def _client(url: str, model: str, cfg: StreamBenchConfig, deadline: float, counts: list[int],
-                  errors: list[str]) -> None:
-    body = {"model": model, "prompt": " ".join(["token"] * cfg.prompt_words), "max_tokens": cfg.osl,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    async with httpx.AsyncClient(timeout=120) as c:
-        while time.monotonic() < deadline:
-            try:
-                async with c.stream("POST", url + "/v1/completions", json=body) as r:
-                    if r.status_code != 200:
-                        errors.append(f"HTTP {r.status_code}")
-                        await asyncio.sleep(0.05)
-                        continue
-                    tail = b""
-                    async for chunk in r.aiter_raw():  # no per-chunk parsing: the client must not be the limit
-                        tail = (tail + chunk)[-512:]
-                    usage = tail.rsplit(b'"usage":', 1)
-                    if len(usage) == 2:
-                        counts.append(json.loads(usage[1].split(b"}", 1)[0] + b"}")["completion_tokens"])
-            except httpx.HTTPError as e:
-                errors.append(type(e).__name__)
-
-
-async def _drive(url: str, model: str, cfg: StreamBenchConfig) -> tuple[list[int], list[str], float]:
-    counts: list[int] = []
-    errors: list[str] = []
-    t0 = time.monotonic()
-    deadline = t0 + cfg.seconds
-    await asyncio.gather(*(_client(url, model, cfg, deadline, counts, errors) for _ in range(cfg.streams)))
-    return counts, errors, time.monotonic() - t0
+def goal_check(row: dict, step_ms: float) -> str:
+    """The goals that apply to this point: "met", "MISSED (...)", or "-" when none does."""
+    missed, applies = [], False
+    if step_ms == GOALS["share_at_step_ms"]:
+        applies = True
+        if row["share_of_ideal"] < GOALS["share_of_ideal_min"]:
+            missed.append("share")
+    if step_ms == GOALS["fast_step_ms"] and row["streams"] == GOALS["fast_streams"]:
+        applies = True
+        if row["tokens_per_s"] < GOALS["fast_tokens_per_s_min"]:
+            missed.append("tok/s")
+        mesh = row["cpu_us_per_token"]["mesh"]
+        if mesh is None or mesh > GOALS["fast_mesh_cpu_us_per_token_max"]:
+            missed.append("CPU/tok")
+    if row["errors"]:
+        missed.append("errors")
+    if not missed:
+        return "met" if applies else "-"
+    return f"MISSED ({', '.join(missed)})"
 
 
 def run(cfg: StreamBenchConfig) -> dict:
-    sets = ("engine=mock", f"mock_step_ms={cfg.mock_step_ms}", f"max_num_seqs={max(cfg.streams, 64)}",
-            f"max_num_batched_tokens={max(cfg.streams * 32, 2048)}", "num_kv_blocks=16384")
-    up = UpConfig(model=cfg.model, port=0, service_args=sets, gateway_args=(f"max_inflight={cfg.streams * 2}",),
-                  balancer=False)
+    top = max(cfg.streams)
+    up = UpConfig(model=cfg.model, port=0, service_args=worker_settings(top, cfg.osl, cfg.mock_step_ms),
+                  gateway_args=(f"max_inflight={top * 2}",), balancer=False)
     with Mesh(up) as mesh:
-        procs = {c.name: c.popen.pid for c in mesh.group.children}
-        before = {n: cpu_seconds(p) for n, p in procs.items() if n != "nats"}
-        counts, errors, elapsed = asyncio.run(_drive(mesh.url, Path(mesh.model).name, cfg))
-        after = {n: cpu_seconds(p) for n, p in procs.items() if n != "nats"}
-    tokens = sum(counts)
-    cpu = {n: after[n] - before[n] for n in before}
-    return {
-        "bench": "stream", "config": asdict(cfg), "env": environment(), "elapsed_s": elapsed,
-        "requests": len(counts), "errors": len(errors), "error_kinds": sorted(set(errors))[:10],
-        "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed if elapsed else 0.0,
-        "cpu_seconds": cpu,
-        "gateway_cpu_us_per_token": cpu.get("gateway", 0.0) / tokens * 1e6 if tokens else None,
-        "goal": {"output_tokens_per_s": 60000, "gateway_cpu_us_per_token": 25},
-    }
+        model, pids = Path(mesh.model).name, overhead.mesh_pids(mesh)
+        warmup = None
+        if cfg.warmup_s > 0:
+            warmup = overhead.run_client(mesh.url, model, min(8, top), cfg.warmup_s, min(cfg.osl, 32),
+                                         cfg.mock_step_ms, chat=True)
+        rows = []
+        for streams in cfg.streams:
+            res = overhead.run_client(mesh.url, model, streams, cfg.seconds, cfg.osl, cfg.mock_step_ms, chat=True,
+                                      pids=pids)
+            row = overhead.point_row(res, cfg.mock_step_ms, overhead.MESH_ROLES, overhead.decode_steps(mesh))
+            row["goal"] = goal_check(row, cfg.mock_step_ms)
+            rows.append(row)
+    return {"bench": "stream", "config": asdict(cfg), "env": environment(), "goal": GOALS,
+            "warmup": warmup, "points": rows}
 
 
 def table(r: dict) -> str:
-    lines = [f"streams {r['config']['streams']}, {r['elapsed_s']:.1f}s, mock step {r['config']['mock_step_ms']} ms",
-             f"output tokens/s: {r['output_tokens_per_s']:.0f}   (goal {r['goal']['output_tokens_per_s']})",
-             f"gateway CPU per token: {r['gateway_cpu_us_per_token'] or float('nan'):.1f} us   "
-             f"(goal <= {r['goal']['gateway_cpu_us_per_token']})",
-             f"requests {r['requests']}, errors {r['errors']} {r['error_kinds']}",
-             "CPU seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_seconds"].items())]
-    return "\n".join(lines)
+    c = r["config"]
+    head = (f"mock step {c['mock_step_ms']} ms, osl {c['osl']}, {c['seconds']:g} s per point; "
+            f"CPU us per output token of each process (gw+pre+dec+nats = mesh), client apart")
+    return head + "\n" + overhead.table(r["points"], overhead.MESH_ROLES, "streams", extra="goal")

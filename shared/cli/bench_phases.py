@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(bsub) -> None:
@@ -16,6 +17,10 @@ def register(bsub) -> None:
             b.add_argument("--isl", type=int, default=512, help="context length of the dummy KV")
             b.add_argument("--osl", type=int, default=64)
             b.add_argument("--batch", type=ints, default=(8, 32, 64, 128, 256), help="concurrent requests")
+            b.add_argument("--mock-step-ms", type=float, default=0.0,
+                           help="host overhead on the mock engine with this step time instead of the model "
+                                "(no forward-only run)")
+            b.add_argument("--seconds", type=float, default=10.0, help="with --mock-step-ms: load per point")
         else:
             b.add_argument("--prompt-lens", type=ints, default=(128, 512, 2048))
         b.add_argument("--requests", type=int, default=0,
@@ -33,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from shared.bench import phases
     from shared.cli.cmd_bench import save
 
+    if args.phase == "decode" and args.mock_step_ms:
+        return _run_mock(args)
     if args.compare_skew and not args.skew:
         args.skew = "zipf:1.2"
     kw = {"isl": args.isl, "osl": args.osl, "batches": args.batch} if args.phase == "decode" else \
@@ -45,5 +52,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = phases.run_prefill(cfg)
         print(phases.prefill_table(result))
+    save(result, args.out)
+    return 0
+
+
+def _run_mock(args: argparse.Namespace) -> int:
+    from shared.bench import decode_mock
+    from shared.cli.cmd_bench import save
+
+    try:
+        if args.dep != 1 or args.skew or args.compare_skew or args.requests:
+            raise ValueError("--mock-step-ms runs one decode rank for --seconds per point: "
+                             "--dep, --skew, --compare-skew and --requests do not apply")
+        cfg = decode_mock.MockDecodeConfig(model=args.model, mock_step_ms=args.mock_step_ms, isl=args.isl,
+                                           osl=args.osl, batches=args.batch, seconds=args.seconds,
+                                           threads=args.threads)
+    except ValueError as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 2
+    result = decode_mock.run(cfg)
+    print(decode_mock.table(result))
     save(result, args.out)
     return 0

@@ -11,7 +11,9 @@ TTFT (root start -> the stream span's first_token event) overlaps the phases, so
 reported beside them, not in the partition. Times from different hosts assume synced clocks.
 
 Per step, from the decode spans' "step" events (shared/engine/step_account.py):
-    forward, host (includes the serving loop's gap between steps), rank_wait.
+    forward, host (the host work the step waited for, the serving loop's gap between
+    steps included), rank_wait. They partition the step. When the loop overlaps the host
+    with the forward, most host work is hidden: host_work reports all of it, apart.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Step:
     rank_wait_ms: float
     num_events: int = 1  # requests in the trace file that saw this step
     tokens: int = 0  # summed over those requests' events
+    host_work_ms: float | None = None  # all host work; host_ms is the part the step waited for
 
     @property
     def total_ms(self) -> float:
@@ -164,14 +167,16 @@ def steps_from_spans(spans: list[dict], tolerance_ns: int = STEP_TOLERANCE_NS) -
                 continue
             num_events += 1
             seqs = int(_num(a.get("batch.num_seqs")) or 0)
-            groups[(worker, seqs, *figs)].append((e["time_ns"], int(_num(a.get("tokens")) or 0)))
+            exposed = _num(a.get("host_exposed_ms"))
+            groups[(worker, seqs, *figs, exposed)].append((e["time_ns"], int(_num(a.get("tokens")) or 0)))
     steps = []
-    for (worker, seqs, fwd, host, wait), evs in groups.items():
+    for (worker, seqs, fwd, host, wait, exposed), evs in groups.items():
         evs.sort()
         cur = None
         for t, tokens in evs:
             if cur is None or t - cur.time_ns > tolerance_ns:
-                cur = Step(worker, t, seqs, fwd, host, wait, num_events=0)
+                waited = host if exposed is None else exposed
+                cur = Step(worker, t, seqs, fwd, waited, wait, num_events=0, host_work_ms=host)
                 steps.append(cur)
             cur.num_events += 1
             cur.tokens += tokens
@@ -185,6 +190,7 @@ def summarize_steps(steps: list[Step], num_events: int = 0) -> dict:
     for name in STEP_PHASES:
         vals = [getattr(st, f"{name}_ms") for st in steps]
         phases[name] = stats(vals) | {"share": sum(vals) / total if total > 0 else None}
+    work = [st.host_work_ms if st.host_work_ms is not None else st.host_ms for st in steps]
     return {"num_steps": len(steps), "num_events": num_events, "workers": sorted({st.worker for st in steps}),
-            "phases": phases, "step_ms": stats([st.total_ms for st in steps]),
+            "phases": phases, "host_work_ms": stats(work), "step_ms": stats([st.total_ms for st in steps]),
             "batch_num_seqs": stats([float(st.num_seqs) for st in steps])}

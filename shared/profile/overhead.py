@@ -48,7 +48,8 @@ def split(batch: int, e2e: float, forward_only: float, steps: dict | None) -> di
            "loop_gap": None}
     if steps and all(isinstance(steps.get(k), (int, float)) for k in
                      ("forward_ms_p50", "host_ms_p50", "rank_wait_ms_p50")):
-        parts = {"host": steps["host_ms_p50"] / t_e2e, "rank_wait": steps["rank_wait_ms_p50"] / t_e2e,
+        host = steps.get("host_exposed_ms_p50", steps["host_ms_p50"])  # what the steps waited for
+        parts = {"host": host / t_e2e, "rank_wait": steps["rank_wait_ms_p50"] / t_e2e,
                  "forward_drift": (steps["forward_ms_p50"] - t_fwd) / t_e2e}
         parts["rest"] = overhead - sum(parts.values())
         out["parts"] = parts

@@ -19,12 +19,16 @@ Span names the services emit (attributes in brackets):
 from __future__ import annotations
 
 import os
+import random
 import weakref
+from contextlib import contextmanager
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-from opentelemetry.trace import NoOpTracer, Tracer
+from opentelemetry.trace import (
+    NonRecordingSpan, NoOpTracer, Span, SpanContext, TraceFlags, Tracer, get_current_span, use_span,
+)
 
 from shared.telemetry.jsonl_exporter import JsonLinesSpanExporter
 
@@ -84,9 +88,26 @@ def get_tracer(provider: TracerProvider, name: str, root: bool = False) -> Trace
     cost nothing, and the context it was handed still passes through to the services it
     calls. root: the service that starts traces (the gateway) records its spans always,
     so that trace ids exist for the services after it."""
-    if root or exports_spans(provider):
+    if exports_spans(provider):
         return provider.get_tracer(name)
-    return NoOpTracer()
+    return ContextOnlyTracer() if root else NoOpTracer()
+
+
+class ContextOnlyTracer(NoOpTracer):
+    """For a service that starts traces but exports nothing: its spans record nothing,
+    yet each has a fresh, sampled span context (in the trace it was handed, or a new
+    one), so that services after it which do export see one trace per request."""
+
+    def start_span(self, name, context=None, *args, **kwargs) -> Span:
+        parent = get_current_span(context).get_span_context()
+        trace_id = parent.trace_id if parent.is_valid else random.getrandbits(128) or 1
+        return NonRecordingSpan(SpanContext(trace_id, random.getrandbits(64) or 1, is_remote=False,
+                                            trace_flags=TraceFlags(TraceFlags.SAMPLED)))
+
+    @contextmanager
+    def start_as_current_span(self, name, context=None, *args, end_on_exit: bool = True, **kwargs):
+        with use_span(self.start_span(name, context), end_on_exit=end_on_exit) as span:
+            yield span
 
 
 def shutdown(provider: TracerProvider) -> None:

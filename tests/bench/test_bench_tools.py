@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 
 def bench(tmp_path, tiny_model, *args, timeout=240):
@@ -39,11 +40,37 @@ def test_decode_and_prefill_phases(tmp_path, tiny_model):
     assert [p["prompt_len"] for p in pts] == [16, 64] and all(p["ttft_ms_p50"] > 0 for p in pts)
 
 
+def _check_overhead_point(p: dict, streams: int, tokens_each: int, step_ms: float, roles: set[str]) -> None:
+    # --seconds 0: each stream sends exactly one request, of a fixed length (ignore_eos, min_tokens).
+    assert p["streams"] == streams and p["errors"] == 0
+    assert p["requests"] == streams and p["tokens"] == streams * tokens_each
+    assert p["ideal_tokens_per_s"] == streams * 1000 / step_ms and p["share_of_ideal"] > 0
+    # CPU time in /proc counts in clock ticks (10 ms): a process can show none over one short request.
+    assert set(p["cpu_us_per_token"]) == roles | {"mesh"} and min(p["cpu_us_per_token"].values()) >= 0
+    assert p["cpu_us_per_token"]["mesh"] == pytest.approx(sum(p["cpu_us_per_token"][r] for r in roles))
+    assert p["client_cpu_us_per_token"] > 0 and p["ttft_ms_p50"] > 0
+    st = p["decode_steps"]
+    assert st["steps"] > 0 and st["step_ms_p50"] > 0 and st["host_ms_p50"] >= 0
+    assert {"host_exposed_ms_p50", "host_hidden_share"} <= set(st)
+
+
 def test_stream_with_the_mock_engine(tmp_path, tiny_model):
-    res, out = bench(tmp_path, tiny_model, "stream", "--model", tiny_model, "--streams", "8", "--seconds", "3",
-                     "--osl", "32")
-    assert res["output_tokens"] > 0 and res["errors"] == 0
-    assert res["gateway_cpu_us_per_token"] > 0 and "gateway" in res["cpu_seconds"]
+    res, out = bench(tmp_path, tiny_model, "stream", "--model", tiny_model, "--streams", "4", "--seconds", "0",
+                     "--osl", "8", "--mock-step-ms", "5", "--warmup-seconds", "0")
+    assert "share" in out and "goal" in out
+    [p] = res["points"]
+    _check_overhead_point(p, 4, 8, 5.0, {"gateway", "prefill", "decode", "nats"})
+    assert p["goal"] == "-" and res["goal"]["share_of_ideal_min"] == 0.94
+
+
+def test_decode_on_the_mock_engine(tmp_path, tiny_model):
+    res, out = bench(tmp_path, tiny_model, "decode", "--model", tiny_model, "--mock-step-ms", "5", "--batch", "4",
+                     "--isl", "32", "--osl", "8", "--seconds", "0")
+    assert res["bench"] == "decode" and res["mode"] == "mock" and "forward_only" not in res
+    [p] = res["runs"][0]["points"]
+    assert p["batch"] == 4
+    # Decode-only bench jobs take the prompt's last token as the prefill's output: osl - 1 are streamed.
+    _check_overhead_point(p, 4, 8 - 1, 5.0, {"gateway", "decode", "nats"})
 
 
 def test_eplb_on_a_live_dep2_instance(tmp_path, tiny_model):

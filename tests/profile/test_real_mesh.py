@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_profile_of_a_real_mesh(tiny_model, tmp_path):
-    mesh = start_mesh(tmp_path, tiny_model)
+    # No MTP drafts: then every decode step gives one token, and the step count below is exact.
+    mesh = start_mesh(tmp_path, tiny_model, decode_set=["num_speculative_tokens=0"])
     try:
         with httpx.Client(base_url=mesh.url, timeout=60) as client:
             for i in range(3):
