@@ -387,8 +387,13 @@ class LLMEngine:
         st = step.stats
         toks = step.sampled.tolist() if step.seqs else []
         seqs, slots = step.seqs, step.slots
-        for seq, slot, t in zip(seqs, slots, toks):
-            seq.token_ids[slot] = t
+        try:
+            for seq, slot, t in zip(seqs, slots, toks):
+                seq.token_ids[slot] = t
+        except IndexError:  # a sequence that stopped after this step was planned lost its placeholder
+            for seq, slot, t in zip(seqs, slots, toks):
+                if slot < len(seq.token_ids):
+                    seq.token_ids[slot] = t
         for seq, end in step.register:
             if seq.status is SeqStatus.RUNNING:
                 self._register(seq, end)

@@ -73,6 +73,16 @@ def test_decode_on_the_mock_engine(tmp_path, tiny_model):
     _check_overhead_point(p, 4, 8 - 1, 5.0, {"gateway", "decode", "nats"})
 
 
+def test_idle_measures_every_process_in_both_states(tmp_path, tiny_model):
+    res, out = bench(tmp_path, tiny_model, "idle", "--model", tiny_model, "--mock-step-ms", "0", "--seconds", "0.5",
+                     "--settle-seconds", "0.2")
+    assert [p["state"] for p in res["points"]] == ["idle", "transfer pending"]
+    for p in res["points"]:
+        assert set(p["core_share"]) == {"gateway", "prefill", "decode", "nats"}
+        assert all(v >= 0 for v in p["core_share"].values())
+    assert "transfer pending" in out
+
+
 def test_eplb_on_a_live_dep2_instance(tmp_path, tiny_model):
     res, out = bench(tmp_path, tiny_model, "eplb", "--model", tiny_model, "--warmup-s", "5", "--window-s", "3",
                      "--rebalances", "1", "--concurrency", "4", "--max-tokens", "16")
