@@ -354,8 +354,11 @@ class UcxTransport:
 
 
 def _abort(ep) -> None:
+    """Start closing an endpoint and let it go. Never close_blocking: it progresses only
+    this worker until the peer answers the flush, so a dead peer, or one that is served
+    by this same thread, would hold the event loop forever."""
     try:
-        ep.close_blocking(period=0, max_attempts=1)
+        ep.close()
     except Exception:  # a peer that died leaves an endpoint that cannot close cleanly
         pass
 

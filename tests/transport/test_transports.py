@@ -214,3 +214,21 @@ def test_ucx_large_messages_both_ways_at_once():
             await b.close()
 
     asyncio.run(go())
+
+
+def test_ucx_a_peer_that_is_gone_costs_a_timeout_never_a_hang():
+    async def go():
+        a, b = await _pair("ucx")
+        try:
+            dst = np.zeros(1 << 20, dtype=np.uint8)
+            tr = b.post_recv(dst, 3)
+            await a.send(b.address, np.ones(1 << 20, dtype=np.uint8), 3, timeout=10)
+            await tr.wait(10)
+            await b.close()  # b stops progressing: a dead peer, as far as a can tell
+            a.forget(b.address)  # closing the endpoint must not wait for b
+            with pytest.raises(TransferError):  # unreachable, or at the latest the timeout
+                await a.send(b.address, np.ones(1 << 20, dtype=np.uint8), 4, timeout=0.3)
+        finally:
+            await a.close()
+
+    asyncio.run(asyncio.wait_for(go(), 20))
