@@ -10,6 +10,11 @@ The set time covers the whole device part of a step, as on a GPU where forward, 
 and sampling are queued kernels and the host waits once, for the sampled ids: forward()
 starts the clock and synchronize() sleeps until the step time is up. The sampler's own
 CPU time therefore counts inside the step time, unless it runs longer.
+
+Like a device stream, the mock runs queued steps back to back: a step starts when it was
+queued or when the step before it is done, whichever is later (batch.queued_at). So the
+device thread's own Python between two steps, which a GPU would overlap with the step
+before, does not stretch the step; a host that queues late still leaves the device idle.
 """
 
 from __future__ import annotations
@@ -34,22 +39,35 @@ class MockModel(nn.Module):
         self.rope = RotaryEmbedding(self.cfg)
         self._positions = torch.zeros(0, dtype=torch.long)
         self._started = 0.0
+        self._late = 0.0  # how late the sleep's wake-up has been, on average
+        self._free_at = 0.0  # when the step the device runs now is done
 
     def moe_layers(self) -> dict:
         return {}
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
-        self._started = time.perf_counter()
+        now = time.perf_counter()
+        queued = batch.queued_at or now
+        self._started = min(now, max(queued, self._free_at))
+        self._free_at = self._started + self.step_time_s
         self._positions = batch.positions
         return batch.positions.to(torch.float32)[:, None]  # [T, 1]: the "hidden state" is the position
 
     def synchronize(self) -> None:
         """Wait for the step's device time to be up. The sleep releases the GIL, as a
-        wait for a device would."""
-        left = self._started + self.step_time_s - time.perf_counter()
+        wait for a device would. The OS wakes a sleeper late (0.1-0.2 ms on a busy VM,
+        1% of a 20 ms step): the sleep is cut by how late recent wake-ups were, so that
+        steps take the set time on average."""
+        wake = self._started + self.step_time_s - self._late
+        left = wake - time.perf_counter()
         if left > 0:
             time.sleep(left)
+            self._late = 0.9 * self._late + 0.1 * (time.perf_counter() - wake)
+
+    def device_window(self) -> tuple[float, float]:
+        """(start, end) of the last step on the mock device's clock."""
+        return self._started, self._free_at
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

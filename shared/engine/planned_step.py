@@ -56,6 +56,7 @@ class PlannedStep:
     forward_s: float = 0.0
     logits_s: float = 0.0
     sample_s: float = 0.0
+    queued_at: float = 0.0  # set by whoever queues it on a device thread
     t_start: float = 0.0
     t_end: float = 0.0
     error: BaseException | None = None
@@ -74,6 +75,7 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> 
     step.t_start = time.perf_counter()
     prev, step.prev = step.prev, None  # no chain of steps kept alive
     batch = step.batch
+    batch.queued_at = step.queued_at
     if step.fill_rows is not None:
         ids = prev.sampled.to(batch.input_ids.device)
         batch.input_ids[step.fill_rows] = ids[step.fill_from]
@@ -98,6 +100,9 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> 
     if sync is not None:
         sync()
     step.t_end = time.perf_counter()
+    window = getattr(model, "device_window", None)
+    if window is not None:  # a device with a clock of its own: its busy time, not this thread's
+        step.t_start, step.t_end = window()
     step.forward_s = step.t_end - step.t_start - step.sample_s
 
 

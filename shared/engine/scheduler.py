@@ -18,6 +18,7 @@ left out, and nothing is preempted then (`can_preempt=False`): the plan reports
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -64,6 +65,10 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager):
         self.cfg = cfg
@@ -79,8 +84,7 @@ class Scheduler:
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose KV is already in the cache (imported from a prefill worker)."""
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
-        self.running.sort(key=lambda s: s.arrival)
+        bisect.insort(self.running, seq, key=_arrival)  # in arrival order, without a sort per import
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status == SeqStatus.FINISHED:
@@ -159,7 +163,7 @@ class Scheduler:
             seq.block_ids += self.blocks.allocate(need)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=_arrival)  # a preempted sequence goes back to its place
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out

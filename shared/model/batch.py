@@ -33,6 +33,7 @@ class ForwardBatch:
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [Bd]
     extends: list[ExtendSeq] = field(default_factory=list)
+    queued_at: float = 0.0  # perf_counter time the step was queued for the device (0: when run)
 
     @property
     def num_tokens(self) -> int:

@@ -260,6 +260,7 @@ class DeviceThread:
     def submit(self, step: PlannedStep) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        step.queued_at = time.perf_counter()
         self._queue.put((step, fut, loop))
         return fut
 

@@ -52,7 +52,8 @@ class Tokenizer:
         self.max_length = int(cfg.get("model_max_length", 1 << 30)) if isinstance(cfg.get("model_max_length"), int) else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call that skips character offsets: a third less work than encode(), same ids.
+        return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
