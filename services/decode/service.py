@@ -26,8 +26,8 @@ from opentelemetry import trace
 
 from services.decode.config import DecodeConfig
 from services.decode.kv_pull import Pull, PullBatch, PullState, finish, pull_kv
-from shared.engine.engine import RequestError, StepStats
-from shared.engine.planned_step import StepOutputs
+from shared.engine.engine import RequestError
+from shared.engine.outputs import StepOutputs, StepStats
 from shared.engine.sampling_params import SamplingParamError
 from shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob
 from shared.service.lifecycle import AsyncService

@@ -24,8 +24,8 @@ from opentelemetry import trace
 from services.prefill.config import PrefillConfig
 from services.prefill.leases import LeaseTable
 from shared.engine import block_io
-from shared.engine.engine import RequestError, StepStats, request_outputs
-from shared.engine.planned_step import StepOutputs
+from shared.engine.engine import RequestError
+from shared.engine.outputs import StepOutputs, StepStats, request_outputs
 from shared.engine.prefix_hash import chain
 from shared.engine.sampling_params import SamplingParamError
 from shared.protocol.messages import (

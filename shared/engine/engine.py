@@ -18,23 +18,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-
 import torch
 
 from shared.checkpoint.loader import load_model
-from shared.engine import sampler
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.drafter import Drafter
 from shared.engine.kv_cache import KVCache
-from shared.engine.planned_step import Finished, PlannedStep, StepOutputs, run
+from shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
+from shared.engine.planned_step import PlannedStep, run
 from shared.engine.prefix_hash import chain, kv_identity
 from shared.engine.runner import Chunk, build_batch
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from shared.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SeqStatus, TokenLogprob
-from shared.engine.spec_decode import verify
+from shared.engine.speculative import speculative_step
+from shared.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SeqStatus
 from shared.model.deepseek import DeepseekForCausalLM
 
 log = logging.getLogger(__name__)
@@ -58,73 +56,6 @@ class Blocked:
 
 
 BLOCKED = Blocked()
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    logprobs: list[TokenLogprob] | None = None
-    prefill_done: bool = False  # prefill role: the request is HELD, its KV ready to export
-    num_prompt_tokens: int = 0
-    block_hashes: list[bytes] | None = None  # on finish: hashes of its full computed blocks
-
-
-@dataclass
-class StepStats:
-    num_seqs: int = 0
-    num_tokens: int = 0
-    num_decode: int = 0
-    schedule_s: float = 0.0
-    prepare_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    draft_s: float = 0.0
-    logits_s: float = 0.0
-    land_s: float = 0.0  # planned steps: writing the sampled ids back, stop checks, outputs
-    total_s: float = 0.0
-    # Overlapped steps (set by the serving loop): the host work of the loop round that
-    # landed the step, and the part of it the device waited for.
-    loop_host_s: float | None = None
-    host_exposed_s: float | None = None
-    num_drafted: int = 0
-    num_accepted: int = 0
-    preempted: list[str] = field(default_factory=list)
-    scheduled: list[str] = field(default_factory=list)  # request ids computed in this step
-
-    @property
-    def host_s(self) -> float:
-        return self.total_s - self.forward_s - self.draft_s
-
-
-def request_outputs(out: StepOutputs) -> list[RequestOutput]:
-    """The per-request view of a step's columns (offline use and tests)."""
-    extras = {e.row: e for e in out.extras}
-    res = []
-    for i, rid in enumerate(out.request_ids):
-        o = RequestOutput(rid, out.tokens_of(i))
-        e = extras.get(i)
-        if e is not None:
-            o.finished, o.finish_reason = e.finish_reason is not None, e.finish_reason
-            o.logprobs, o.prefill_done, o.block_hashes = e.logprobs, e.prefill_done, e.block_hashes
-            o.num_prompt_tokens = e.num_prompt_tokens
-        res.append(o)
-    return res
-
-
-def step_outputs(outs: list[RequestOutput]) -> StepOutputs:
-    """The column view of per-request outputs (the speculative step's)."""
-    res = StepOutputs(counts=[])
-    for i, o in enumerate(outs):
-        res.request_ids.append(o.request_id)
-        res.token_ids += o.new_token_ids
-        res.counts.append(len(o.new_token_ids))
-        if o.finished or o.logprobs or o.prefill_done or o.block_hashes:
-            res.extras.append(Finished(i, o.finish_reason if o.finished else None, o.logprobs, o.prefill_done,
-                                       o.block_hashes, o.num_prompt_tokens))
-    return res
 
 
 class LLMEngine:
@@ -303,7 +234,7 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if not self.can_overlap:
-            return self._step_speculative()
+            return speculative_step(self)
         plan = self.plan_step()
         if plan is None:
             return []
@@ -476,41 +407,6 @@ class LLMEngine:
         return torch.Generator().manual_seed((seq.params.seed * 1_000_003 + slot - seq.num_prompt_tokens)
                                              & (2**63 - 1))
 
-    # ---- the speculative step (MTP drafts, lockstep ranks) ----------------------------
-    @torch.inference_mode()
-    def _step_speculative(self) -> list[RequestOutput]:
-        st = StepStats()
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        st.preempted = [s.request_id for s in sched.preempted]
-        t1 = time.perf_counter()
-        st.schedule_s = t1 - t0
-        if sched.empty and not self.lockstep:
-            self.last_stats = st
-            return []
-        chunks = [self._chunk(s) for s in sched.scheduled]
-        batch = build_batch(chunks, self.cfg.block_size, self.device)
-        st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
-        st.scheduled = [c.seq.request_id for c in chunks]
-        t2 = time.perf_counter()
-        st.prepare_s = t2 - t1
-        hidden = self.model(batch, self.kv.tensor)
-        t3 = time.perf_counter()
-        st.forward_s = t3 - t2
-        outputs, mtp_work = self._update(chunks, hidden, st)
-        t4 = time.perf_counter()
-        # The LM head is model compute: it counts as forward, not as sampling.
-        st.forward_s += st.logits_s
-        st.sample_s = t4 - t3 - st.logits_s
-        if self.use_mtp and (mtp_work or self.lockstep):
-            self.drafter.propose(mtp_work, hidden)
-            st.draft_s = time.perf_counter() - t4
-        st.total_s = time.perf_counter() - t0
-        self.last_stats = st
-        self.num_drafted_total += st.num_drafted
-        self.num_accepted_total += st.num_accepted
-        return outputs
-
     def _chunk(self, s: ScheduledSeq) -> Chunk:
         seq = s.seq
         if s.num_new_tokens == 1 and not s.num_draft_tokens:
@@ -518,80 +414,6 @@ class LLMEngine:
         n_real = s.num_new_tokens - s.num_draft_tokens
         ids = seq.token_ids[seq.num_computed : seq.num_computed + n_real] + seq.draft_ids[: s.num_draft_tokens]
         return Chunk(seq, seq.num_computed, ids)
-
-    def _update(self, chunks: list[Chunk], hidden: torch.Tensor, st: StepStats):
-        sample_rows: list[int] = []
-        samplers: list[tuple[Chunk, int, int]] = []  # chunk, first logits row, num rows
-        for c in chunks:
-            seq = c.seq
-            q, n_tok = len(c.token_ids), len(seq.token_ids)
-            n_draft = q - (min(n_tok, c.start + q) - c.start)
-            if c.start + q - n_draft == n_tok:  # caught up: this chunk samples
-                samplers.append((c, len(sample_rows), n_draft + 1))
-                sample_rows.extend(range(c.row + q - n_draft - 1, c.row + q))
-        logits = None
-        if sample_rows:
-            # Decode-only batches sample every row in order: a slice, not a gather.
-            rows = hidden[: len(sample_rows)] if sample_rows[-1] == len(sample_rows) - 1 else hidden[sample_rows]
-            t = time.perf_counter()
-            logits = self.model.compute_logits(rows).cpu()
-            st.logits_s = time.perf_counter() - t
-
-        # Plain (non-speculative) rows are sampled together; draft verification is per sequence.
-        plain = [(c, r) for c, r, n in samplers if n == 1]
-        new_tokens: dict[int, list[int]] = {}
-        if plain:
-            idx = [r for _, r in plain]
-            seqs = [c.seq for c, _ in plain]
-            sel = logits if len(idx) == logits.shape[0] else logits[idx]
-            toks = sampler.sample(sel, [s.params for s in seqs], [self._gen(s) for s in seqs]).tolist()
-            for (c, r), t in zip(plain, toks):
-                new_tokens[id(c)] = [t]
-        for c, r, n in samplers:
-            if n > 1:
-                drafts = c.token_ids[c.q_len - (n - 1):]
-                toks = verify(logits[r : r + n], drafts, c.seq.params, self._gen(c.seq))
-                new_tokens[id(c)] = toks
-                c.seq.num_drafted += len(drafts)
-                c.seq.num_accepted += len(toks) - 1
-                st.num_drafted += len(drafts)
-                st.num_accepted += len(toks) - 1
-
-        outputs: list[RequestOutput] = []
-        mtp_work: list[tuple[Chunk, int]] = []  # chunk, number of valid positions computed
-        row_of = {id(c): (r, n) for c, r, n in samplers}
-        for c in chunks:
-            seq = c.seq
-            seq.draft_ids = []
-            toks = new_tokens.get(id(c))
-            if toks is None:  # a prefill chunk that does not reach the end of the prompt
-                seq.num_computed += c.q_len
-                self._register(seq)
-                mtp_work.append((c, c.q_len))
-                continue
-            seq.num_computed = c.start + (c.q_len - (row_of[id(c)][1] - 1)) + (len(toks) - 1)
-            self._register(seq, pending=toks[:-1])  # accepted drafts are computed but not yet appended
-            if seq.num_output_tokens == 0:  # its prompt is done
-                self.num_prompt_tokens_total += seq.num_prompt_tokens
-                self.num_cached_tokens_total += seq.num_cached_tokens
-            lp = self._logprobs(seq, logits, row_of[id(c)][0], toks)
-            emitted = self._append(seq, toks)
-            out = RequestOutput(seq.request_id, emitted, logprobs=lp[: len(emitted)] if lp else None,
-                                num_prompt_tokens=seq.num_prompt_tokens)
-            if seq.is_finished:
-                out.finished, out.finish_reason = True, seq.finish_reason
-                if self.blocks.enable_caching:
-                    out.block_hashes = seq.block_hashes[: seq.num_registered]
-                self.seqs.pop(seq.request_id, None)
-            else:
-                mtp_work.append((c, seq.num_computed - c.start))
-                if self.cfg.role == "prefill":
-                    self.scheduler.detach(seq)
-                    self.seqs.pop(seq.request_id, None)
-                    self.held[seq.request_id] = seq
-                    out.prefill_done = True
-            outputs.append(out)
-        return outputs, mtp_work
 
     def _register(self, seq: Sequence, through: int | None = None, pending: list[int] = ()) -> None:
         """Put the sequence's newly completed full blocks into the prefix cache. through:
@@ -612,27 +434,3 @@ class LLMEngine:
         # Keyed by output position, so a seeded request draws the same numbers whether it
         # is sampled here or on another worker, and however it was batched.
         return self._gen_at(seq, seq.num_tokens)
-
-    def _logprobs(self, seq: Sequence, logits, row: int, toks: list[int]):
-        n = seq.params.logprobs
-        if n is None:
-            return None
-        rows = logits[row : row + len(toks)]
-        return sampler.logprobs_of(rows, torch.tensor(toks), [n] * len(toks))
-
-    def _append(self, seq: Sequence, toks: list[int]) -> list[int]:
-        p = seq.params
-        emitted = []
-        for t in toks:
-            seq.token_ids.append(t)
-            emitted.append(t)
-            n_out = seq.num_output_tokens
-            stop = n_out >= p.min_tokens and (
-                (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids)
-            if stop:
-                self.scheduler.finish(seq, FinishReason.STOP)
-                break
-            if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.scheduler.finish(seq, FinishReason.LENGTH)
-                break
-        return emitted

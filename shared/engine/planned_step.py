@@ -27,7 +27,7 @@ import torch
 from shared.engine import sampler
 from shared.engine.runner import Chunk
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.sequence import FinishReason, Sequence, TokenLogprob
+from shared.engine.sequence import Sequence, TokenLogprob
 from shared.model.batch import ForwardBatch
 
 _step_ids = itertools.count()
@@ -104,44 +104,3 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> 
     if window is not None:  # a device with a clock of its own: its busy time, not this thread's
         step.t_start, step.t_end = window()
     step.forward_s = step.t_end - step.t_start - step.sample_s
-
-
-@dataclass
-class Finished:
-    """A row whose request ends, or that carries more than its token ids."""
-    row: int
-    finish_reason: FinishReason | None = None
-    logprobs: list[TokenLogprob] | None = None
-    prefill_done: bool = False
-    block_hashes: list[bytes] | None = None
-    num_prompt_tokens: int = 0
-
-
-@dataclass
-class StepOutputs:
-    """One step's new tokens, by column: row i of request_ids got the ids
-    token_ids[offsets[i]:offsets[i + 1]] (one each when counts is None). `extras` holds
-    the few rows that finish or carry logprobs, in row order."""
-    request_ids: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    counts: list[int] | None = None
-    extras: list[Finished] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
-    def rows(self):
-        """(request id, its new ids) per row."""
-        if self.counts is None:
-            yield from ((rid, [t]) for rid, t in zip(self.request_ids, self.token_ids))
-            return
-        i = 0
-        for rid, n in zip(self.request_ids, self.counts):
-            yield rid, self.token_ids[i : i + n]
-            i += n
-
-    def tokens_of(self, row: int) -> list[int]:
-        if self.counts is None:
-            return self.token_ids[row : row + 1]
-        start = sum(self.counts[:row])
-        return self.token_ids[start : start + self.counts[row]]

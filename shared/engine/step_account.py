@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.engine.engine import StepStats
+from shared.engine.outputs import StepStats
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 from shared.config.common import WorkerConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.mock_model import MockModel
-from shared.engine.planned_step import Finished, StepOutputs
+from shared.engine.outputs import Finished, StepOutputs
 from shared.engine.step_account import StepAccount, account
 from shared.model.config import ModelConfig
 from shared.protocol.messages import (

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from shared.engine.config import EngineConfig
-from shared.engine.engine import BLOCKED, LLMEngine, request_outputs
+from shared.engine.engine import BLOCKED, LLMEngine
+from shared.engine.outputs import request_outputs
 from shared.engine.mock_model import MockModel
 from shared.engine.sampling_params import SamplingParams
 from shared.model.config import ModelConfig

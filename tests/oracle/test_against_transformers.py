@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.checkpoint.loader import load_model
-from shared.engine import engine as engine_mod
+from shared.engine import sampler as sampler_mod
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
@@ -100,7 +100,7 @@ def test_every_step_logits_match_within_1e4(ref, monkeypatch):
     """Teacher-forced: the reference's tokens are fed back; every step's logits agree."""
     eng = _engine(ref, num_speculative_tokens=0, max_num_batched_tokens=64)
     ours: dict[str, list[torch.Tensor]] = {}
-    real_sample = engine_mod.sampler.sample
+    real_sample = sampler_mod.sample
 
     def forced(logits, params, gens):
         toks = real_sample(logits, params, gens)
@@ -111,7 +111,7 @@ def test_every_step_logits_match_within_1e4(ref, monkeypatch):
             toks[r] = ref.outputs[i][len(ours[rid]) - 1]
         return toks
 
-    monkeypatch.setattr(engine_mod.sampler, "sample", forced)
+    monkeypatch.setattr(sampler_mod, "sample", forced)
     for i, p in enumerate(ref.prompts):
         eng.add_request(f"r{i}", p, _greedy(extra={"rid": f"r{i}"}))
     while eng.has_unfinished():

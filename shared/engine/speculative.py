@@ -1,0 +1,155 @@
+"""The whole step, for engines whose next step depends on this one's outcome: with MTP
+drafts (what the target verifies next is what the draft proposes now) and on lockstep
+expert-parallel ranks (every rank runs every step, a fixed number of MTP passes
+included). schedule -> forward -> sample or verify drafts -> update -> draft, in one call
+on the device thread; the host work sits between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.engine import sampler
+from shared.engine.outputs import RequestOutput, StepStats
+from shared.engine.runner import Chunk, build_batch
+from shared.engine.sequence import FinishReason, Sequence
+from shared.engine.spec_decode import verify
+
+if TYPE_CHECKING:
+    from shared.engine.engine import LLMEngine
+
+
+@torch.inference_mode()
+def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
+    st = StepStats()
+    t0 = time.perf_counter()
+    sched = eng.scheduler.schedule()
+    st.preempted = [s.request_id for s in sched.preempted]
+    t1 = time.perf_counter()
+    st.schedule_s = t1 - t0
+    if sched.empty and not eng.lockstep:
+        eng.last_stats = st
+        return []
+    chunks = [eng._chunk(s) for s in sched.scheduled]
+    batch = build_batch(chunks, eng.cfg.block_size, eng.device)
+    st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
+    st.scheduled = [c.seq.request_id for c in chunks]
+    t2 = time.perf_counter()
+    st.prepare_s = t2 - t1
+    hidden = eng.model(batch, eng.kv.tensor)
+    t3 = time.perf_counter()
+    st.forward_s = t3 - t2
+    outputs, mtp_work = _update(eng, chunks, hidden, st)
+    t4 = time.perf_counter()
+    # The LM head is model compute: it counts as forward, not as sampling.
+    st.forward_s += st.logits_s
+    st.sample_s = t4 - t3 - st.logits_s
+    if eng.use_mtp and (mtp_work or eng.lockstep):
+        eng.drafter.propose(mtp_work, hidden)
+        st.draft_s = time.perf_counter() - t4
+    st.total_s = time.perf_counter() - t0
+    eng.last_stats = st
+    eng.num_drafted_total += st.num_drafted
+    eng.num_accepted_total += st.num_accepted
+    return outputs
+
+def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: StepStats):
+    sample_rows: list[int] = []
+    samplers: list[tuple[Chunk, int, int]] = []  # chunk, first logits row, num rows
+    for c in chunks:
+        seq = c.seq
+        q, n_tok = len(c.token_ids), len(seq.token_ids)
+        n_draft = q - (min(n_tok, c.start + q) - c.start)
+        if c.start + q - n_draft == n_tok:  # caught up: this chunk samples
+            samplers.append((c, len(sample_rows), n_draft + 1))
+            sample_rows.extend(range(c.row + q - n_draft - 1, c.row + q))
+    logits = None
+    if sample_rows:
+        # Decode-only batches sample every row in order: a slice, not a gather.
+        rows = hidden[: len(sample_rows)] if sample_rows[-1] == len(sample_rows) - 1 else hidden[sample_rows]
+        t = time.perf_counter()
+        logits = eng.model.compute_logits(rows).cpu()
+        st.logits_s = time.perf_counter() - t
+
+    # Plain (non-speculative) rows are sampled together; draft verification is per sequence.
+    plain = [(c, r) for c, r, n in samplers if n == 1]
+    new_tokens: dict[int, list[int]] = {}
+    if plain:
+        idx = [r for _, r in plain]
+        seqs = [c.seq for c, _ in plain]
+        sel = logits if len(idx) == logits.shape[0] else logits[idx]
+        toks = sampler.sample(sel, [s.params for s in seqs], [eng._gen(s) for s in seqs]).tolist()
+        for (c, r), t in zip(plain, toks):
+            new_tokens[id(c)] = [t]
+    for c, r, n in samplers:
+        if n > 1:
+            drafts = c.token_ids[c.q_len - (n - 1):]
+            toks = verify(logits[r : r + n], drafts, c.seq.params, eng._gen(c.seq))
+            new_tokens[id(c)] = toks
+            c.seq.num_drafted += len(drafts)
+            c.seq.num_accepted += len(toks) - 1
+            st.num_drafted += len(drafts)
+            st.num_accepted += len(toks) - 1
+
+    outputs: list[RequestOutput] = []
+    mtp_work: list[tuple[Chunk, int]] = []  # chunk, number of valid positions computed
+    row_of = {id(c): (r, n) for c, r, n in samplers}
+    for c in chunks:
+        seq = c.seq
+        seq.draft_ids = []
+        toks = new_tokens.get(id(c))
+        if toks is None:  # a prefill chunk that does not reach the end of the prompt
+            seq.num_computed += c.q_len
+            eng._register(seq)
+            mtp_work.append((c, c.q_len))
+            continue
+        seq.num_computed = c.start + (c.q_len - (row_of[id(c)][1] - 1)) + (len(toks) - 1)
+        eng._register(seq, pending=toks[:-1])  # accepted drafts are computed but not yet appended
+        if seq.num_output_tokens == 0:  # its prompt is done
+            eng.num_prompt_tokens_total += seq.num_prompt_tokens
+            eng.num_cached_tokens_total += seq.num_cached_tokens
+        lp = _logprobs(seq, logits, row_of[id(c)][0], toks)
+        emitted = _append(eng, seq, toks)
+        out = RequestOutput(seq.request_id, emitted, logprobs=lp[: len(emitted)] if lp else None,
+                            num_prompt_tokens=seq.num_prompt_tokens)
+        if seq.is_finished:
+            out.finished, out.finish_reason = True, seq.finish_reason
+            if eng.blocks.enable_caching:
+                out.block_hashes = seq.block_hashes[: seq.num_registered]
+            eng.seqs.pop(seq.request_id, None)
+        else:
+            mtp_work.append((c, seq.num_computed - c.start))
+            if eng.cfg.role == "prefill":
+                eng.scheduler.detach(seq)
+                eng.seqs.pop(seq.request_id, None)
+                eng.held[seq.request_id] = seq
+                out.prefill_done = True
+        outputs.append(out)
+    return outputs, mtp_work
+
+def _logprobs(seq: Sequence, logits, row: int, toks: list[int]):
+    n = seq.params.logprobs
+    if n is None:
+        return None
+    rows = logits[row : row + len(toks)]
+    return sampler.logprobs_of(rows, torch.tensor(toks), [n] * len(toks))
+
+def _append(eng: "LLMEngine", seq: Sequence, toks: list[int]) -> list[int]:
+    p = seq.params
+    emitted = []
+    for t in toks:
+        seq.token_ids.append(t)
+        emitted.append(t)
+        n_out = seq.num_output_tokens
+        stop = n_out >= p.min_tokens and (
+            (t in eng.eos_ids and not p.ignore_eos) or t in p.stop_token_ids)
+        if stop:
+            eng.scheduler.finish(seq, FinishReason.STOP)
+            break
+        if n_out >= p.max_tokens or seq.num_tokens >= eng.max_model_len:
+            eng.scheduler.finish(seq, FinishReason.LENGTH)
+            break
+    return emitted
