@@ -83,6 +83,7 @@ class PrefillService(AsyncService):
         self.jobs: dict[str, JobState] = {}
         self.leases = LeaseTable(cfg.lease_timeout_s)
         self.peers = WorkerRegistry()  # decode workers, to vet the UCX addresses we send to
+        self._decode_beat = asyncio.Event()
         self._job_subs = []
 
 
@@ -253,17 +254,23 @@ class PrefillService(AsyncService):
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         if hb.role == "decode":
             self.peers.observe(hb)
+            self._decode_beat.set()  # wakes every waiter, then waits for the next beat
+            self._decode_beat.clear()
 
     async def _known_decode_address(self, address: bytes) -> bool:
         """UCX aborts the whole process on a malformed worker address, so we only ever
-        connect to addresses that live decode workers announced themselves."""
+        connect to addresses that live decode workers announced themselves. A worker
+        that just started may not have beaten yet: wait for its first beat, a while."""
         deadline = time.monotonic() + 2 * self.cfg.heartbeat_interval_s + 0.5
-        while True:
-            if any(hb.address == address for hb in self.peers.live("decode")):
-                return True
-            if time.monotonic() > deadline:
+        while not any(hb.address == address for hb in self.peers.live("decode")):
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
-            await asyncio.sleep(0.05)  # a worker that just started may not have beaten yet
+            try:
+                await asyncio.wait_for(self._decode_beat.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     async def _on_pull(self, p: KVPull, msg, ctx) -> KVPullReply:
         """Gather the requests' KV end to end into staging memory and send it as one
