@@ -266,8 +266,9 @@ class DeviceThread:
         return fut
 
     def close(self) -> None:
+        """Stop after the queued steps (the caller has waited for them: this returns at once)."""
         self._queue.put(None)
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=1.0)
 
     def _announce(self) -> None:
         done, self._done = self._done, None
