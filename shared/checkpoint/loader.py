@@ -1,8 +1,11 @@
-"""Load a Hugging Face layout checkpoint into a DeepseekForCausalLM.
+"""Load a Hugging Face layout checkpoint into a DeepseekForCausalLM (V2/V3) or a
+DeepseekV4ForCausalLM.
 
 Parameters are allocated once, uninitialised, and each tensor is read from disk straight
 into its parameter (see safetensors_io), so peak memory is the model plus at most one
-tensor, and no file is memory-mapped.
+tensor, and no file is memory-mapped. V4 checkpoints may use transformers' names or the
+upstream ones (names_v4.py), and may store FP8 / FP4 weights with scales: those are
+dequantized as they are read (quant.py), since no kernel here takes them directly.
 Every failure is a CheckpointError whose message names the file and the tensor.
 """
 
@@ -18,10 +21,14 @@ from typing import Callable
 import torch
 
 from shared.checkpoint.names import Target, hf_to_local
+from shared.checkpoint.names_v4 import is_scale, scale_names, v4_to_local
+from shared.checkpoint.quant import QuantSpec, dequant_fp4, dequant_fp8_block
 from shared.checkpoint.safetensors_io import SafetensorsFile, SafetensorsFormatError
 from shared.model.config import ConfigError, ModelConfig
 from shared.model.deepseek import DeepseekForCausalLM
 from shared.model.rope import RotaryEmbedding
+from shared.model.v4.model import DeepseekV4ForCausalLM
+from shared.model.v4.rope import Rope
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +67,22 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-                num_slots: int | None = None) -> DeepseekForCausalLM:
+def build_empty(cfg, dtype: torch.dtype, device: str | torch.device, num_slots: int | None = None):
     """Allocate the model's parameters without initialising them."""
+    v4 = cfg.model_type == "deepseek_v4"
     with torch.device("meta"), _default_dtype(dtype):
-        model = DeepseekForCausalLM(cfg, num_slots)
+        model = DeepseekV4ForCausalLM(cfg, num_slots) if v4 else DeepseekForCausalLM(cfg, num_slots)
     model.to_empty(device=device)
-    model.rope = RotaryEmbedding(cfg).to(device)
+    if v4:  # rotary tables are computed, not loaded
+        model.ropes["main"] = Rope(cfg.rope_main, cfg.qk_rope_head_dim).to(device)
+        model.ropes["compress"] = Rope(cfg.rope_compress, cfg.qk_rope_head_dim).to(device)
+    else:
+        model.rope = RotaryEmbedding(cfg).to(device)
     return model
+
+
+def _computed(name: str) -> bool:
+    return name in ("rope.cos", "rope.sin") or name.startswith("ropes.")
 
 
 ExpertSlots = Callable[[int], list[int]]  # MoE layer id -> logical expert held in each local slot
@@ -86,34 +101,46 @@ def load_model(
         cfg = ModelConfig.from_dir(model_dir)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+    v4 = cfg.model_type == "deepseek_v4"
+    try:
+        quant = QuantSpec.from_config(cfg.raw, str(model_dir / "config.json")) if v4 else None
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     files = weight_files(model_dir)
     names_by_file = {f: _tensor_names(f) for f in files}
-    all_names = {n for names in names_by_file.values() for n in names}
-    if cfg.has_mtp and not any(hf_to_local(n, cfg.num_hidden_layers).param.startswith("mtp.") for n in all_names):
+    file_of = {n: f for f, names in names_by_file.items() for n in names}
+
+    def to_local(name: str) -> Target:
+        return v4_to_local(name) if v4 else hf_to_local(name, cfg.num_hidden_layers)
+
+    if cfg.has_mtp and not any(to_local(n).param.startswith("mtp.") for n in file_of):
         log.warning("%s: config asks for an MTP layer but the checkpoint has none; speculative decoding is off", model_dir)
         cfg = replace(cfg, num_nextn_predict_layers=0)
 
     model = build_empty(cfg, dtype, device, num_slots)
     slots_of = expert_slots or (lambda layer: list(range(cfg.n_routed_experts)))
     state = dict(model.named_parameters())
-    state.update({n: b for n, b in model.named_buffers() if n != "rope.cos" and n != "rope.sin"})
+    state.update({n: b for n, b in model.named_buffers() if not _computed(n)})
     pending: dict[str, set] = {n: _pieces(n, t) for n, t in state.items()}
 
     for f in files:
         try:
             with SafetensorsFile(f) as sf:
                 for name in names_by_file[f]:
-                    target = hf_to_local(name, cfg.num_hidden_layers)
+                    if v4 and is_scale(name) and _weight_of_scale(name) in file_of:
+                        continue  # read with its weight
+                    target = to_local(name)
                     dest = state.get(target.param)
                     if dest is None:
                         raise CheckpointError(
                             f"{f.name}: unexpected tensor {name!r} (no such parameter in {cfg.model_type})")
+                    src = _Source(sf, f.name, name, file_of, quant if v4 else None, dest.dtype)
                     if target.param.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
                         layer = _layer_of(target.param, cfg.num_hidden_layers)
-                        _copy_experts(dest, target, slots_of(layer), cfg.n_routed_experts, sf, f.name, name,
+                        _copy_experts(dest, target, slots_of(layer), cfg.n_routed_experts, src,
                                       pending[target.param])
                     else:
-                        _copy(dest, target, sf, f.name, name)
+                        _copy(dest, src)
                         _mark(pending, target)
         except SafetensorsFormatError as e:
             raise CheckpointError(f"{model_dir}/{e}") from None
@@ -152,17 +179,62 @@ def _layer_of(param: str, num_hidden_layers: int) -> int:
     return int(idx) + (num_hidden_layers if head == "mtp" else 0)
 
 
-def _copy_experts(dest: torch.Tensor, target: Target, slots: list[int], num_experts: int, sf: SafetensorsFile,
-                  fname: str, name: str, pending: set) -> None:
+class _Source:
+    """One tensor as it will land in a parameter: read as stored, or dequantized from
+    FP8 / FP4 with its scale (found by name, in whichever file holds it)."""
+
+    def __init__(self, sf: SafetensorsFile, fname: str, name: str, file_of: dict[str, Path],
+                 quant: QuantSpec | None, dtype: torch.dtype):
+        self.sf, self.fname, self.name, self.dtype = sf, fname, name, dtype
+        info = sf.tensors[name]
+        self.scale = None
+        if quant is not None:
+            self.scale = next((n for n in scale_names(name) if n in file_of), None)
+        self.file_of, self.quant = file_of, quant
+        self.fp4 = self.scale is not None and info.dtype in (torch.int8, torch.uint8)
+        if self.scale is not None and not self.fp4 and info.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{fname}: tensor {name!r} has a scale but is stored as {info.dtype}, "
+                                  f"not FP8 e4m3 or packed FP4")
+        self.shape = (*info.shape[:-1], 2 * info.shape[-1]) if self.fp4 else info.shape
+
+    def _dequant(self) -> torch.Tensor:
+        with SafetensorsFile(self.file_of[self.scale]) as ssf:
+            scale = ssf.read(self.scale)
+        w = self.sf.read(self.name)
+        try:
+            if self.fp4:
+                return dequant_fp4(w, scale, self.dtype)
+            return dequant_fp8_block(w, scale, self.quant.block, self.dtype)
+        except ValueError as e:
+            raise CheckpointError(f"{self.fname}: tensor {self.name!r}: {e}") from None
+
+    def read_into(self, dest: torch.Tensor) -> None:
+        if self.scale is None:
+            self.sf.read_into(self.name, dest)
+        else:
+            dest.copy_(self._dequant())
+
+    def read_row_into(self, row: int, dest: torch.Tensor) -> None:
+        if self.scale is not None:
+            raise CheckpointError(f"{self.fname}: tensor {self.name!r}: quantized fused experts are not supported")
+        self.sf.read_row_into(self.name, row, dest)
+
+
+def _weight_of_scale(name: str) -> str:
+    return name.removesuffix("_scale_inv") if name.endswith("_scale_inv") else name.removesuffix(".scale") + ".weight"
+
+
+def _copy_experts(dest: torch.Tensor, target: Target, slots: list[int], num_experts: int, src: _Source,
+                  pending: set) -> None:
     """Fill the local slots that hold the tensor's expert(s); others belong to other ranks."""
-    shape = sf.tensors[name].shape
+    shape, fname, name = src.shape, src.fname, src.name
     if target.slot is None:  # fused: [E, ...]
         if shape != (num_experts, *dest.shape[1:]):
             raise CheckpointError(
                 f"{fname}: tensor {name!r} has shape {shape}, expected {(num_experts, *dest.shape[1:])}")
         with torch.no_grad():
             for s, e in enumerate(slots):
-                sf.read_row_into(name, e, dest[s])
+                src.read_row_into(e, dest[s])
         for s in range(len(slots)):
             pending.difference_update({(s, None), (s, "gate"), (s, "up")})
         return
@@ -176,28 +248,29 @@ def _copy_experts(dest: torch.Tensor, target: Target, slots: list[int], num_expe
         if target.part is not None:
             half = view.shape[0] // 2
             view = view[:half] if target.part == "gate" else view[half:]
-        if tuple(view.shape) != shape:
+        if tuple(view.shape) != tuple(shape):
             raise CheckpointError(f"{fname}: tensor {name!r} has shape {shape}, expected {tuple(view.shape)}")
         with torch.no_grad():
-            sf.read_into(name, view)
+            src.read_into(view)
         pending.discard((s, target.part))
 
 
-def _copy(dest: torch.Tensor, target: Target, sf: SafetensorsFile, fname: str, name: str) -> None:
-    shape = sf.tensors[name].shape
-    if tuple(dest.shape) != shape:
-        raise CheckpointError(f"{fname}: tensor {name!r} has shape {shape}, expected {tuple(dest.shape)}")
+def _copy(dest: torch.Tensor, src: _Source) -> None:
+    if tuple(dest.shape) != tuple(src.shape):
+        raise CheckpointError(f"{src.fname}: tensor {src.name!r} has shape {src.shape}, expected {tuple(dest.shape)}")
     with torch.no_grad():
-        sf.read_into(name, dest)
+        src.read_into(dest)
 
 
 def _mark(pending: dict[str, set], target: Target) -> None:
     pending[target.param].clear()
 
 
-def _tie_optional(model: DeepseekForCausalLM, pending: dict[str, set], cfg: ModelConfig) -> None:
+def _tie_optional(model, pending: dict[str, set], cfg) -> None:
     # The MTP layer reuses the target's embedding and head when a checkpoint omits its copies.
     for j, m in enumerate(model.mtp):
+        if not hasattr(m, "embed_tokens"):  # V4's MTP layer has none of its own
+            continue
         if pending.get(f"mtp.{j}.embed_tokens.weight"):
             m.embed_tokens.weight = model.model.embed_tokens.weight
             pending[f"mtp.{j}.embed_tokens.weight"].clear()

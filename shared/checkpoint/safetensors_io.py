@@ -20,8 +20,12 @@ import torch
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
+# e8m0 (the power-of-two block scales of FP8/FP4 checkpoints) arrived in torch 2.7; older
+# torch still reads every other file, and reports an F8_E8M0 tensor as malformed metadata.
+if hasattr(torch, "float8_e8m0fnu"):
+    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 _MAX_HEADER = 100 << 20
 
 

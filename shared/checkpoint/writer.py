@@ -9,7 +9,6 @@ implementation that zero-initialises something cannot agree with us by accident.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -18,16 +17,14 @@ import torch
 from safetensors.torch import save_file
 
 from shared.checkpoint.names import local_to_hf_names
-from shared.checkpoint.presets import TOKENIZER_VOCAB, VOCAB_FROM_TOKENIZER, preset_config
+from shared.checkpoint.seeding import seed_for
+from shared.checkpoint.presets import REAL_DIMENSIONS, TOKENIZER_VOCAB, VOCAB_FROM_TOKENIZER, preset_config
 from shared.checkpoint.tokenizer_builder import build_tokenizer, write_tokenizer
+from shared.checkpoint.writer_v4 import QUANT_CONFIG, v4_tensors
 from shared.model.config import ModelConfig
 from shared.model.deepseek import DeepseekForCausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _seed_for(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
 def _shared_source(name: str, num_layers: int) -> str | None:
@@ -40,7 +37,7 @@ def _shared_source(name: str, num_layers: int) -> str | None:
 
 
 def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
-    g = torch.Generator().manual_seed(_seed_for(seed, name))
+    g = torch.Generator().manual_seed(seed_for(seed, name))
     x = torch.randn(shape, generator=g, dtype=torch.float32)
     if name.endswith("norm.weight"):
         x = 1.0 + 0.1 * x
@@ -113,19 +110,35 @@ def init_model(
     num_layers: int | None = None,
     shard_size: int = 2 << 30,
     fused_experts: bool = False,
+    layout: str = "hf",
+    quantize: bool = False,
 ) -> Path:
+    """layout, quantize: DeepSeek-V4 only (writer_v4.py): transformers' names or the
+    upstream ones, and the published FP8/FP4 storage (upstream layout)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = preset_config(preset, num_layers)
     tok = build_tokenizer(TOKENIZER_VOCAB[preset])
     if preset in VOCAB_FROM_TOKENIZER:
         raw["vocab_size"] = tok.get_vocab_size()
-    dtype = dtype or ("bfloat16" if preset in ("v2-lite", "v3") else "float32")
+    dtype = dtype or ("bfloat16" if preset in REAL_DIMENSIONS else "float32")
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}")
     raw["torch_dtype"] = dtype
     cfg = ModelConfig.from_dict(raw)
     tdtype = _DTYPES[dtype]
+    if cfg.model_type == "deepseek_v4":
+        if quantize and layout != "upstream":
+            raise ValueError("--quantize writes the upstream layout: add --layout upstream")
+        if quantize:
+            raw["quantization_config"] = dict(QUANT_CONFIG)
+            raw["expert_dtype"] = "fp4"
+        _write_shards(out, v4_tensors(cfg, seed, tdtype, layout, quantize), shard_size)
+        return _write_meta(out, raw, tok, {"preset": preset, "seed": seed, "dtype": dtype,
+                                           "num_layers": cfg.num_hidden_layers, "layout": layout,
+                                           "quantized": quantize})
+    if layout != "hf" or quantize:
+        raise ValueError("--layout and --quantize apply to DeepSeek-V4 presets only")
     tensors = _hf_tensors(cfg)
     if fused_experts:
         tensors = _fuse_names(tensors, cfg)
@@ -153,11 +166,46 @@ def init_model(
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(nbytes(n, s) for n, s in tensors)}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return _write_meta(out, raw, tok, {"preset": preset, "seed": seed, "dtype": dtype,
+                                       "num_layers": cfg.num_hidden_layers, "fused_experts": fused_experts})
+
+
+def _write_shards(out: Path, tensors, shard_size: int) -> None:
+    """Streams (name, tensor) into shards of about shard_size bytes, then the index."""
+    shard: dict[str, torch.Tensor] = {}
+    done: list[dict[str, int]] = []  # per shard: name -> bytes
+    size = 0
+
+    def flush() -> None:
+        tmp = out / f".shard-{len(done):05d}.safetensors"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        done.append({n: t.numel() * t.element_size() for n, t in shard.items()})
+        shard.clear()
+
+    for name, t in tensors:
+        b = t.numel() * t.element_size()
+        if shard and size + b > shard_size:
+            flush()
+            size = 0
+        shard[name] = t.contiguous()
+        size += b
+    if shard or not done:
+        flush()
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(done):
+        fname = "model.safetensors" if len(done) == 1 else f"model-{i + 1:05d}-of-{len(done):05d}.safetensors"
+        (out / f".shard-{i:05d}.safetensors").rename(out / fname)
+        weight_map.update({n: fname for n in names})
+    if len(done) > 1:
+        total = sum(sum(d.values()) for d in done)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _write_meta(out: Path, raw: dict, tok, info: dict) -> Path:
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     write_tokenizer(out, tok, raw["max_position_embeddings"])
-    info = {"preset": preset, "seed": seed, "dtype": dtype, "num_layers": cfg.num_hidden_layers,
-            "fused_experts": fused_experts}
     (out / "moemesh_init.json").write_text(json.dumps(info, indent=2) + "\n")
     return out

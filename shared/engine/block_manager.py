@@ -14,6 +14,9 @@ Glossary:
   with the device and queues the next step early). Those steps may still write it, so
   it joins the free list only once the newest of them is done (`end_step`); until then
   it cannot be handed out and filled by an import.
+- ring (DeepSeek-V4 only): `ring_len` window blocks that a sequence holds, besides its
+  blocks, for its last positions' window state; taken with its first blocks, given back
+  with its last, and deferred like blocks while steps are in flight.
 """
 
 from __future__ import annotations
@@ -22,9 +25,13 @@ from collections import OrderedDict, deque
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, num_rings: int = 0,
+                 ring_len: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_rings, self.ring_len = num_rings, ring_len
+        self._free_rings: deque[int] = deque(range(num_rings))
+        self._deferred_rings: deque[tuple[int, int]] = deque()
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -84,6 +91,29 @@ class BlockManager:
                 else:
                     self._free[b] = None  # most recently freed: evicted last
 
+    # ---- rings ------------------------------------------------------------------------
+    @property
+    def uses_rings(self) -> bool:
+        return self.num_rings > 0
+
+    @property
+    def num_free_rings(self) -> int:
+        return len(self._free_rings)
+
+    def take_ring(self) -> list[int]:
+        """A free ring: its window block ids, in ring order."""
+        if not self._free_rings:
+            raise MemoryError("no free window ring")
+        r = self._free_rings.popleft()
+        return list(range(r * self.ring_len, (r + 1) * self.ring_len))
+
+    def give_ring(self, ring: list[int]) -> None:
+        r = ring[0] // self.ring_len
+        if self._fence >= 0:
+            self._deferred_rings.append((self._fence, r))
+        else:
+            self._free_rings.append(r)
+
     def begin_step(self, step_id: int) -> None:
         """Step `step_id` (ids increase) is in flight: blocks freed from now on wait until it is done."""
         self._fence = step_id
@@ -95,6 +125,9 @@ class BlockManager:
             b = d.popleft()[1]
             if self._refs[b] == 0 and b not in self._free:  # not taken back meanwhile
                 self._free[b] = None
+        dr = self._deferred_rings
+        while dr and dr[0][0] <= step_id:
+            self._free_rings.append(dr.popleft()[1])
         if step_id >= self._fence:
             self._fence = -1
 
@@ -153,3 +186,5 @@ class BlockManager:
         assert len(self._free) + len(deferred) == sum(1 for r in self._refs if r == 0)
         for h, b in self._block_of.items():
             assert self._hash_of.get(b) == h, f"hash index out of step at block {b}"
+        rings = list(self._free_rings) + [r for _, r in self._deferred_rings]
+        assert len(rings) == len(set(rings)), "a ring is free twice"

@@ -32,8 +32,8 @@ class EngineConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a power of two")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 8:

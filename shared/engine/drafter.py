@@ -17,9 +17,10 @@ from shared.model.deepseek import DeepseekForCausalLM
 
 
 class Drafter:
-    def __init__(self, model: DeepseekForCausalLM, kv: torch.Tensor, block_size: int, num_spec: int,
-                 max_model_len: int, device, lockstep: bool = False):
-        self.model, self.kv, self.block_size = model, kv, block_size
+    def __init__(self, model: DeepseekForCausalLM, kv, block_size: int, num_spec: int,
+                 max_model_len: int, device, lockstep: bool = False, batcher=None):
+        """kv: the model's cache argument; batcher: a V4 engine's window-only HybridBatcher."""
+        self.model, self.kv, self.block_size, self.batcher = model, kv, block_size, batcher
         self.num_spec, self.max_model_len, self.device, self.lockstep = num_spec, max_model_len, device, lockstep
 
     @property
@@ -37,7 +38,7 @@ class Drafter:
         if not chunks and not self.lockstep:
             return
         order = {id(ch.seq): i for i, ch in enumerate(chunks)}
-        batch = build_batch(chunks, self.block_size, self.device)
+        batch = build_batch(chunks, self.block_size, self.device, self.batcher)
         rows = [prev_rows[order[id(ch.seq)]] for ch in chunks]
         prev = hidden[torch.cat(rows)] if rows else hidden[:0]
         h = self.model.mtp_forward(batch, prev, self.kv)
@@ -54,7 +55,7 @@ class Drafter:
                 return
             nxt = [Chunk(ch.seq, ch.seq.num_tokens - 1 + step, [d]) for ch, d in zip(live, drafts)]
             prev_h = h[last]
-            batch = build_batch(nxt, self.block_size, self.device)  # all q_len 1: order kept
+            batch = build_batch(nxt, self.block_size, self.device, self.batcher)  # all q_len 1: order kept
             h = self.model.mtp_forward(batch, prev_h, self.kv)
             want = nxt
 

@@ -17,13 +17,19 @@ draft in one call (the drafts of N decide what N+1 computes). Roles:
 from __future__ import annotations
 
 import logging
+import math
 import time
+from dataclasses import replace
+from functools import partial
+
 import torch
 
 from shared.checkpoint.loader import load_model
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.drafter import Drafter
+from shared.engine.hybrid_batch import HybridBatcher
+from shared.engine.hybrid_cache import HybridKVCache, ring_len_for
 from shared.engine.kv_cache import KVCache
 from shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
 from shared.engine.planned_step import PlannedStep, run
@@ -69,6 +75,9 @@ class LLMEngine:
         self.device = torch.device(cfg.device)
         self.model = model if model is not None else load_model(cfg.model, cfg.torch_dtype, self.device)
         mcfg = self.model_config = self.model.cfg
+        self.hybrid = mcfg.model_type == "deepseek_v4"
+        if self.hybrid:
+            cfg = self.cfg = self._v4_settings(cfg, mcfg)
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         k = cfg.num_speculative_tokens
         self.num_spec = (1 if mcfg.has_mtp else 0) if k is None else (k if mcfg.has_mtp else 0)
@@ -76,8 +85,19 @@ class LLMEngine:
             log.warning("num_speculative_tokens=%d ignored: the checkpoint has no MTP layer", k)
         self.use_mtp = mcfg.has_mtp and self.num_spec > 0
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
-        self.kv = KVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+        self.batcher = self.draft_batcher = None
+        num_rings = ring_len = 0
+        if self.hybrid:
+            # A ring per running sequence, and as many again for requests held for a pull.
+            num_rings, ring_len = 2 * cfg.max_num_seqs, ring_len_for(mcfg, cfg.block_size, self.num_spec)
+            self.kv = HybridKVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device, num_rings,
+                                    ring_len)
+            self.batcher = HybridBatcher(mcfg, cfg.block_size, ring_len)
+            self.draft_batcher = partial(self.batcher, sliding_only=True)
+        else:
+            self.kv = KVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
+                                   num_rings=num_rings, ring_len=ring_len)
         self.kv_identity = kv_identity(mcfg.identity(), cfg.block_size, cfg.dtype)
         sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_spec)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
@@ -85,8 +105,8 @@ class LLMEngine:
         self.held: dict[str, Sequence] = {}
         self.eos_ids = set(mcfg.eos_token_ids)
         self._eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
-        self.drafter = Drafter(self.model, self.kv.tensor, cfg.block_size, self.num_spec, self.max_model_len,
-                               self.device, lockstep)
+        self.drafter = Drafter(self.model, self.kv.forward_arg, cfg.block_size, self.num_spec, self.max_model_len,
+                               self.device, lockstep, self.draft_batcher)
         self.last_stats = StepStats()
         self.num_drafted_total = 0
         self.num_accepted_total = 0
@@ -103,8 +123,20 @@ class LLMEngine:
         """Share of MTP draft tokens the target accepted, since start."""
         return self.num_accepted_total / self.num_drafted_total if self.num_drafted_total else None
 
+    @staticmethod
+    def _v4_settings(cfg: EngineConfig, mcfg) -> EngineConfig:
+        """A V4 block holds whole compression groups; prefix reuse needs the window state
+        at a block boundary, which this engine does not keep yet."""
+        bs = math.lcm(cfg.block_size, mcfg.block_multiple)
+        if bs != cfg.block_size:
+            log.info("block_size %d -> %d: a DeepSeek-V4 block holds whole compression groups", cfg.block_size, bs)
+        if cfg.enable_prefix_caching:
+            log.info("prefix caching is off for DeepSeek-V4 (not supported yet)")
+        return replace(cfg, block_size=bs, enable_prefix_caching=False)
+
     def _blocks_from_memory(self) -> int:
-        per = KVCache.bytes_per_block(self.model_config, self.cfg.block_size, self.cfg.torch_dtype)
+        kind = HybridKVCache if self.hybrid else KVCache
+        per = kind.bytes_per_block(self.model_config, self.cfg.block_size, self.cfg.torch_dtype)
         by_mem = max(1, self.cfg.kv_cache_memory_mb * (1 << 20) // per)
         per_seq = -(-self.max_model_len // self.cfg.block_size) + 2
         return int(min(by_mem, self.cfg.max_num_seqs * per_seq))
@@ -182,10 +214,28 @@ class LLMEngine:
 
     # ---- prefill / decode roles ---------------------------------------------------
     def export_kv(self, request_id: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[num_cache_layers, n_blocks, block_size, D] for the held request's computed prefix."""
+        """The held request's computed prefix as one buffer of kv_shape(n_blocks):
+        [num_cache_layers, n_blocks, block_size, D] for MLA; for V4 the main rows and
+        the window rows it needs to go on (hybrid_cache.py)."""
         seq = self.held[request_id]
         n = self.blocks.blocks_for(seq.num_computed)
+        if self.hybrid:
+            return self.kv.export(seq.block_ids[:n], seq.ring, seq.num_computed, out)
         return self.kv.export_blocks(seq.block_ids[:n], out)
+
+    def kv_shape(self, n_blocks: int) -> tuple[int, ...]:
+        """Shape of the buffer export_kv fills for a prefix of n_blocks blocks."""
+        if self.hybrid:
+            return self.kv.export_shape(n_blocks)
+        layers, _, bs, d = self.kv.tensor.shape
+        return (layers, n_blocks, bs, d)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.cfg.torch_dtype
+
+    def kv_nbytes(self, n_blocks: int) -> int:
+        return math.prod(self.kv_shape(n_blocks)) * self.kv_dtype.itemsize
 
     def held_sequence(self, request_id: str) -> Sequence:
         return self.held[request_id]
@@ -196,10 +246,15 @@ class LLMEngine:
             return False
         self.blocks.free(seq.block_ids)
         seq.block_ids = []
+        if seq.ring:
+            self.blocks.give_ring(seq.ring)
+            seq.ring = []
         seq.status = SeqStatus.FINISHED
         return True
 
     def can_import(self, num_prompt_tokens: int) -> bool:
+        if self.blocks.uses_rings and not self.blocks.num_free_rings:
+            return False
         return self.blocks.can_allocate(self.blocks.blocks_for(num_prompt_tokens))
 
     def add_prefilled(
@@ -213,17 +268,24 @@ class LLMEngine:
         if len(token_ids) <= num_prompt_tokens:
             raise RequestError("a prefilled request must carry its first sampled token")
         n_blocks = self.blocks.blocks_for(num_prompt_tokens)
-        if kv.shape[1] != n_blocks:
-            raise RequestError(f"KV buffer holds {kv.shape[1]} blocks, {n_blocks} expected")
-        if not self.blocks.can_allocate(n_blocks):
+        if tuple(kv.shape) != self.kv_shape(n_blocks):
+            raise RequestError(f"KV buffer has shape {tuple(kv.shape)}, {self.kv_shape(n_blocks)} expected "
+                               f"for {n_blocks} blocks")
+        if not self.can_import(num_prompt_tokens):
             raise NoCapacity(f"{n_blocks} KV blocks needed, {self.blocks.num_free_blocks} free")
         seq = Sequence(request_id, list(token_ids), params, num_prompt_tokens=num_prompt_tokens)
         seq.last_slot = self._last_slot(seq)
         seq.block_ids = self.blocks.allocate(n_blocks)
         try:
-            self.kv.import_blocks(seq.block_ids, kv)
+            if self.hybrid:
+                seq.ring = self.blocks.take_ring()
+                self.kv.import_(seq.block_ids, seq.ring, num_prompt_tokens, kv)
+            else:
+                self.kv.import_blocks(seq.block_ids, kv)
         except Exception:
             self.blocks.free(seq.block_ids)
+            if seq.ring:
+                self.blocks.give_ring(seq.ring)
             raise
         seq.num_computed = len(token_ids) - 1
         seq.block_hashes = chain(seq.token_ids, self.cfg.block_size, self.kv_identity)
@@ -257,7 +319,7 @@ class LLMEngine:
             return None
         chunks = [self._chunk(s) for s in sched.scheduled]
         t1 = time.perf_counter()
-        batch = build_batch(chunks, self.cfg.block_size, self.device)
+        batch = build_batch(chunks, self.cfg.block_size, self.device, self.batcher)
         step = PlannedStep(chunks, batch, [], [], [], None, None)
         step.stats = st
         sid = step.step_id
@@ -303,7 +365,7 @@ class LLMEngine:
         """The device part (forward, logits, sampling). Safe on another thread while the
         host plans or lands other steps; call it under torch.inference_mode(), which the
         device thread enters once. before_wait: see planned_step.run."""
-        run(step, self.model, self.kv.tensor, before_wait)
+        run(step, self.model, self.kv.forward_arg, before_wait)
 
     @property
     def device_is_async(self) -> bool:

@@ -16,11 +16,18 @@ from shared.model.config import ModelConfig
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two for {cfg.model_type}, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.tensor = torch.zeros(
             cfg.num_cache_layers, num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device
         )
+
+    @property
+    def forward_arg(self) -> torch.Tensor:
+        """What the model's forward takes as its cache."""
+        return self.tensor
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

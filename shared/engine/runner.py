@@ -28,10 +28,12 @@ class Chunk:
         return len(self.token_ids)
 
 
-def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str = "cpu") -> ForwardBatch:
+def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str = "cpu",
+                hybrid=None) -> ForwardBatch:
     """Orders chunks decode-first (in place) and packs them. Decode chunks are the bulk at
     large batch sizes, so their slots and tables are computed in plain Python ints and
-    turned into tensors once; extend chunks use tensor ops per chunk."""
+    turned into tensors once; extend chunks use tensor ops per chunk.
+    hybrid: a V4 engine's HybridBatcher (called as hybrid(chunks, T)), None for MLA."""
     chunks.sort(key=lambda c: len(c.token_ids) > 1)
     ids: list[int] = []
     dec_pos: list[int] = []
@@ -76,6 +78,8 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
     if dec_pos:
         batch.decode_block_tables = _block_table(decode_tables, table_lens)
         batch.decode_context_lens = torch.tensor(dec_pos) + 1
+    if hybrid is not None:
+        batch.hybrid = hybrid(chunks, len(ids))
     return _to(batch, device)
 
 
@@ -103,4 +107,6 @@ def _to(batch: ForwardBatch, device) -> ForwardBatch:
         batch.decode_context_lens = batch.decode_context_lens.to(device)
     for e in batch.extends:
         e.ctx_slots = e.ctx_slots.to(device)
+    if batch.hybrid is not None:
+        batch.hybrid.to(device)
     return batch

@@ -34,12 +34,12 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
         eng.last_stats = st
         return []
     chunks = [eng._chunk(s) for s in sched.scheduled]
-    batch = build_batch(chunks, eng.cfg.block_size, eng.device)
+    batch = build_batch(chunks, eng.cfg.block_size, eng.device, eng.batcher)
     st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
     st.scheduled = [c.seq.request_id for c in chunks]
     t2 = time.perf_counter()
     st.prepare_s = t2 - t1
-    hidden = eng.model(batch, eng.kv.tensor)
+    hidden = eng.model(batch, eng.kv.forward_arg)
     t3 = time.perf_counter()
     st.forward_s = t3 - t2
     outputs, mtp_work = _update(eng, chunks, hidden, st)

@@ -19,8 +19,10 @@ def fused_moe_ref(
     w2: torch.Tensor,  # [S, D, I]
     topk_ids: torch.Tensor,  # [T, K] slot ids in [0, S); -1 means "not here"
     topk_weights: torch.Tensor,  # [T, K]
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """Plain-torch reference: sort the (token, k) pairs by slot, run each slot's FFN once."""
+    """Plain-torch reference: sort the (token, k) pairs by slot, run each slot's FFN once.
+    limit: DeepSeek-V4's SwiGLU clipping, gate <= limit and |up| <= limit before the product."""
     T, K = topk_ids.shape
     out = torch.zeros_like(x)
     if T == 0:
@@ -40,7 +42,10 @@ def fused_moe_ref(
         start += n
         t = tok[idx]
         h = F.linear(x[t], w13[slot])
-        h = F.silu(h[:, :inter]) * h[:, inter:]
+        gate, up = h[:, :inter], h[:, inter:]
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        h = F.silu(gate) * up
         y = F.linear(h, w2[slot]) * topk_weights[t, kpos[idx], None].to(x.dtype)
         out.index_add_(0, t, y)
     return out
@@ -83,13 +88,14 @@ def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int) -> tuple[tor
 @jit
 def _fused_moe_kernel(
     a_ptr, w_ptr, out_ptr, pairs_ptr, block_slot_ptr, topk_w_ptr,
-    N, Kdim, num_pairs, top_k, gate_up_offset,
+    N, Kdim, num_pairs, top_k, gate_up_offset, limit,
     stride_am, stride_we, stride_wn, stride_wk, stride_om,
-    GATE_UP: tl.constexpr, A_PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr,
+    GATE_UP: tl.constexpr, CLAMP: tl.constexpr, A_PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of one slot's GEMM. GATE_UP: out = silu(a Wg^T) * (a Wu^T),
-    with Wu `gate_up_offset` rows below Wg. Else: out = (a W^T) * routing weight."""
+    with Wu `gate_up_offset` rows below Wg (CLAMP: gate <= limit, |up| <= limit first).
+    Else: out = (a W^T) * routing weight."""
     pid_m = tl.program_id(0)
     slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
     if slot < 0:
@@ -119,8 +125,12 @@ def _fused_moe_kernel(
     # Round where the reference's separate ops round, so low precision tracks it closely.
     if GATE_UP:
         g = acc.to(dtype).to(tl.float32)
+        u = acc2.to(dtype).to(tl.float32)
+        if CLAMP:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
         g = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        res = g * acc2.to(dtype).to(tl.float32)
+        res = g * u
     else:
         wt = tl.load(topk_w_ptr + pair, mask=mmask, other=0.0).to(dtype).to(tl.float32)
         res = acc.to(dtype).to(tl.float32) * wt[:, None]
@@ -150,11 +160,12 @@ _TILES = {16: (64, 32, 4), 32: (64, 64, 8), 64: (64, 64, 8)}
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Same contract as fused_moe_ref; CUDA tensors (or MOEMESH_KERNELS=triton) run the kernels."""
     if not use_triton(x):
-        return fused_moe_ref(x, w13, w2, topk_ids, topk_weights)
+        return fused_moe_ref(x, w13, w2, topk_ids, topk_weights, limit)
     T, D = x.shape
     S, I2, _ = w13.shape
     inter = I2 // 2
@@ -178,15 +189,16 @@ def fused_moe(
     h = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # [P, I], row per (token, k)
     _fused_moe_kernel[(block_slot.numel(), -(-inter // bn))](
         x, w13, h, sorted_pairs, block_slot, topk_weights,
-        inter, D, P, K, inter, x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
-        GATE_UP=True, A_PER_TOKEN=True, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        inter, D, P, K, inter, float(limit or 0.0),
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
+        GATE_UP=True, CLAMP=limit is not None, A_PER_TOKEN=True, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=3,
     )
     y = torch.empty(P, D, dtype=x.dtype, device=x.device)  # [P, D], weighted expert outputs
     _fused_moe_kernel[(block_slot.numel(), -(-D // bn))](
         h, w2, y, sorted_pairs, block_slot, topk_weights,
-        D, inter, P, K, 0, h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
-        GATE_UP=False, A_PER_TOKEN=False, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        D, inter, P, K, 0, 0.0, h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
+        GATE_UP=False, CLAMP=False, A_PER_TOKEN=False, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=3,
     )
     out = torch.empty_like(x)

@@ -12,8 +12,12 @@ Glossary:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from shared.model.v4.batch import HybridMeta
 
 
 @dataclass
@@ -34,6 +38,7 @@ class ForwardBatch:
     decode_context_lens: torch.Tensor | None = None  # [Bd]
     extends: list[ExtendSeq] = field(default_factory=list)
     queued_at: float = 0.0  # perf_counter time the step was queued for the device (0: when run)
+    hybrid: "HybridMeta | None" = None  # DeepSeek-V4: window, compressor and entry addresses
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """The model's architecture, parsed from a Hugging Face `config.json`.
 
-Only DeepSeek-V2 and DeepSeek-V3 (`model_type` `deepseek_v2` / `deepseek_v3`) are
-accepted. Both spellings of the RoPE settings found on the Hub are read: the older
+DeepSeek-V2 and DeepSeek-V3 (`model_type` `deepseek_v2` / `deepseek_v3`) parse into
+ModelConfig; DeepSeek-V4 (`deepseek_v4`) into shared.model.v4.config.V4Config, which
+answers the same questions the engine asks. Both spellings of the RoPE settings found on the Hub are read: the older
 `rope_scaling` + top-level `rope_theta`, and the current `rope_parameters`.
 """
 
@@ -10,9 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+if TYPE_CHECKING:
+    from shared.model.v4.config import V4Config
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v4")
 
 
 class ConfigError(ValueError):
@@ -106,7 +110,7 @@ class ModelConfig:
 
     # ---- parsing ---------------------------------------------------------
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> "ModelConfig | V4Config":
         cfg_file = Path(path) / "config.json"
         if not cfg_file.is_file():
             raise ConfigError(f"{cfg_file}: not found (a model directory needs config.json)")
@@ -117,7 +121,7 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(cfg_file))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig | V4Config":
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: top level must be a JSON object")
         mt = raw.get("model_type")
@@ -125,6 +129,10 @@ class ModelConfig:
             raise ConfigError(
                 f"{source}: unsupported model_type {mt!r}; moemesh serves {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if mt == "deepseek_v4":
+            from shared.model.v4.config import V4Config
+
+            return V4Config.from_dict(raw, source)
         g = _Getter(raw, source)
         is_v3 = mt == "deepseek_v3"
         n_experts = g.int("n_routed_experts", 0 if not is_v3 else None)

@@ -82,7 +82,8 @@ class EPLayer:
         dist.all_to_all_single(slot_in, (dst % S).contiguous(), recv, send, group=self.group)
         t1 = time.perf_counter()
         ones = torch.ones(n_in, 1, dtype=weights.dtype)
-        y = fused_moe(x_in, self.experts.gate_up_proj, self.experts.down_proj, slot_in[:, None], ones)
+        y = fused_moe(x_in, self.experts.gate_up_proj, self.experts.down_proj, slot_in[:, None], ones,
+                      self.experts.swiglu_limit)
         y_back = x.new_empty(T * K, x.shape[1])
         t2 = time.perf_counter()
         dist.all_to_all_single(y_back, y, send, recv, group=self.group)

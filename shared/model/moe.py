@@ -92,8 +92,9 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed expert weights stacked per slot (the fused Hugging Face layout)."""
 
-    def __init__(self, num_slots: int, hidden: int, intermediate: int):
+    def __init__(self, num_slots: int, hidden: int, intermediate: int, swiglu_limit: float | None = None):
         super().__init__()
+        self.swiglu_limit = swiglu_limit  # DeepSeek-V4 clips the SwiGLU inputs; V2/V3 do not
         self.gate_up_proj = nn.Parameter(torch.empty(num_slots, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_slots, hidden, intermediate))
 
@@ -123,7 +124,8 @@ class MoE(nn.Module):
         if self.runner is not None:
             out = self.runner(x, weights, ids)
         else:
-            out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
+            out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights,
+                            self.experts.swiglu_limit)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -37,6 +37,37 @@ def test_matches_reference(force_triton, device, dtype, T, D, I, S, K):
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_swiglu_limit_clips_gate_and_up(force_triton, device, dtype):
+    """DeepSeek-V4 clips gate (above) and up (both sides) before the product; weights
+    scaled up so that most pre-activations pass the limit and the clip decides."""
+    force_triton(device)
+    T, D, I, S, K = 37, 24, 12, 6, 3
+    x = randn(T, D, dtype=dtype, device=device, seed=5, scale=4.0)
+    w13, w2 = _weights(S, D, I, dtype, device, seed=6)
+    ids, w = _routing(T, K, S, device, seed=7)
+    with launches(*KERNELS):
+        got = fused_moe(x, w13, w2, ids, w, limit=0.5)
+    want = fused_moe_ref(x, w13, w2, ids, w, limit=0.5)
+    check(got, want, TOL)
+    assert (want - fused_moe_ref(x, w13, w2, ids, w)).abs().max() > 0.1  # the clip changed something
+
+
+def _swiglu_clipped(x, w13, w2, limit):
+    """One expert, by the definition: silu(min(g, L)) * clamp(u, -L, L)."""
+    inter = w13.shape[0] // 2
+    h = x @ w13.T
+    g, u = h[:, :inter].clamp(max=limit), h[:, inter:].clamp(-limit, limit)
+    return (torch.nn.functional.silu(g) * u) @ w2.T
+
+
+def test_reference_clip_is_the_definition():
+    x = torch.randn(5, 8) * 3
+    w13, w2 = _weights(1, 8, 4, torch.float32, "cpu")
+    got = fused_moe_ref(x, w13, w2, torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1), limit=0.7)
+    torch.testing.assert_close(got, _swiglu_clipped(x, w13[0], w2[0], 0.7))
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_skewed_routing_leaves_experts_empty(force_triton, device, dtype):
     """Every token to slots 0 and 6 of 8: six slots get nothing, two get a long run that
     spans several M-blocks."""

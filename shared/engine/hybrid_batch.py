@@ -1,0 +1,110 @@
+"""Builds a V4 batch's HybridMeta from the scheduled chunks (see shared/model/v4/batch.py).
+
+For each chunk of `n` positions p .. p+n-1 of one sequence:
+- pre positions: the `lookback` positions before p, read back from the ring;
+- window writes: the chunk's positions in its last `ring_len` blocks (a longer chunk's
+  earlier positions are never read again: a later step looks back at most `lookback`);
+- window keys: positions t-W+1 .. t for each row (decode), or p-W+1 .. p+n-1 shared by
+  the chunk's rows (extend);
+- groups completing in the chunk: entries w with p <= (w+1)*m - 1 < p+n, that is
+  w in [p // m, (p+n) // m);
+- entries: the sequence's entries 0 .. (p+n)//m - 1, of which row t sees (t+1)//m.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.runner import Chunk
+from shared.model.v4.batch import Entries, Extend, Groups, HybridMeta
+from shared.model.v4.config import CSA, V4Config
+
+
+class HybridBatcher:
+    def __init__(self, cfg: V4Config, block_size: int, ring_len: int):
+        self.W, self.lookback = cfg.sliding_window, cfg.lookback
+        self.bs, self.ring_len = block_size, ring_len
+        types = {cfg.layer_type(i) for i in range(cfg.num_hidden_layers)}
+        self.rates = {t: cfg.rate(t) for t in sorted(types) if t != "sliding_attention"}
+
+    def __call__(self, chunks: list[Chunk], T: int, sliding_only: bool = False) -> HybridMeta:
+        bs, R, W = self.bs, self.ring_len, self.W
+        rates = {} if sliding_only else self.rates
+        pre_blk, pre_off, w_rows, w_blk, w_off = [], [], [], [], []
+        dec_keys: list[torch.Tensor] = []
+        dec_rows: list[Chunk] = []
+        groups = {t: ([], [], [], []) for t in rates}
+        extends: list[Extend] = []
+        n_pre = 0
+        for c in chunks:
+            seq, p, n, row0 = c.seq, c.start, c.q_len, c.row
+            ring = torch.tensor(seq.ring, dtype=torch.long)
+            L = min(p, self.lookback)
+            q = torch.arange(p - L, p)
+            pre_blk.append(ring[(q // bs) % R])
+            pre_off.append(q % bs)
+            prebase = T + n_pre - (p - L)
+            n_pre += L
+
+            def ctx(qs: torch.Tensor) -> torch.Tensor:
+                return torch.where(qs < 0, -1, torch.where(qs >= p, row0 + qs - p, prebase + qs))
+
+            first = max(p, ((p + n - 1) // bs - R + 1) * bs)
+            q = torch.arange(first, p + n)
+            w_rows.append(row0 + q - p)
+            w_blk.append(ring[(q // bs) % R])
+            w_off.append(q % bs)
+            if n == 1 and not extends:
+                dec_keys.append(ctx(torch.arange(p - W + 1, p + 1)))
+                dec_rows.append(c)
+            else:
+                extends.append(Extend(row0, n, ctx(torch.arange(p - W + 1, p + n))))
+            if not rates:
+                continue
+            blocks = torch.tensor(seq.block_ids, dtype=torch.long)
+            for t, m in rates.items():
+                w = torch.arange(p // m, (p + n) // m)
+                if len(w):
+                    span = torch.arange(-m if t == CSA else 0, m)
+                    g = groups[t]
+                    g[0].append(ctx(w[:, None] * m + span[None, :]))
+                    g[1].append(w * m)
+                    g[2].append(blocks[(w * m) // bs])
+                    g[3].append((w * m % bs) // m)
+                if extends and extends[-1].q_start == row0:
+                    extends[-1].entries[t] = self._entries([(blocks, p + n)], m, torch.arange(p, p + n))
+        meta = HybridMeta(
+            pre_blk=_cat(pre_blk), pre_off=_cat(pre_off),
+            write_rows=_cat(w_rows), write_blk=_cat(w_blk), write_off=_cat(w_off),
+            num_decode=len(dec_rows),
+            dec_keys=torch.stack(dec_keys) if dec_keys else torch.zeros(0, W, dtype=torch.long),
+            extends=extends,
+        )
+        for t, m in rates.items():
+            idx, pos, blk, slot = groups[t]
+            span = 2 * m if t == CSA else m
+            meta.groups[t] = Groups(
+                torch.cat(idx) if idx else torch.zeros(0, span, dtype=torch.long),
+                _cat(pos), _cat(blk), _cat(slot))
+            if dec_rows:
+                seqs = [(torch.tensor(c.seq.block_ids, dtype=torch.long), c.start + 1) for c in dec_rows]
+                meta.dec_entries[t] = self._entries(seqs, m, torch.tensor([c.start for c in dec_rows]))
+        return meta
+
+    def _entries(self, seqs: list[tuple[torch.Tensor, int]], m: int, positions: torch.Tensor) -> Entries:
+        """Addresses of each sequence's entries 0 .. end//m - 1, padded to the longest
+        (padding points at entry 0 of block 0: masked, never read as a choice)."""
+        bs = self.bs
+        E = max(end // m for _, end in seqs)
+        e = torch.arange(E)
+        blk = torch.zeros(len(seqs), E, dtype=torch.long)
+        slot = torch.zeros(len(seqs), E, dtype=torch.long)
+        for r, (blocks, end) in enumerate(seqs):
+            k = end // m
+            blk[r, :k] = blocks[(e[:k] * m) // bs]
+            slot[r, :k] = (e[:k] * m % bs) // m
+        return Entries(blk, slot, (positions + 1) // m)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.long)

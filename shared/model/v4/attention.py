@@ -1,0 +1,182 @@
+"""DeepSeek-V4 attention over the hybrid paged cache.
+
+Shapes: T = rows, H = heads, d = head_dim, W = sliding window, E = compressed entries.
+One KV head (MQA), and its key is also its value. A query at position t attends to:
+- the window: positions t-W+1 .. t;
+- CSA layers: the indexer's top-k among entries 0 .. (t+1)//m - 1;
+- HCA layers: all of entries 0 .. (t+1)//m - 1;
+plus a learned per-head sink logit that takes probability mass and gives nothing. The
+output's rotary part is rotated back by the query's angle (values carry their keys'
+rotation), then heads go through the grouped low-rank output projection.
+
+Order within a layer matters: the pre positions are read from the ring before this
+batch's rows are written there (a long chunk may wrap the ring), and the entries that
+complete in this batch are written before anyone gathers entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shared.model.layers import RMSNorm
+from shared.model.v4.batch import Entries, HybridMeta
+from shared.model.v4.compressor import Compressor, Indexer
+from shared.model.v4.config import CSA, HCA, SLIDING, V4Config
+from shared.model.v4.hyper import unit_rms
+from shared.model.v4.layout import LayerRegions
+from shared.model.v4.rope import Rope, rotate
+
+
+@dataclass
+class V4Step:
+    """Per-forward state shared by the layers: the cache rows and each rope's angles."""
+
+    main: torch.Tensor  # [num_blocks, main_width]
+    window: torch.Tensor  # [num_window_blocks, window_width]
+    meta: HybridMeta
+    angles: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main" / "compress" -> cos, sin [T, R/2]
+    ropes: dict[str, Rope]
+
+
+class V4Attention(nn.Module):
+    def __init__(self, cfg: V4Config, layer_id: int):
+        super().__init__()
+        self.layer_type = cfg.layer_type(layer_id)
+        self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
+        H, D, d = cfg.num_attention_heads, cfg.hidden_size, cfg.head_dim
+        self.H, self.d, self.W, self.eps = H, d, cfg.sliding_window, cfg.rms_norm_eps
+        self.groups = cfg.o_groups
+        self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * d, bias=False)
+        self.kv_proj = nn.Linear(D, d, bias=False)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # Grouped output projection: [groups * o_lora_rank, H*d / groups], one block per group.
+        self.o_a_proj = nn.Linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
+        self.sinks = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.compressor: Compressor | None = None
+        if self.layer_type != SLIDING:
+            m = cfg.compress_rate(layer_id)
+            self.compressor = Compressor(D, d, m, overlap=self.layer_type == CSA, eps=cfg.rms_norm_eps)
+            if self.layer_type == CSA:
+                self.compressor.indexer = Indexer(D, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, m,
+                                                  cfg.index_topk, cfg.rms_norm_eps)
+        self.scale = d**-0.5
+
+    def forward(self, x: torch.Tensor, st: V4Step, reg: LayerRegions) -> torch.Tensor:
+        T, H, d = x.shape[0], self.H, self.d
+        meta = st.meta
+        cos, sin = st.angles[self.rope_kind]
+        q_res = self.q_a_norm(self.q_a_proj(x))
+        q = rotate(unit_rms(self.q_b_proj(q_res).view(T, H, d), self.eps), cos, sin)
+        kv = rotate(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+        win_kv = reg.window_kv.view(st.window)
+        ctx_kv = torch.cat([kv, win_kv[meta.pre_blk, meta.pre_off].to(kv.dtype)])
+        writes = [(win_kv, kv)]
+        comp = self.compressor
+        entries = index_keys = None
+        if comp is not None:
+            entries = reg.entries.view(st.main)
+            proj = self._compress(comp, x, reg.proj, entries, st)
+            writes.append((reg.proj.view(st.window), proj))
+            if self.layer_type == CSA:
+                index_keys = reg.index_keys.view(st.main)
+                iproj = self._compress(comp.indexer, x, reg.index_proj, index_keys, st)
+                writes.append((reg.index_proj.view(st.window), iproj))
+        for view, rows in writes:
+            view[meta.write_blk, meta.write_off] = rows[meta.write_rows].to(view.dtype)
+
+        out = x.new_empty(T, H, d)
+        ccos, csin = st.angles["compress"]
+        nd = meta.num_decode
+        if nd:
+            keys = ctx_kv[meta.dec_keys.clamp(min=0)]  # [Bd, W, d]
+            mask = meta.dec_keys >= 0
+            if comp is not None:
+                ent = meta.dec_entries[self.layer_type]
+                rows = slice(0, nd)
+                ck, cmask = self._entries_per_row(ent, entries, index_keys, q_res[rows], x[rows], ccos[rows],
+                                                  csin[rows], ent.visible)
+                keys, mask = torch.cat([keys, ck.to(keys.dtype)], dim=1), torch.cat([mask, cmask], dim=1)
+            out[:nd] = self._attend(q[:nd], keys, mask)
+        for ext in meta.extends:
+            rows = slice(ext.q_start, ext.q_start + ext.q_len)
+            n, L = ext.q_len, ext.key_idx.shape[0]
+            keys = ctx_kv[ext.key_idx.clamp(min=0)]  # [n + W - 1, d], shared by the chunk's rows
+            i = torch.arange(n, device=x.device)[:, None]
+            j = torch.arange(L, device=x.device)[None, :]
+            mask = (j >= i) & (j < i + self.W) & (ext.key_idx >= 0)[None, :]
+            if comp is not None:
+                ent = ext.entries[self.layer_type]
+                ck, cmask = self._entries_shared(ent, entries, index_keys, q_res[rows], x[rows], ccos[rows],
+                                                 csin[rows])
+                keys, mask = torch.cat([keys, ck.to(keys.dtype)]), torch.cat([mask, cmask], dim=1)
+            out[rows] = self._attend_shared(q[rows], keys, mask)
+
+        out = rotate(out, cos, sin, inverse=True)
+        return self.o_b_proj(self._grouped_out(out.reshape(T, H * d)))
+
+    def _compress(self, comp: Compressor, x: torch.Tensor, proj_region, store: torch.Tensor,
+                  st: V4Step) -> torch.Tensor:
+        """Project the rows, pool the groups completing now into `store`; returns the
+        rows' projections (for the ring)."""
+        proj = comp.project(x)
+        groups = st.meta.groups.get(self.layer_type)
+        if groups is not None and groups.idx.shape[0]:
+            pre = proj_region.view(st.window)[st.meta.pre_blk, st.meta.pre_off].to(proj.dtype)
+            pooled = comp.pool(torch.cat([proj, pre]), groups, st.ropes["compress"])
+            store[groups.blk, groups.slot] = pooled.to(store.dtype)
+        return proj
+
+    def _entries_per_row(self, ent: Entries, entries, index_keys, q_res, x, cos, sin, visible):
+        """Decode rows, one sequence each: [Bd, E', d] keys and their mask."""
+        E = ent.blk.shape[1]
+        if self.layer_type == HCA:
+            return entries[ent.blk, ent.slot], torch.arange(E, device=x.device)[None, :] < visible[:, None]
+        indexer = self.compressor.indexer
+        scores = indexer.scores(q_res, x, cos, sin, index_keys[ent.blk, ent.slot])
+        top, valid = indexer.select(scores, visible)
+        return entries[ent.blk.gather(1, top), ent.slot.gather(1, top)], valid
+
+    def _entries_shared(self, ent: Entries, entries, index_keys, q_res, x, cos, sin):
+        """An extend chunk's rows share one sequence's entries: [E, d] and a [n, E] mask."""
+        blk, slot, visible = ent.blk[0], ent.slot[0], ent.visible
+        E = blk.shape[0]
+        keys = entries[blk, slot]
+        if self.layer_type == HCA:
+            return keys, torch.arange(E, device=x.device)[None, :] < visible[:, None]
+        indexer = self.compressor.indexer
+        top, valid = indexer.select(indexer.scores(q_res, x, cos, sin, index_keys[blk, slot]), visible)
+        mask = torch.zeros(x.shape[0], E + 1, dtype=torch.bool, device=x.device)
+        mask.scatter_(1, torch.where(valid, top, E), True)  # invalid picks land in a spare column
+        return keys, mask[:, :E]
+
+    def _softmax_with_sink(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """scores [R, H, L], mask [R, 1, L] -> probabilities with the sink column dropped."""
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = self.sinks.to(scores.dtype).view(1, -1, 1).expand(scores.shape[0], -1, 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        return logits.softmax(dim=-1)[..., :-1]
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Per-row keys: q [R, H, d], keys [R, L, d] (also the values), mask [R, L]."""
+        p = self._softmax_with_sink(torch.einsum("rhd,rld->rhl", q, keys) * self.scale, mask[:, None, :])
+        return torch.einsum("rhl,rld->rhd", p.to(keys.dtype), keys)
+
+    def _attend_shared(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Keys shared by the rows: keys [L, d], mask [R, L]."""
+        p = self._softmax_with_sink(torch.einsum("rhd,ld->rhl", q, keys) * self.scale, mask[:, None, :])
+        return torch.einsum("rhl,ld->rhd", p.to(keys.dtype), keys)
+
+    def _grouped_out(self, o: torch.Tensor) -> torch.Tensor:
+        """[T, H*d] -> [T, groups * o_lora_rank]: group g's slice through its own block."""
+        T, G = o.shape[0], self.groups
+        w = self.o_a_proj.weight.view(G, -1, o.shape[1] // G)  # [G, o_lora, H*d/G]
+        y = torch.bmm(o.view(T, G, -1).transpose(0, 1), w.transpose(1, 2))  # [G, T, o_lora]
+        return y.transpose(0, 1).reshape(T, -1)

@@ -1,0 +1,97 @@
+"""Compressors and the lightning indexer of CSA / HCA layers.
+
+A compressor pools each group of `m` positions into one entry: per channel, a softmax
+over the group of (gate projection + a learned per-slot bias) weights the kv
+projections; the sum is RMS-normalised and rotated at the group's first position.
+CSA's compressor overlaps groups: each position projects two series, Ca (for the next
+group's entry) and Cb (for its own), so entry w pools group w-1's Ca with group w's Cb
+over 2m slots; before position 0 the slots are empty (weight 0).
+
+The indexer runs its own smaller CSA-style compressor (index keys) and scores a query
+t against entry s as sum_h w_{t,h} * relu(q_{t,h} . k_s) (paper §2.3.1); a query keeps
+its top `index_topk` entries among those it may see, (t + 1) // m of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.model.layers import RMSNorm
+from shared.model.v4.batch import Groups
+from shared.model.v4.rope import Rope, rotate
+
+
+class Compressor(nn.Module):
+    def __init__(self, hidden: int, width: int, rate: int, overlap: bool, eps: float):
+        super().__init__()
+        self.width, self.rate, self.overlap = width, rate, overlap
+        series = 2 if overlap else 1
+        self.kv_proj = nn.Linear(hidden, series * width, bias=False)
+        self.gate_proj = nn.Linear(hidden, series * width, bias=False)
+        self.position_bias = nn.Parameter(torch.empty(rate, series * width, dtype=torch.float32))
+        self.kv_norm = RMSNorm(width, eps)
+
+    @property
+    def proj_width(self) -> int:
+        return 2 * self.kv_proj.out_features
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, D] -> [T, kv | gate], what the window keeps per position."""
+        return torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
+
+    def pool(self, ctx_proj: torch.Tensor, groups: Groups, rope: Rope) -> torch.Tensor:
+        """ctx_proj: projections of the batch's rows then of its pre positions.
+        Returns the groups' entries [G, width], normalised and rotated."""
+        m, w = self.rate, self.width
+        idx = groups.idx
+        kv, gate = ctx_proj[idx.clamp(min=0)].split(self.proj_width // 2, dim=-1)  # [G, span, series*w]
+        bias = self.position_bias
+        if self.overlap:  # slots [0, m): the previous group's Ca; [m, 2m): this group's Cb
+            kv = torch.cat([kv[:, :m, :w], kv[:, m:, w:]], dim=1)
+            gate = torch.cat([gate[:, :m, :w] + bias[:, :w], gate[:, m:, w:] + bias[:, w:]], dim=1)
+        else:
+            gate = gate + bias
+        empty = (idx < 0).unsqueeze(-1)
+        gate = gate.masked_fill(empty, float("-inf"))
+        kv = kv.masked_fill(empty, 0.0)
+        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+        cos, sin = rope.angles(groups.pos)
+        return rotate(self.kv_norm(pooled), cos, sin)
+
+
+class Scorer(nn.Module):
+    def __init__(self, hidden: int, n_heads: int):
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
+
+
+class Indexer(Compressor):
+    def __init__(self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, rate: int, topk: int,
+                 eps: float):
+        super().__init__(hidden, head_dim, rate, overlap=True, eps=eps)
+        self.n_heads, self.topk = n_heads, topk
+        self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.scorer = Scorer(hidden, n_heads)
+
+    def scores(self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor) -> torch.Tensor:
+        """Rows' queries against index keys: keys [R, E, d] (one set per row) or [E, d]
+        (shared by all rows). Returns [R, E] in fp32."""
+        R = x.shape[0]
+        q = rotate(self.q_b_proj(q_res).view(R, self.n_heads, self.width), cos, sin).float()
+        if keys.dim() == 3:
+            s = torch.einsum("rhd,red->rhe", q, keys.float())
+        else:
+            s = torch.einsum("rhd,ed->rhe", q, keys.float())
+        s = torch.relu(s) * self.width**-0.5
+        w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
+        return (s * w.unsqueeze(-1)).sum(dim=1)
+
+    def select(self, scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k among the entries it may see: (indices [R, k], valid [R, k])."""
+        E = scores.shape[1]
+        hidden = torch.arange(E, device=scores.device)[None, :] >= visible[:, None]
+        k = min(self.topk, E)
+        top = scores.masked_fill(hidden, float("-inf")).topk(k, dim=-1).indices
+        return top, top < visible[:, None]
