@@ -24,6 +24,13 @@ def tiny_v2_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_v4_model(tmp_path_factory) -> str:
+    from shared.checkpoint.writer import init_model
+
+    return str(init_model(tmp_path_factory.mktemp("tiny-v4"), "v4-tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
 def tiny_engine_factory(tiny_model):
     """Builds engines on the tiny model, reusing one loaded copy of the weights."""
     from shared.checkpoint.loader import load_model

@@ -112,12 +112,18 @@ def init_model(
     fused_experts: bool = False,
     layout: str = "hf",
     quantize: bool = False,
+    overrides: dict | None = None,
 ) -> Path:
     """layout, quantize: DeepSeek-V4 only (writer_v4.py): transformers' names or the
     upstream ones, and the published FP8/FP4 storage (upstream layout)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = preset_config(preset, num_layers)
+    for k, v in (overrides or {}).items():  # tests: architectures the presets do not cover (None drops a key)
+        if v is None:
+            raw.pop(k, None)
+        else:
+            raw[k] = v
     tok = build_tokenizer(TOKENIZER_VOCAB[preset])
     if preset in VOCAB_FROM_TOKENIZER:
         raw["vocab_size"] = tok.get_vocab_size()
