@@ -55,3 +55,21 @@ def test_dep_outputs_equal_dep1(tiny_engine_factory, tiny_model, world, redundan
             want[o.request_id] += o.new_token_ids
     got = _dep(tiny_model, world, redundant, prompts, max_tokens, num_spec)
     assert got == want
+
+
+def test_dep_v4_outputs_equal_dep1_hash_layers_included(tiny_v4_model):
+    """DeepSeek-V4 under DEP2 with a redundant slot: every layer is MoE, the first two
+    hash-routed, and all of them go through the all-to-all."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+
+    prompts = _prompts(5, seed=3)
+    eng = LLMEngine(EngineConfig(model=tiny_v4_model, num_kv_blocks=256, num_speculative_tokens=1))
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    want = {f"r{i}": [] for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for o in eng.step():
+            want[o.request_id] += o.new_token_ids
+    assert _dep(tiny_v4_model, 2, 1, prompts, 8, 1) == want

@@ -178,5 +178,5 @@ class V4Attention(nn.Module):
         """[T, H*d] -> [T, groups * o_lora_rank]: group g's slice through its own block."""
         T, G = o.shape[0], self.groups
         w = self.o_a_proj.weight.view(G, -1, o.shape[1] // G)  # [G, o_lora, H*d/G]
-        y = torch.bmm(o.view(T, G, -1).transpose(0, 1), w.transpose(1, 2))  # [G, T, o_lora]
-        return y.transpose(0, 1).reshape(T, -1)
+        y = torch.bmm(o.view(T, G, o.shape[1] // G).transpose(0, 1), w.transpose(1, 2))  # [G, T, o_lora]
+        return y.transpose(0, 1).flatten(1)

@@ -31,7 +31,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, N, D] -> (post [T, N], comb [T, N, N], collapsed input [T, D])."""
         T, N = streams.shape[:2]
-        mixes = F.linear(unit_rms(streams.reshape(T, -1).float(), self.norm_eps), self.fn.float())
+        mixes = F.linear(unit_rms(streams.flatten(1).float(), self.norm_eps), self.fn.float())
         pre_w, post_w, comb_w = mixes.split([N, N, N * N], dim=-1)
         pre_b, post_b, comb_b = self.base.split([N, N, N * N])
         s_pre, s_post, s_comb = self.scale.unbind(0)

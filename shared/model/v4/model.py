@@ -102,8 +102,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        h = hidden.view(hidden.shape[0], self.cfg.hc_mult, -1)
-        return self.lm_head(self.model.norm(self.model.hc_head(h))).float()
+        return self.lm_head(self.model.norm(self.model.hc_head(self._streams(hidden)))).float()
+
+    def _streams(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.view(flat.shape[0], self.cfg.hc_mult, self.cfg.hidden_size)
 
     @torch.inference_mode()
     def mtp_forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, cache) -> torch.Tensor:
@@ -111,14 +113,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         target's streams at i, or the previous draft step's. Returns the MTP streams."""
         m = self.mtp[0]
         st = self._step(batch, cache)
-        T = prev_hidden.shape[0]
         e = m.enorm(self.model.embed_tokens(batch.input_ids))
-        h = m.hnorm(prev_hidden.view(T, self.cfg.hc_mult, -1))
+        h = m.hnorm(self._streams(prev_hidden))
         h = m.e_proj(e).unsqueeze(1) + m.h_proj(h)
         return m(h, batch.input_ids, st, cache.layout).flatten(1)
 
     @torch.inference_mode()
     def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         m = self.mtp[0]
-        h = hidden.view(hidden.shape[0], self.cfg.hc_mult, -1)
-        return self.lm_head(m.norm(m.hc_head(h))).float()
+        return self.lm_head(m.norm(m.hc_head(self._streams(hidden)))).float()

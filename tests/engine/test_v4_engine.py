@@ -1,0 +1,71 @@
+"""DeepSeek-V4 engine mechanics: block size, rings, empty lockstep batches, bad buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine, RequestError
+from shared.engine.runner import build_batch
+from shared.engine.sampling_params import SamplingParams
+
+
+def _engine(model_dir, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 32)
+    return LLMEngine(EngineConfig(model=model_dir, **kw))
+
+
+def test_block_size_holds_whole_groups_and_prefix_caching_is_off(tiny_v4_model):
+    eng = _engine(tiny_v4_model, block_size=4)  # groups of 16 (HCA) do not fit: raised to 16
+    assert eng.cfg.block_size == 16 and not eng.cfg.enable_prefix_caching
+    assert eng.blocks.uses_rings and eng.blocks.num_rings == 2 * eng.cfg.max_num_seqs
+
+
+def test_an_empty_batch_runs_as_lockstep_ranks_need(tiny_v4_model):
+    eng = _engine(tiny_v4_model)
+    h = eng.model(build_batch([], eng.cfg.block_size, "cpu", eng.batcher), eng.kv.forward_arg)
+    assert h.shape == (0, eng.model_config.hc_mult * eng.model_config.hidden_size)
+    assert eng.model.compute_logits(h).shape == (0, eng.model_config.vocab_size)
+    d = eng.model.mtp_forward(build_batch([], eng.cfg.block_size, "cpu", eng.draft_batcher), h, eng.kv.forward_arg)
+    assert eng.model.mtp_logits(d).shape == (0, eng.model_config.vocab_size)
+
+
+def test_a_sequence_holds_one_ring_while_it_has_blocks(tiny_v4_model):
+    eng = _engine(tiny_v4_model, max_num_seqs=2)
+    free = eng.blocks.num_free_rings
+    for i in range(3):
+        eng.add_request(f"r{i}", [0, 5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    eng.step()
+    assert eng.blocks.num_free_rings == free - 2  # two running (max_num_seqs), one waiting without a ring
+    assert all(len(s.ring) == eng.blocks.ring_len for s in eng.scheduler.running)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.blocks.num_free_rings == free and eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def test_rings_freed_during_a_step_wait_for_it():
+    bm = BlockManager(8, 16, num_rings=2, ring_len=3)
+    a, b = bm.take_ring(), bm.take_ring()
+    assert a == [0, 1, 2] and b == [3, 4, 5] and bm.num_free_rings == 0
+    bm.begin_step(7)
+    bm.give_ring(a)
+    assert bm.num_free_rings == 0  # step 7 may still write it
+    bm.end_step(7)
+    assert bm.num_free_rings == 1
+    with pytest.raises(MemoryError):
+        bm.take_ring(), bm.take_ring()
+    bm.check()
+
+
+def test_a_prefilled_buffer_of_the_wrong_size_is_refused_and_nothing_leaks(tiny_v4_model):
+    eng = _engine(tiny_v4_model, role="decode")
+    n = eng.blocks.blocks_for(5)
+    good = torch.zeros(eng.kv_shape(n), dtype=eng.kv_dtype)
+    with pytest.raises(RequestError, match="shape"):
+        eng.add_prefilled("r", [0, 1, 2, 3, 4, 9], 5, SamplingParams(max_tokens=2), good[:-1])
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    assert eng.blocks.num_free_rings == eng.blocks.num_rings
+    eng.add_prefilled("r", [0, 1, 2, 3, 4, 9], 5, SamplingParams(max_tokens=2), good)
+    assert eng.blocks.num_free_rings == eng.blocks.num_rings - 1
