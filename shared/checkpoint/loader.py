@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from shared.checkpoint.names import Target, hf_to_local
-from shared.checkpoint.names_v4 import is_scale, scale_names, v4_to_local
+from shared.checkpoint.names_v4 import is_scale, local_to_upstream, scale_names, v4_to_local
 from shared.checkpoint.quant import QuantSpec, dequant_fp4, dequant_fp8_block
 from shared.checkpoint.safetensors_io import SafetensorsFile, SafetensorsFormatError
 from shared.model.config import ConfigError, ModelConfig
@@ -149,6 +149,8 @@ def load_model(
 
     _tie_optional(model, pending, cfg)
     missing = sorted(n for n, left in pending.items() if left)
+    if missing and v4:  # say it in the checkpoint's own names too
+        missing = [f"{n} (upstream {local_to_upstream(n, cfg.n_routed_experts)[0]})" for n in missing]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{model_dir}: missing tensors {', '.join(missing[:5])}{more}")
@@ -195,6 +197,10 @@ class _Source:
         if self.scale is not None and not self.fp4 and info.dtype != torch.float8_e4m3fn:
             raise CheckpointError(f"{fname}: tensor {name!r} has a scale but is stored as {info.dtype}, "
                                   f"not FP8 e4m3 or packed FP4")
+        packed = info.dtype in (torch.int8, torch.uint8) and dtype.is_floating_point
+        if self.scale is None and (info.dtype == torch.float8_e4m3fn or packed):
+            raise CheckpointError(f"{fname}: tensor {name!r} is stored quantized ({info.dtype}) but its scale "
+                                  f"({' or '.join(scale_names(name))}) is missing")
         self.shape = (*info.shape[:-1], 2 * info.shape[-1]) if self.fp4 else info.shape
 
     def _dequant(self) -> torch.Tensor:

@@ -287,4 +287,6 @@ def preset_config(name: str, num_layers: int | None = None) -> dict[str, Any]:
         for key in ("layer_types", "mlp_layer_types"):  # the per-layer lists are cut with it
             if key in cfg:
                 cfg[key] = cfg[key][:num_layers]
+        if "compress_ratios" in cfg:  # upstream's list ends with the MTP layer's (sliding) entry
+            cfg["compress_ratios"] = cfg["compress_ratios"][:num_layers] + [0]
     return cfg

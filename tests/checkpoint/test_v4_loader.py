@@ -283,8 +283,6 @@ def test_scale_on_an_unquantized_weight_is_refused(dirs, tmp_path):
         load_model(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="an FP8 weight whose .scale is missing is loaded as raw e4m3 values "
-                                       "(up to 448), without an error")
 def test_fp8_weight_without_its_scale_is_refused(dirs, tmp_path):
     bad = _variant(dirs["quantized"], tmp_path / "bad", edit_tensors=_drop("layers.0.attn.wq_a.scale"))
     with pytest.raises(CheckpointError, match="layers.0.attn.wq_a"):

@@ -182,17 +182,13 @@ def test_configs_cover_what_they_claim():
     assert parsed["legacy-many-hash"].mlp_layer_types == (HASH_MOE,) * 3
 
 
-_DEFAULTS_DIFFER = "V4Config defaults it to {ours}; transformers' DeepseekV4Config to {theirs}"
 
 
 @pytest.mark.parametrize("key", [
     "head_dim", "sliding_window", "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
     "hc_eps", "n_shared_experts", "scoring_func", "norm_topk_prob", "swiglu_limit", "rms_norm_eps",
     "tie_word_embeddings", "bos_token_id",
-    pytest.param("routed_scaling_factor", marks=pytest.mark.xfail(
-        strict=True, reason=_DEFAULTS_DIFFER.format(ours=1.0, theirs=1.5))),
-    pytest.param("max_position_embeddings", marks=pytest.mark.xfail(
-        strict=True, reason=_DEFAULTS_DIFFER.format(ours=4096, theirs=1048576))),
+    "routed_scaling_factor", "max_position_embeddings",
 ])
 def test_omitted_key_defaults_like_transformers(key):
     raw = preset_config("v4-tiny")
@@ -319,8 +315,6 @@ def test_bad_upstream_spelling_names_the_key(patch, needle):
     assert str(e.value).startswith("models/x/config.json: ")
 
 
-@pytest.mark.xfail(strict=True, reason="a short compress_ratios is reported as 'layer_types has N entries', "
-                                       "a key the upstream config does not have")
 def test_short_compress_ratios_names_compress_ratios():
     raw = preset_config("v4-flash") | {"compress_ratios": [0, 0, 4, 128]}
     with pytest.raises(ConfigError, match="compress_ratios"):

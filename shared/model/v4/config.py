@@ -149,10 +149,12 @@ class V4Config:
             if t not in (CSA, HCA) or isinstance(m, bool) or not isinstance(m, int) or m < 1:
                 raise bad(f"compress_rates[{t!r}] must be a positive integer, got {m!r}")
 
-        layer_types = raw.get("layer_types")
+        layer_types, types_key = raw.get("layer_types"), "layer_types"
         if layer_types is None and raw.get("compress_ratios") is not None:
+            if rates[CSA] == rates[HCA]:
+                raise bad(f"compress_ratios cannot tell CSA from HCA layers: both rates are {rates[CSA]}")
             by_rate = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA}
-            ratios = raw["compress_ratios"]
+            ratios, types_key = raw["compress_ratios"], "compress_ratios"
             if not isinstance(ratios, list) or any(r not in by_rate for r in ratios):
                 raise bad(f"compress_ratios must list 0 (sliding), {rates[CSA]} (CSA) or {rates[HCA]} (HCA) "
                           f"per layer, got {ratios!r}")
@@ -161,7 +163,7 @@ class V4Config:
             layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
         layer_types = _list_of(layer_types, "layer_types", LAYER_TYPES, source)
         if len(layer_types) < n:
-            raise bad(f"layer_types has {len(layer_types)} entries for {n} layers")
+            raise bad(f"{types_key} has {len(layer_types)} entries for {n} layers")
         layer_types = layer_types[:n]  # the upstream list carries the MTP layer's entry too
 
         mlp_types = raw.get("mlp_layer_types")
@@ -210,10 +212,10 @@ class V4Config:
             num_experts_per_tok=g.int("num_experts_per_tok"),
             scoring_func=raw.get("scoring_func") or "sqrtsoftplus",
             norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
             swiglu_limit=None if limit is None else float(limit),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=g.int("max_position_embeddings", 4096),
+            max_position_embeddings=g.int("max_position_embeddings", 1 << 20),
             rope_main=rope_main,
             rope_compress=rope_compress,
             num_nextn_predict_layers=g.int("num_nextn_predict_layers", 0),
@@ -282,7 +284,7 @@ def _parse_v4_rope(raw: dict[str, Any], source: str) -> tuple[RopeConfig, RopeCo
         raise ConfigError(f"{source}: rope_parameters/rope_scaling must be an object")
     theta = float(raw.get("rope_theta", 10000.0))
     ctheta = float(raw.get("compress_rope_theta", 160000.0))
-    max_pos = int(raw.get("max_position_embeddings", 4096))
+    max_pos = int(raw.get("max_position_embeddings", 1 << 20))
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         return (_rope(rp["main"], theta, source, "rope_parameters.main", max_pos),
                 _rope(rp["compress"], ctheta, source, "rope_parameters.compress", max_pos))
