@@ -182,8 +182,7 @@ class DecodeService(AsyncService):
         """Between steps, once blocks are free: scatter the request's bytes into the cache."""
         rt, item = self.rt, pull.item
         params = item.sampling.to_params()
-        kv = rt.engine.kv.tensor
-        shape = (kv.shape[0], item.num_blocks, *kv.shape[2:])
+        dtype, shape = rt.engine.kv_dtype, rt.engine.kv_shape(item.num_blocks)
 
         def attempt(engine) -> bool:
             if pull.aborted:
@@ -193,7 +192,7 @@ class DecodeService(AsyncService):
                 return False  # wait for blocks to free up
             try:
                 engine.add_prefilled(item.request_id, item.prompt_ids + item.output_ids, len(item.prompt_ids),
-                                     params, pull.staging().typed(kv.dtype, shape))
+                                     params, pull.staging().typed(dtype, shape))
             except RequestError as e:
                 rt.spawn(self._fail(item.request_id, f"import refused: {e}"), "fail")
             finally:
@@ -240,8 +239,8 @@ class DecodeService(AsyncService):
         than importing it, which a benchmark of the serving path must not measure."""
         t = self._dummy.get(shape)
         if t is None:
-            kv = self.rt.engine.kv.tensor
-            t = self._dummy[shape] = torch.randn(shape, dtype=kv.dtype, device=kv.device)
+            e = self.rt.engine
+            t = self._dummy[shape] = torch.randn(shape, dtype=e.kv_dtype, device=e.device)
         return t
 
     async def _on_bench_job(self, job: PrefillJob, msg, ctx):
@@ -253,9 +252,8 @@ class DecodeService(AsyncService):
             return ErrorReply(str(e), "bad_request")
         if job.request_id in self.active:
             return ErrorReply(f"duplicate request {job.request_id}", "bad_request")
-        kv = rt.engine.kv.tensor
         n = len(job.prompt_ids)
-        shape = (kv.shape[0], rt.engine.blocks.blocks_for(n), *kv.shape[2:])
+        shape = rt.engine.kv_shape(rt.engine.blocks.blocks_for(n))
         first = job.prompt_ids[-1]
         span = rt.tracer.start_span("decode", context=ctx, attributes={
             "request.id": job.request_id, "worker.id": rt.worker_id, "prompt.tokens": n, "bench.dummy_kv": True})

@@ -202,7 +202,7 @@ class PrefillService(AsyncService):
             if out.prefill_done:
                 seq = rt.engine.held_sequence(job.request_id)
                 n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)
-                nbytes = n_blocks * rt.engine.kv.tensor[:, 0].numel() * rt.engine.kv.tensor.element_size()
+                nbytes = rt.engine.kv_nbytes(n_blocks)
                 lease = self.leases.grant(job, n_blocks, nbytes)
                 handoffs.setdefault(job.decode_id, []).append(Handoff(job, span, lease, list(out.new_token_ids)))
             else:
@@ -298,21 +298,21 @@ class PrefillService(AsyncService):
             return KVPullReply(False, error="prefill staging memory is full")
         spans = []
         try:
-            kv = rt.engine.kv.tensor
+            engine = rt.engine
             off = 0
             for item, lease in zip(p.items, leases):
                 if lease is not None:
                     lease.pulling = True
                     spans.append(rt.tracer.start_span("kv.send", context=extract_context({"traceparent": item.traceparent}),
                                                       attributes={"request.id": item.request_id, "kv.bytes": item.nbytes}))
-                    dst = slot.part(off, item.nbytes).typed(kv.dtype, (kv.shape[0], lease.num_blocks, *kv.shape[2:]))
+                    dst = slot.part(off, item.nbytes).typed(engine.kv_dtype, engine.kv_shape(lease.num_blocks))
                     # A held request's blocks are never written by a step, so the copy runs beside
                     # the engine, not between its steps: a pull never waits behind a long prefill.
                     # A small one is cheaper here than a thread's round trip.
                     if item.nbytes <= INLINE_EXPORT_BYTES:
-                        rt.engine.export_kv(item.request_id, dst)
+                        engine.export_kv(item.request_id, dst)
                     else:
-                        await asyncio.to_thread(rt.engine.export_kv, item.request_id, dst)
+                        await asyncio.to_thread(engine.export_kv, item.request_id, dst)
                 off += item.nbytes
             if self.cfg.debug_kv_fault != "drop":
                 await rt.transport.send(p.decode_address, slot.buffer(), p.tag, self.cfg.transfer_timeout_s)

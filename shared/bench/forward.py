@@ -36,8 +36,7 @@ def fill_dummy(engine: LLMEngine, request_id: str, context_len: int, params: Sam
     """Give a request a random-filled cache of context_len tokens, as if prefilled elsewhere."""
     vocab = engine.model_config.vocab_size
     n_blocks = engine.blocks.blocks_for(context_len)
-    shape = (engine.kv.tensor.shape[0], n_blocks, engine.cfg.block_size, engine.kv.tensor.shape[-1])
-    kv = torch.randn(shape, dtype=engine.kv.tensor.dtype, device=engine.kv.tensor.device)
+    kv = torch.randn(engine.kv_shape(n_blocks), dtype=engine.kv_dtype, device=engine.device)
     ids = [rng.randrange(vocab) for _ in range(context_len + 1)]
     engine.add_prefilled(request_id, ids, context_len, params, kv)
 

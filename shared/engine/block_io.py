@@ -7,6 +7,10 @@ pressure never touches a block in use.
 
 On the wire, blocks travel block-major, [n, layers, block_size, D]: each block's bytes
 are contiguous, so a holder can keep, checksum and serve them one by one.
+
+Only the V2/V3 paged cache moves this way. A DeepSeek-V4 block is not self-contained:
+the window rows a sequence needs to go on live in its ring, not in its blocks, so V4
+engines keep no prefix cache and refuse to move blocks (why_unsupported).
 """
 
 from __future__ import annotations
@@ -18,8 +22,22 @@ import torch
 from shared.engine.engine import LLMEngine
 
 
+def why_unsupported(engine: LLMEngine) -> str:
+    """Why this engine's blocks cannot move one by one, or "" when they can."""
+    if engine.hybrid:
+        return "DeepSeek-V4 KV blocks are not shared (no prefix reuse for V4 yet)"
+    return ""
+
+
+def _paged(engine: LLMEngine) -> torch.Tensor:
+    why = why_unsupported(engine)
+    if why:
+        raise ValueError(why)
+    return engine.kv.tensor
+
+
 def block_nbytes(engine: LLMEngine) -> int:
-    kv = engine.kv.tensor
+    kv = _paged(engine)
     return kv[:, 0].numel() * kv.element_size()
 
 
@@ -49,18 +67,24 @@ def release(engine: LLMEngine, blocks: list[int]) -> None:
 
 
 def wire_shape(engine: LLMEngine, n: int) -> tuple[int, ...]:
-    layers, _, bs, d = engine.kv.tensor.shape
+    layers, _, bs, d = _paged(engine).shape
     return (n, layers, bs, d)
+
+
+def wire_dtype(engine: LLMEngine) -> torch.dtype:
+    return _paged(engine).dtype
 
 
 def gather(engine: LLMEngine, blocks: list[int], out: torch.Tensor) -> list[int]:
     """Copy blocks into `out` (block-major); returns each block's crc32."""
+    _paged(engine)
     out.copy_(engine.kv.export_blocks(blocks).transpose(0, 1))
     return checksums(out)
 
 
 def scatter_and_register(engine: LLMEngine, blocks: list[int], hashes: list[bytes], buf: torch.Tensor) -> None:
     """buf: block-major blocks, written into `blocks` and put into the prefix cache."""
+    _paged(engine)
     engine.kv.import_blocks(blocks, buf.transpose(0, 1))
     for b, h in zip(blocks, hashes):
         engine.blocks.register(b, h)

@@ -88,6 +88,9 @@ class KVSharing:
     # ---- serving peers --------------------------------------------------------------------
     async def _on_fetch(self, f: KVFetch, msg, ctx) -> KVFetchReply:
         rt = self.rt
+        why = block_io.why_unsupported(rt.engine)
+        if why:  # no gateway routes here (no kv_identity in our heartbeat), but a peer might ask
+            return KVFetchReply(False, why)
         per = block_io.block_nbytes(rt.engine)
         if f.nbytes != per * len(f.hashes):
             return KVFetchReply(False, f"size mismatch: {len(f.hashes)} blocks are {per * len(f.hashes)} bytes")
@@ -101,7 +104,7 @@ class KVSharing:
             await rt.loop.call(lambda e: block_io.release(e, blocks))
             return KVFetchReply(False, "staging memory is full")
         try:
-            out = slot.typed(rt.engine.kv.tensor.dtype, block_io.wire_shape(rt.engine, len(blocks)))
+            out = slot.typed(block_io.wire_dtype(rt.engine), block_io.wire_shape(rt.engine, len(blocks)))
             # Referenced blocks are not written by steps: copy beside the engine, not between steps.
             sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, out)
             await rt.loop.call(lambda e: block_io.release(e, blocks))
@@ -121,6 +124,8 @@ class KVSharing:
         """Blocks holding the longest prefix of `hashes` we can get: our own cache first,
         then the best source. References are held; they go to the request."""
         rt = self.rt
+        if block_io.why_unsupported(rt.engine):
+            return []
         local = await rt.loop.call(lambda e: block_io.acquire_prefix(e, hashes))
         self.c_hit.labels("local").inc(len(local) * rt.engine.cfg.block_size)
         best = max((s for s in sources if s.num_blocks > len(local) and s.holder_id != rt.worker_id),
@@ -154,7 +159,7 @@ class KVSharing:
             if not reply.ok:
                 raise TransferError(reply.error)
             await transfer.wait(rt.cfg.transfer_timeout_s)
-            buf = slot.typed(rt.engine.kv.tensor.dtype, block_io.wire_shape(rt.engine, len(hashes)))
+            buf = slot.typed(block_io.wire_dtype(rt.engine), block_io.wire_shape(rt.engine, len(hashes)))
             if block_io.checksums(buf) != reply.checksums:
                 raise TransferError("checksum mismatch: treating the blocks as a miss")
             await rt.loop.call(lambda e: block_io.scatter_and_register(e, new, hashes, buf))
@@ -180,7 +185,7 @@ class KVSharing:
     def push_soon(self, hashes: list[bytes]) -> None:
         """Offer these full blocks to the KV store, in the background."""
         fresh = [h for h in hashes if h not in self._pushed]
-        if fresh and self.store_id() is not None:
+        if fresh and self.store_id() is not None and not block_io.why_unsupported(self.rt.engine):
             self.rt.spawn(self._push(fresh), "kv-push")
 
     async def _push(self, hashes: list[bytes]) -> None:
@@ -194,7 +199,7 @@ class KVSharing:
         try:
             if slot is None:
                 return
-            buf = slot.typed(rt.engine.kv.tensor.dtype, block_io.wire_shape(rt.engine, len(blocks)))
+            buf = slot.typed(block_io.wire_dtype(rt.engine), block_io.wire_shape(rt.engine, len(blocks)))
             # The copy runs beside the engine, so offering blocks to the store never delays a step.
             sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, buf)
             await rt.loop.call(lambda e: block_io.release(e, blocks))

@@ -39,10 +39,18 @@ LOAD_REFRESH_S = 0.05
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
-    layers, _, bs, dim = engine.kv.tensor.shape
+    """What a decode worker checks before it takes a prefill worker's KV (KVReady)."""
     cfg = engine.model_config
-    fp = f"{cfg.model_type}:{cfg.hidden_size}x{cfg.num_hidden_layers}:{cfg.vocab_size}:{cfg.kv_lora_rank}"
-    return KVLayout(layers, bs, dim, str(engine.kv.tensor.dtype).removeprefix("torch."), fp)
+    dtype = str(engine.kv_dtype).removeprefix("torch.")
+    fp = f"{cfg.model_type}:{cfg.hidden_size}x{cfg.num_hidden_layers}:{cfg.vocab_size}"
+    if engine.hybrid:
+        # A V4 buffer is flat: its length could match between models that file their rows
+        # differently (layer types, rates, widths), and the carried window only means
+        # something to the model that wrote it. So the whole architecture must match.
+        (numel,) = engine.kv_shape(1)
+        return KVLayout(cfg.num_cache_layers, engine.cfg.block_size, numel, dtype, f"{fp}:{engine.kv_identity.hex()}")
+    layers, _, bs, dim = engine.kv_shape(1)
+    return KVLayout(layers, bs, dim, dtype, f"{fp}:{cfg.kv_lora_rank}")
 
 
 class TokenPublisher:
