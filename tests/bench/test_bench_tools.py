@@ -40,6 +40,14 @@ def test_decode_and_prefill_phases(tmp_path, tiny_model):
     assert [p["prompt_len"] for p in pts] == [16, 64] and all(p["ttft_ms_p50"] > 0 for p in pts)
 
 
+def test_decode_on_deepseek_v4(tmp_path, tiny_v4_model):
+    # Both halves fabricate a V4 state buffer: the forward-only pass and the decode worker's bench jobs.
+    res, out = bench(tmp_path, tiny_v4_model, "decode", "--model", tiny_v4_model, "--isl", "40", "--osl", "6",
+                     "--batch", "2", "--requests", "2")
+    [p] = res["runs"][0]["points"]
+    assert p["batch"] == 2 and p["errors"] == 0 and p["e2e_tokens_per_s"] > 0 and p["forward_only_tokens_per_s"] > 0
+
+
 def _check_overhead_point(p: dict, streams: int, tokens_each: int, step_ms: float, roles: set[str]) -> None:
     # --seconds 0: each stream sends exactly one request, of a fixed length (ignore_eos, min_tokens).
     assert p["streams"] == streams and p["errors"] == 0

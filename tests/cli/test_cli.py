@@ -28,6 +28,21 @@ def test_generate_with_chat_template(tiny_model):
     assert "--- 'hi'" in r.stdout
 
 
+def test_generate_on_deepseek_v4_gives_the_engines_greedy_tokens(tiny_v4_model):
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm import LLM
+    from shared.engine.sampling_params import SamplingParams
+
+    prompts = ["Hello there", "The experts of the fourth model route every token through the mesh " * 3]
+    r = moemesh("generate", "--model", tiny_v4_model, "--max-tokens", "8", "--json", *prompts)
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(x)["token_ids"] for x in r.stdout.splitlines()]
+    llm = LLM(EngineConfig(model=tiny_v4_model))
+    assert len(llm.tokenizer.encode(prompts[1])) > 40
+    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))]
+    assert got == want and all(got)
+
+
 def test_bad_inputs_give_one_line_errors(tmp_path, tiny_model):
     r = moemesh("generate", "--model", str(tmp_path / "missing"), "x")
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,53 @@
+"""The KV layout a decode worker checks before it takes a prefill worker's KV, and the
+refusal to move DeepSeek-V4 blocks one by one."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.engine import block_io
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.protocol.messages import KVLayout
+from shared.service.runtime import kv_layout
+
+
+def _engine(model: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, num_kv_blocks=8, **kw))
+
+
+def test_v2_v3_layout_is_the_paged_cache_geometry(tiny_model, tiny_v2_model):
+    e = _engine(tiny_model)
+    c = e.model_config
+    # Workers of an older build compare against exactly this.
+    assert kv_layout(e) == KVLayout(c.num_cache_layers, 16, c.kv_cache_dim, "float32",
+                                    f"deepseek_v3:{c.hidden_size}x{c.num_hidden_layers}:{c.vocab_size}:{c.kv_lora_rank}")
+    assert kv_layout(_engine(tiny_model, role="decode")) == kv_layout(_engine(tiny_model, role="prefill"))
+    assert kv_layout(_engine(tiny_model, block_size=32)) != kv_layout(e)
+    assert kv_layout(_engine(tiny_model, dtype="bfloat16")) != kv_layout(e)
+    assert kv_layout(_engine(tiny_v2_model)) != kv_layout(e)
+
+
+def test_v4_layout_names_the_flat_buffer_and_the_architecture(tiny_v4_model, tmp_path):
+    from shared.checkpoint.writer import init_model
+
+    pre, dec = _engine(tiny_v4_model, role="prefill"), _engine(tiny_v4_model, role="decode")
+    lay = kv_layout(pre)
+    assert lay == kv_layout(dec)
+    assert (lay.block_size, lay.dim, lay.dtype) == (pre.cfg.block_size, pre.kv_shape(1)[0], "float32")
+    assert kv_layout(_engine(tiny_v4_model, dtype="bfloat16")) != lay
+    # The same layer types in another order: buffers of the same length, rows filed elsewhere.
+    types = list(pre.model_config.layer_types)
+    types[1], types[2] = types[2], types[1]
+    other = _engine(str(init_model(tmp_path / "m", "v4-tiny", overrides={"layer_types": types})))
+    assert other.kv_shape(3) == pre.kv_shape(3)
+    assert kv_layout(other) != lay
+
+
+def test_v4_blocks_do_not_move_one_by_one(tiny_model, tiny_v4_model):
+    assert block_io.why_unsupported(_engine(tiny_model)) == ""
+    e = _engine(tiny_v4_model)
+    assert "DeepSeek-V4" in block_io.why_unsupported(e)
+    for f in (block_io.block_nbytes, lambda e: block_io.wire_shape(e, 1), block_io.wire_dtype):
+        with pytest.raises(ValueError, match="DeepSeek-V4"):
+            f(e)
