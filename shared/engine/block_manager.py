@@ -14,9 +14,9 @@ Glossary:
   with the device and queues the next step early). Those steps may still write it, so
   it joins the free list only once the newest of them is done (`end_step`); until then
   it cannot be handed out and filled by an import.
-- ring (DeepSeek-V4 only): `ring_len` window blocks that a sequence holds, besides its
-  blocks, for its last positions' window state; taken with its first blocks, given back
-  with its last, and deferred like blocks while steps are in flight.
+- ring (DeepSeek-V4 only): the store of a sequence's recent positions (window keys,
+  compressor projections) that it holds besides its blocks; taken with its first
+  blocks, given back with its last, and deferred like blocks while steps are in flight.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from collections import OrderedDict, deque
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, num_rings: int = 0,
-                 ring_len: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, num_rings: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
-        self.num_rings, self.ring_len = num_rings, ring_len
+        self.num_rings = num_rings
         self._free_rings: deque[int] = deque(range(num_rings))
         self._deferred_rings: deque[tuple[int, int]] = deque()
         self.num_blocks = num_blocks
@@ -100,15 +99,12 @@ class BlockManager:
     def num_free_rings(self) -> int:
         return len(self._free_rings)
 
-    def take_ring(self) -> list[int]:
-        """A free ring: its window block ids, in ring order."""
+    def take_ring(self) -> int:
         if not self._free_rings:
             raise MemoryError("no free window ring")
-        r = self._free_rings.popleft()
-        return list(range(r * self.ring_len, (r + 1) * self.ring_len))
+        return self._free_rings.popleft()
 
-    def give_ring(self, ring: list[int]) -> None:
-        r = ring[0] // self.ring_len
+    def give_ring(self, r: int) -> None:
         if self._fence >= 0:
             self._deferred_rings.append((self._fence, r))
         else:

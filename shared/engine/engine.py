@@ -29,7 +29,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
 from shared.engine.drafter import Drafter
 from shared.engine.hybrid_batch import HybridBatcher
-from shared.engine.hybrid_cache import HybridKVCache, ring_len_for
+from shared.engine.hybrid_cache import HybridKVCache
 from shared.engine.kv_cache import KVCache
 from shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
 from shared.engine.planned_step import PlannedStep, run
@@ -86,18 +86,18 @@ class LLMEngine:
         self.use_mtp = mcfg.has_mtp and self.num_spec > 0
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
         self.batcher = self.draft_batcher = None
-        num_rings = ring_len = 0
+        num_rings = 0
         if self.hybrid:
             # A ring per running sequence, and as many again for requests held for a pull.
-            num_rings, ring_len = 2 * cfg.max_num_seqs, ring_len_for(mcfg, cfg.block_size, self.num_spec)
+            num_rings = 2 * cfg.max_num_seqs
             self.kv = HybridKVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device, num_rings,
-                                    ring_len)
-            self.batcher = HybridBatcher(mcfg, cfg.block_size, ring_len)
+                                    self.num_spec)
+            self.batcher = HybridBatcher(mcfg, cfg.block_size)
             self.draft_batcher = partial(self.batcher, sliding_only=True)
         else:
             self.kv = KVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
-                                   num_rings=num_rings, ring_len=ring_len)
+                                   num_rings=num_rings)
         self.kv_identity = kv_identity(mcfg.identity(), cfg.block_size, cfg.dtype)
         sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_spec)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
@@ -246,9 +246,9 @@ class LLMEngine:
             return False
         self.blocks.free(seq.block_ids)
         seq.block_ids = []
-        if seq.ring:
+        if seq.ring >= 0:
             self.blocks.give_ring(seq.ring)
-            seq.ring = []
+            seq.ring = -1
         seq.status = SeqStatus.FINISHED
         return True
 
@@ -284,7 +284,7 @@ class LLMEngine:
                 self.kv.import_blocks(seq.block_ids, kv)
         except Exception:
             self.blocks.free(seq.block_ids)
-            if seq.ring:
+            if seq.ring >= 0:
                 self.blocks.give_ring(seq.ring)
             raise
         seq.num_computed = len(token_ids) - 1

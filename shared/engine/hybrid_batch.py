@@ -2,8 +2,7 @@
 
 For each chunk of `n` positions p .. p+n-1 of one sequence:
 - pre positions: the `lookback` positions before p, read back from the ring;
-- window writes: the chunk's positions in its last `ring_len` blocks (a longer chunk's
-  earlier positions are never read again: a later step looks back at most `lookback`);
+- ring writes: every row, with its chunk's end (each region keeps the last of them);
 - window keys: positions t-W+1 .. t for each row (decode), or p-W+1 .. p+n-1 shared by
   the chunk's rows (extend);
 - groups completing in the chunk: entries w with p <= (w+1)*m - 1 < p+n, that is
@@ -17,20 +16,19 @@ import torch
 
 from shared.engine.runner import Chunk
 from shared.model.v4.batch import Entries, Extend, Groups, HybridMeta
-from shared.model.v4.config import CSA, V4Config
+from shared.model.v4.config import CSA, SLIDING, V4Config
 
 
 class HybridBatcher:
-    def __init__(self, cfg: V4Config, block_size: int, ring_len: int):
-        self.W, self.lookback = cfg.sliding_window, cfg.lookback
-        self.bs, self.ring_len = block_size, ring_len
+    def __init__(self, cfg: V4Config, block_size: int):
+        self.W, self.lookback, self.bs = cfg.sliding_window, cfg.lookback, block_size
         types = {cfg.layer_type(i) for i in range(cfg.num_hidden_layers)}
-        self.rates = {t: cfg.rate(t) for t in sorted(types) if t != "sliding_attention"}
+        self.rates = {t: cfg.rate(t) for t in sorted(types) if t != SLIDING}
 
     def __call__(self, chunks: list[Chunk], T: int, sliding_only: bool = False) -> HybridMeta:
-        bs, R, W = self.bs, self.ring_len, self.W
+        bs, W = self.bs, self.W
         rates = {} if sliding_only else self.rates
-        pre_blk, pre_off, w_rows, w_blk, w_off = [], [], [], [], []
+        pre_ring, pre_pos, w_ring, w_pos, w_end = [], [], [], [], []
         dec_keys: list[torch.Tensor] = []
         dec_rows: list[Chunk] = []
         groups = {t: ([], [], [], []) for t in rates}
@@ -38,23 +36,19 @@ class HybridBatcher:
         n_pre = 0
         for c in chunks:
             seq, p, n, row0 = c.seq, c.start, c.q_len, c.row
-            ring = torch.tensor(seq.ring, dtype=torch.long)
             L = min(p, self.lookback)
-            q = torch.arange(p - L, p)
-            pre_blk.append(ring[(q // bs) % R])
-            pre_off.append(q % bs)
+            pre_ring.append(torch.full((L,), seq.ring, dtype=torch.long))
+            pre_pos.append(torch.arange(p - L, p))
             prebase = T + n_pre - (p - L)
             n_pre += L
 
             def ctx(qs: torch.Tensor) -> torch.Tensor:
                 return torch.where(qs < 0, -1, torch.where(qs >= p, row0 + qs - p, prebase + qs))
 
-            first = max(p, ((p + n - 1) // bs - R + 1) * bs)
-            q = torch.arange(first, p + n)
-            w_rows.append(row0 + q - p)
-            w_blk.append(ring[(q // bs) % R])
-            w_off.append(q % bs)
-            if n == 1 and not extends:
+            w_ring.append(torch.full((n,), seq.ring, dtype=torch.long))
+            w_pos.append(torch.arange(p, p + n))
+            w_end.append(torch.full((n,), p + n, dtype=torch.long))
+            if n == 1 and not extends:  # decode chunks come first (build_batch orders them)
                 dec_keys.append(ctx(torch.arange(p - W + 1, p + 1)))
                 dec_rows.append(c)
             else:
@@ -71,11 +65,11 @@ class HybridBatcher:
                     g[1].append(w * m)
                     g[2].append(blocks[(w * m) // bs])
                     g[3].append((w * m % bs) // m)
-                if extends and extends[-1].q_start == row0:
+                if n > 1 or extends:
                     extends[-1].entries[t] = self._entries([(blocks, p + n)], m, torch.arange(p, p + n))
         meta = HybridMeta(
-            pre_blk=_cat(pre_blk), pre_off=_cat(pre_off),
-            write_rows=_cat(w_rows), write_blk=_cat(w_blk), write_off=_cat(w_off),
+            pre_ring=_cat(pre_ring), pre_pos=_cat(pre_pos),
+            write_ring=_cat(w_ring), write_pos=_cat(w_pos), write_end=_cat(w_end),
             num_decode=len(dec_rows),
             dec_keys=torch.stack(dec_keys) if dec_keys else torch.zeros(0, W, dtype=torch.long),
             extends=extends,

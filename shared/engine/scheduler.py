@@ -155,14 +155,14 @@ class Scheduler:
             cached = self._reuse_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             need = self.blocks.blocks_for(seq.num_computed + num_new + max(k - 1, 0)) - len(seq.block_ids)
-            no_ring = self.blocks.uses_rings and not seq.ring and not self.blocks.num_free_rings
+            no_ring = self.blocks.uses_rings and seq.ring < 0 and not self.blocks.num_free_rings
             if no_ring or not self.blocks.can_allocate(need):
                 if cached:  # give the prefix back; it stays cached for the next attempt
                     self._free(seq)
                     seq.num_computed = seq.num_registered = 0
                 break
             seq.block_ids += self.blocks.allocate(need)
-            if self.blocks.uses_rings and not seq.ring:
+            if self.blocks.uses_rings and seq.ring < 0:
                 seq.ring = self.blocks.take_ring()
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -231,6 +231,6 @@ class Scheduler:
         if seq.block_ids:
             self.blocks.free(seq.block_ids)
             seq.block_ids = []
-        if seq.ring:
+        if seq.ring >= 0:
             self.blocks.give_ring(seq.ring)
-            seq.ring = []
+            seq.ring = -1

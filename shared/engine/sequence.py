@@ -50,7 +50,7 @@ class Sequence:
     num_prompt_tokens: int = -1
     num_computed: int = 0  # positions whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
-    ring: list[int] = field(default_factory=list)  # DeepSeek-V4: window blocks, held with the blocks
+    ring: int = -1  # DeepSeek-V4: the ring of recent positions, held with the blocks
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     draft_ids: list[int] = field(default_factory=list)

@@ -299,8 +299,8 @@ def test_v4_flash_parses_and_lays_out():
     assert lay.main_width == 440320  # 21 CSA layers * (32*512 + 32*128) + 20 HCA layers * 512
     # A million-token context's compressed cache in bf16: 6880 bytes per token, about 6.7 GiB.
     assert lay.bytes_per_token(torch.bfloat16) * 2**20 / 2**30 == pytest.approx(6.72, abs=0.01)
-    # Window state per sequence, independent of its length: a ring of 2 blocks is about 47 MiB.
-    assert lay.window_bytes(2, torch.bfloat16) / 2**20 == pytest.approx(47.25, abs=0.01)
+    # Recent-position state per sequence, independent of its length: about 11.5 MiB.
+    assert lay.ring_bytes(torch.bfloat16) / 2**20 == pytest.approx(11.50, abs=0.01)
     csa = lay.layers[2]
     assert (csa.entries.count, csa.entries.width, csa.index_keys.count, csa.index_keys.width) == (32, 512, 32, 128)
     assert (csa.proj.width, csa.index_proj.width) == (4 * 512, 4 * 128)  # kv|gate of Ca and Cb

@@ -363,11 +363,14 @@ def test_v4_flash_layout_sizes():
     assert lay.main_width == n_csa * (32 * 512 + 32 * 128) + n_hca * 512 == 440320
     # Per token, bf16: 3440 values (CSA 512/4 + 128/4 each, HCA 512/128 each).
     assert lay.bytes_per_token(torch.bfloat16) == (n_csa * 160 + n_hca * 4) * 2 == 6880
-    # Window row: every layer's key, CSA's two series of kv|gate and the indexer's, HCA's one.
-    assert lay.window_width == 44 * 128 * 512 + n_csa * 128 * (4 * 512 + 4 * 128) + n_hca * 128 * 2 * 512
-    assert lay.window_bytes(2, torch.bfloat16) == 2 * lay.window_width * 2
+    # Ring: every layer's last W-1 keys; CSA's two series of kv|gate and the indexer's for a
+    # group and the one before (2m-1 positions); HCA's one series for a group (m'-1); each
+    # with 2 slots for positions written ahead (no drafts here).
+    assert lay.ring_width == 44 * 129 * 512 + n_csa * 9 * (4 * 512 + 4 * 128) + n_hca * 129 * 2 * 512
+    assert lay.ring_bytes(torch.bfloat16) == lay.ring_width * 2
+    assert lay.carry_width == 44 * 127 * 512 + n_csa * 7 * (4 * 512 + 4 * 128) + n_hca * 127 * 2 * 512
     # Regions tile both rows without overlap.
-    for rows, width in (("main", lay.main_width), ("window", lay.window_width)):
+    for rows, width in (("main", lay.main_width), ("window", lay.ring_width)):
         regions = sorted(
             (r.offset, r.offset + r.size) for layer in lay.layers
             for r in ((layer.entries, layer.index_keys) if rows == "main" else

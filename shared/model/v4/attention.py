@@ -10,7 +10,7 @@ output's rotary part is rotated back by the query's angle (values carry their ke
 rotation), then heads go through the grouped low-rank output projection.
 
 Order within a layer matters: the pre positions are read from the ring before this
-batch's rows are written there (a long chunk may wrap the ring), and the entries that
+batch's rows are written there (a long chunk wraps the ring), and the entries that
 complete in this batch are written before anyone gathers entries.
 """
 
@@ -35,7 +35,7 @@ class V4Step:
     """Per-forward state shared by the layers: the cache rows and each rope's angles."""
 
     main: torch.Tensor  # [num_blocks, main_width]
-    window: torch.Tensor  # [num_window_blocks, window_width]
+    rings: torch.Tensor  # [num_rings, ring_width]
     meta: HybridMeta
     angles: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "main" / "compress" -> cos, sin [T, R/2]
     ropes: dict[str, Rope]
@@ -75,21 +75,20 @@ class V4Attention(nn.Module):
         q = rotate(unit_rms(self.q_b_proj(q_res).view(T, H, d), self.eps), cos, sin)
         kv = rotate(self.kv_norm(self.kv_proj(x)), cos, sin)
 
-        win_kv = reg.window_kv.view(st.window)
-        ctx_kv = torch.cat([kv, win_kv[meta.pre_blk, meta.pre_off].to(kv.dtype)])
-        writes = [(win_kv, kv)]
+        ctx_kv = torch.cat([kv, _read(reg.window_kv, st).to(kv.dtype)])
+        writes = [(reg.window_kv, kv)]
         comp = self.compressor
         entries = index_keys = None
         if comp is not None:
             entries = reg.entries.view(st.main)
             proj = self._compress(comp, x, reg.proj, entries, st)
-            writes.append((reg.proj.view(st.window), proj))
+            writes.append((reg.proj, proj))
             if self.layer_type == CSA:
                 index_keys = reg.index_keys.view(st.main)
                 iproj = self._compress(comp.indexer, x, reg.index_proj, index_keys, st)
-                writes.append((reg.index_proj.view(st.window), iproj))
-        for view, rows in writes:
-            view[meta.write_blk, meta.write_off] = rows[meta.write_rows].to(view.dtype)
+                writes.append((reg.index_proj, iproj))
+        for region, rows in writes:
+            _write(region, st, rows)
 
         out = x.new_empty(T, H, d)
         ccos, csin = st.angles["compress"]
@@ -128,7 +127,7 @@ class V4Attention(nn.Module):
         proj = comp.project(x)
         groups = st.meta.groups.get(self.layer_type)
         if groups is not None and groups.idx.shape[0]:
-            pre = proj_region.view(st.window)[st.meta.pre_blk, st.meta.pre_off].to(proj.dtype)
+            pre = _read(proj_region, st).to(proj.dtype)
             pooled = comp.pool(torch.cat([proj, pre]), groups, st.ropes["compress"])
             store[groups.blk, groups.slot] = pooled.to(store.dtype)
         return proj
@@ -180,3 +179,17 @@ class V4Attention(nn.Module):
         w = self.o_a_proj.weight.view(G, -1, o.shape[1] // G)  # [G, o_lora, H*d/G]
         y = torch.bmm(o.view(T, G, o.shape[1] // G).transpose(0, 1), w.transpose(1, 2))  # [G, T, o_lora]
         return y.transpose(0, 1).flatten(1)
+
+
+def _read(region, st: V4Step) -> torch.Tensor:
+    """The pre positions' rows of a ring region (stale beyond its look-back: never used)."""
+    m = st.meta
+    return region.view(st.rings)[m.pre_ring, m.pre_pos % region.count]
+
+
+def _write(region, st: V4Step, rows: torch.Tensor) -> None:
+    """Store the batch's rows in a ring region: of each chunk, the last `span` positions."""
+    m = st.meta
+    keep = (m.write_pos >= m.write_end - region.count).nonzero().flatten()
+    view = region.view(st.rings)
+    view[m.write_ring[keep], m.write_pos[keep] % region.count] = rows[keep].to(view.dtype)

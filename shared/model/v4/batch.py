@@ -5,8 +5,8 @@ Glossary:
   *pre* positions, earlier positions read back from the sequences' rings (the window
   keys and compressor projections the batch needs from before its chunks). -1 means a
   position before 0.
-- ring: a sequence's few window blocks; position q lives in ring[(q // block_size) %
-  len(ring)] at offset q % block_size.
+- ring: a sequence's recent-position store; each region of it keeps position q at
+  slot q % span (layout.py), so a (ring, position) pair addresses every region.
 - group: the `m` positions that pool into one compressed entry (entry w pools
   positions w*m .. w*m+m-1; with CSA's overlap also the m before them).
 - entry address: (main block row, entry index within the block).
@@ -51,11 +51,11 @@ class Extend:
 
 @dataclass
 class HybridMeta:
-    pre_blk: torch.Tensor  # [Npre] ring addresses of the pre positions
-    pre_off: torch.Tensor
-    write_rows: torch.Tensor  # [Nw] batch rows whose window state is kept
-    write_blk: torch.Tensor
-    write_off: torch.Tensor
+    pre_ring: torch.Tensor  # [Npre] ring and position of each pre position
+    pre_pos: torch.Tensor
+    write_ring: torch.Tensor  # [T] each row's ring, position, and the end of its chunk:
+    write_pos: torch.Tensor  # a region keeps a row only if it is among the chunk's
+    write_end: torch.Tensor  # last `span` positions (earlier ones would collide)
     num_decode: int
     dec_keys: torch.Tensor  # [Bd, W] ctx indices of each decode row's window keys
     dec_entries: dict[str, Entries] = field(default_factory=dict)

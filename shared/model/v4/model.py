@@ -88,7 +88,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def _step(self, batch: ForwardBatch, cache) -> V4Step:
         angles = {k: r.angles(batch.positions) for k, r in self.ropes.items()}
-        return V4Step(cache.main, cache.window, batch.hybrid, angles, dict(self.ropes))
+        return V4Step(cache.main, cache.rings, batch.hybrid, angles, dict(self.ropes))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache) -> torch.Tensor:
