@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 from shared.cli import (
-    bench_eplb, bench_forward, bench_idle, bench_kv, bench_kv_reuse, bench_phases, bench_serve, bench_stream,
+    bench_eplb, bench_forward, bench_idle, bench_kv, bench_kv_bytes, bench_kv_reuse, bench_phases, bench_serve,
+    bench_stream,
 )
 
-BENCHES = [bench_forward, bench_kv, bench_serve, bench_eplb, bench_phases, bench_stream, bench_idle, bench_kv_reuse]
+BENCHES = [bench_forward, bench_kv, bench_serve, bench_eplb, bench_phases, bench_stream, bench_idle, bench_kv_reuse,
+           bench_kv_bytes]
 
 
 def register(sub) -> None:

@@ -17,6 +17,10 @@ def register(sub) -> None:
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--shard-size-mb", type=int, default=2048)
     p.add_argument("--fused-experts", action="store_true", help="write experts in the fused transformers-5 layout")
+    p.add_argument("--layout", choices=["hf", "upstream"], default="hf",
+                   help="DeepSeek-V4: transformers' tensor names (hf) or the release's own (upstream)")
+    p.add_argument("--quantize", action="store_true",
+                   help="DeepSeek-V4, upstream layout: FP8 block-scaled weights and FP4 experts, as released")
     p.set_defaults(func=run)
 
 
@@ -25,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         out = init_model(args.dir, args.preset, seed=args.seed, dtype=args.dtype, num_layers=args.num_layers,
-                         shard_size=args.shard_size_mb << 20, fused_experts=args.fused_experts)
+                         shard_size=args.shard_size_mb << 20, fused_experts=args.fused_experts,
+                         layout=args.layout, quantize=args.quantize)
     except ValueError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
