@@ -7,6 +7,8 @@ the whole engine step. Prefill: one prompt of each length, in one chunk.
 
 from __future__ import annotations
 
+import math
+
 import random
 from dataclasses import asdict, dataclass
 
@@ -16,6 +18,7 @@ from shared.bench.env import environment, percentile
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.sampling_params import SamplingParams
+from shared.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -46,11 +49,13 @@ def run(cfg: ForwardBenchConfig) -> dict:
     torch.manual_seed(cfg.seed)
     max_b = max(cfg.batch_sizes, default=1)
     max_p = max(cfg.prefill_lens, default=1)
-    per_seq = -(-(cfg.context_len + cfg.steps + cfg.warmup + 4) // 16) + 1
+    # The engine's block size: 16, or for DeepSeek-V4 a multiple of every compress rate.
+    bs = math.lcm(16, getattr(ModelConfig.from_dir(cfg.model), "block_multiple", 1))
+    per_seq = -(-(cfg.context_len + cfg.steps + cfg.warmup + 4) // bs) + 1
     engine = LLMEngine(EngineConfig(
         model=cfg.model, dtype=cfg.dtype, device=cfg.device, num_speculative_tokens=0,
         max_num_seqs=max_b, max_num_batched_tokens=max(max_b, max_p),
-        num_kv_blocks=max(max_b * per_seq, -(-max_p // 16) + 2), num_threads=cfg.num_threads,
+        num_kv_blocks=max(max_b * per_seq, -(-max_p // bs) + 2), num_threads=cfg.num_threads,
         max_model_len=max(cfg.context_len + cfg.steps + cfg.warmup + 8, max_p + 2),
     ))
     params = SamplingParams(max_tokens=cfg.steps + cfg.warmup + 2, temperature=0, ignore_eos=True)

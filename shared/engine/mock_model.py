@@ -27,16 +27,15 @@ from torch import nn
 
 from shared.model.batch import ForwardBatch
 from shared.model.config import ModelConfig
-from shared.model.rope import RotaryEmbedding
 
 
 class MockModel(nn.Module):
     def __init__(self, cfg: ModelConfig, step_time_s: float):
+        """cfg: any model's config (V2/V3 or V4); only its sizes and tokens are used."""
         super().__init__()
         # No MTP: the mock has no draft head, so every step emits one token per sequence.
         self.cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
         self.step_time_s = step_time_s
-        self.rope = RotaryEmbedding(self.cfg)
         self._positions = torch.zeros(0, dtype=torch.long)
         self._started = 0.0
         self._late = 0.0  # how late the sleep's wake-up has been, on average
