@@ -35,7 +35,6 @@ class Decider:
         self.config = SwitchConfig(cfg.trigger_ratio, cfg.min_gain, cfg.cooldown_gain, cfg.cooldown_windows)
         self.state = SwitchState()
         self.pending: Placement | None = None
-        self.last_reason = ""
 
     def judge(self, current: Placement, held_out_loads: torch.Tensor) -> Placement | None:
         """The pending candidate if it should replace `current` on these (held-out) loads."""
@@ -43,5 +42,5 @@ class Decider:
         if cand is None or cand.phy2log.shape != current.phy2log.shape:
             return None
         d = decide(current, cand, held_out_loads, self.state, self.config)
-        self.state, self.last_reason = d.state, d.reason
+        self.state = d.state
         return cand if d.switch else None

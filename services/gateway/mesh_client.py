@@ -54,7 +54,6 @@ class MeshClient:
         self.nc: NATS | None = None
         self._subs = []
         self._sweeper: asyncio.Task | None = None
-        self.batches_received = 0
 
     async def start(self) -> None:
         self.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}")
@@ -171,7 +170,6 @@ class MeshClient:
         return h
 
     async def _on_tokens(self, batch: TokenBatch, msg, ctx) -> None:
-        self.batches_received += 1
         handles, rids = self.handles, batch.request_ids
         now = asyncio.get_running_loop().time()
         if batch.counts is None:  # the common case: one id per row

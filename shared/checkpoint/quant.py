@@ -81,11 +81,6 @@ class QuantSpec:
         return cls(fmt, (block[0], block[1]), scale_fmt, expert_dtype)
 
 
-def scale_name(weight_name: str) -> str:
-    """`layers.0.attn.wq_a.weight` -> `layers.0.attn.wq_a.scale`, its block scales."""
-    return weight_name.removesuffix(".weight") + ".scale"
-
-
 def e8m0_to_float(t: torch.Tensor) -> torch.Tensor:
     """float32 values of e8m0 exponents (float8_e8m0fnu or raw uint8), built bit by bit.
 

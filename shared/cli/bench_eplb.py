@@ -24,7 +24,7 @@ def register(bsub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shared.bench import eplb_live
-    from shared.cli.cmd_bench import save
+    from shared.cli.bench_io import save
 
     cfg = eplb_live.EplbBenchConfig(
         model=args.model, ranks=args.ranks, redundant=args.redundant, skew=args.skew, draft_skew=args.draft_skew,

@@ -7,7 +7,7 @@ import sys
 
 
 def register(bsub) -> None:
-    from shared.cli.cmd_bench import ints
+    from shared.cli.bench_io import ints
 
     f = bsub.add_parser("forward", help="forward-only decode and prefill step times")
     f.add_argument("--model", required=True)
@@ -28,7 +28,7 @@ def register(bsub) -> None:
 def run(args: argparse.Namespace) -> int:
     from shared.bench import forward
     from shared.checkpoint.loader import CheckpointError
-    from shared.cli.cmd_bench import save
+    from shared.cli.bench_io import save
 
     cfg = forward.ForwardBenchConfig(
         model=args.model, batch_sizes=args.batch_sizes, context_len=args.context_len,

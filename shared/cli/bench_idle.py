@@ -17,7 +17,7 @@ def register(bsub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shared.bench import idle
-    from shared.cli.cmd_bench import save
+    from shared.cli.bench_io import save
 
     cfg = idle.IdleBenchConfig(model=args.model, seconds=args.seconds, settle_s=args.settle_seconds,
                                mock_step_ms=tuple(float(x) for x in args.mock_step_ms.split(",") if x))

@@ -6,7 +6,7 @@ import argparse
 
 
 def register(bsub) -> None:
-    from shared.cli.cmd_bench import ints
+    from shared.cli.bench_io import ints
 
     k = bsub.add_parser("kv-transfer", help="UCX KV transfer throughput vs the machine's copy bandwidth")
     k.add_argument("--sizes", type=ints, default=None, help="bytes, comma separated")
@@ -20,7 +20,7 @@ def register(bsub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shared.bench import kv_transfer
-    from shared.cli.cmd_bench import save
+    from shared.cli.bench_io import save
 
     kw = {"sizes": args.sizes} if args.sizes else {}
     cfg = kv_transfer.KVBenchConfig(iters=args.iters, repeats=args.repeats, nats_url=args.nats_url,

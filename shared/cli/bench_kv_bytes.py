@@ -17,7 +17,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from shared.bench import kv_bytes
-    from shared.cli.cmd_bench import save
+    from shared.cli.bench_io import save
 
     result = kv_bytes.run(getattr(torch, args.dtype), args.num_speculative_tokens)
     print(kv_bytes.table(result))

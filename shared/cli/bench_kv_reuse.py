@@ -22,7 +22,7 @@ def register(bsub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shared.bench import kv_reuse
-    from shared.cli.cmd_bench import save
+    from shared.cli.bench_io import save
 
     cfg = kv_reuse.KVReuseBenchConfig(model=args.model, sessions=args.sessions, turns=args.turns,
                                       context_tokens=args.context_tokens, tool_tokens=args.tool_tokens,

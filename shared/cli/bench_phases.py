@@ -7,7 +7,7 @@ import sys
 
 
 def register(bsub) -> None:
-    from shared.cli.cmd_bench import ints
+    from shared.cli.bench_io import ints
 
     for name in ("decode", "prefill"):
         b = bsub.add_parser(name, help=("decode only, from dummy KV: end-to-end vs forward-only throughput"
@@ -36,7 +36,7 @@ def register(bsub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shared.bench import phases
-    from shared.cli.cmd_bench import save
+    from shared.cli.bench_io import save
 
     if args.phase == "decode" and args.mock_step_ms:
         return _run_mock(args)
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_mock(args: argparse.Namespace) -> int:
     from shared.bench import decode_mock
-    from shared.cli.cmd_bench import save
+    from shared.cli.bench_io import save
 
     try:
         if args.dep != 1 or args.skew or args.compare_skew or args.requests:

@@ -7,7 +7,7 @@ import sys
 
 
 def register(bsub) -> None:
-    from shared.cli.cmd_bench import ints
+    from shared.cli.bench_io import ints
 
     b = bsub.add_parser("stream", help="host overhead of the serving path on the mock engine: share of the ideal "
                                        "tokens/s, CPU us per token of each mesh process")
@@ -23,7 +23,7 @@ def register(bsub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shared.bench import stream
-    from shared.cli.cmd_bench import save
+    from shared.cli.bench_io import save
 
     try:
         cfg = stream.StreamBenchConfig(model=args.model, streams=args.streams, seconds=args.seconds, osl=args.osl,

@@ -4,10 +4,6 @@ Each benchmark registers itself from its own module in BENCHES."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 from shared.cli import (
     bench_eplb, bench_forward, bench_idle, bench_kv, bench_kv_bytes, bench_kv_reuse, bench_phases, bench_serve,
     bench_stream,
@@ -23,13 +19,3 @@ def register(sub) -> None:
     for mod in BENCHES:
         mod.register(bsub)
 
-
-def ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x)
-
-
-def save(result: dict, out: str) -> None:
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"saved {path}", file=sys.stderr)

@@ -159,8 +159,6 @@ class BlockManager:
                 del self._free[b]
             self._refs[b] += 1
 
-    def hash_of(self, block: int) -> bytes | None:
-        return self._hash_of.get(block)
 
     def drain_events(self) -> tuple[list[bytes], list[bytes]]:
         stored, removed = self.stored, self.removed

@@ -21,7 +21,6 @@ class DPGroup:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
-        self.data_group = None  # the default group carries the MoE all-to-all
         self.ctrl_group = dist.new_group(backend="gloo") if backend != "gloo" else None
 
     def exchange(self, values: list[int]) -> list[list[int]]:

@@ -23,10 +23,6 @@ class Drafter:
         self.model, self.kv, self.block_size, self.batcher = model, kv, block_size, batcher
         self.num_spec, self.max_model_len, self.device, self.lockstep = num_spec, max_model_len, device, lockstep
 
-    @property
-    def num_passes(self) -> int:
-        return max(1, self.num_spec)
-
     def propose(self, work: list[tuple[Chunk, int]], hidden: torch.Tensor) -> None:
         """work: (target chunk, number of its positions whose KV is now valid)."""
         chunks, prev_rows = [], []

@@ -204,14 +204,6 @@ class LLMEngine:
         """Prompt tokens admitted but not yet computed. Call only between steps."""
         return sum(max(0, s.num_prompt_tokens - s.num_computed) for s in self.seqs.values())
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
     # ---- prefill / decode roles ---------------------------------------------------
     def export_kv(self, request_id: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The held request's computed prefix as one buffer of kv_shape(n_blocks):

@@ -33,10 +33,6 @@ class KVCache:
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         return cfg.num_cache_layers * block_size * cfg.kv_cache_dim * dtype.itemsize
 
-    def block_shape(self) -> tuple[int, ...]:
-        layers, _, bs, d = self.tensor.shape
-        return (layers, bs, d)
-
     def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         idx = torch.tensor(block_ids, device=self.tensor.device)
         return kv_gather(self.tensor, idx, out)

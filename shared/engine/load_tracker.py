@@ -47,6 +47,3 @@ class LoadTracker:
     def window(self) -> torch.Tensor:
         """[L, E] tokens per layer and logical expert over the last window_steps steps."""
         return self._window.clone()
-
-    def is_draft(self, layer_id: int) -> bool:
-        return layer_id >= self.num_target_layers

@@ -36,7 +36,6 @@ class MockModel(nn.Module):
         # No MTP: the mock has no draft head, so every step emits one token per sequence.
         self.cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
         self.step_time_s = step_time_s
-        self._positions = torch.zeros(0, dtype=torch.long)
         self._started = 0.0
         self._late = 0.0  # how late the sleep's wake-up has been, on average
         self._free_at = 0.0  # when the step the device runs now is done
@@ -50,7 +49,6 @@ class MockModel(nn.Module):
         queued = batch.queued_at or now
         self._started = min(now, max(queued, self._free_at))
         self._free_at = self._started + self.step_time_s
-        self._positions = batch.positions
         return batch.positions.to(torch.float32)[:, None]  # [T, 1]: the "hidden state" is the position
 
     def synchronize(self) -> None:

@@ -105,10 +105,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- one step ------------------------------------------------------------
     def schedule(self, can_preempt: bool = True) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -57,10 +57,6 @@ class EPLayer:
         self.phy2log = phy2log.clone()
         self.log2phy, self.counts = log2phy_of(self.phy2log, self.num_experts, self.world)
 
-    def local_experts(self) -> list[int]:
-        S = self.slots_per_rank
-        return self.phy2log[self.rank * S : (self.rank + 1) * S].tolist()
-
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         T, K = ids.shape
         S, N = self.slots_per_rank, self.world

@@ -51,7 +51,6 @@ class EngineLoop:
         self._idle_poll_s = idle_poll_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self.pending_retry: list[Callable[[LLMEngine], bool]] = []
-        self.num_steps = 0
         self.after_ops: Callable[[bool], None] | None = None  # e.g. refresh a load snapshot (force: bool)
         self.after_step: list[Callable[[], None]] = []  # e.g. close a load-tracking window step
         self.last_gap_s = 0.0  # loop time between the previous step's end and this step's start
@@ -177,7 +176,6 @@ class EngineLoop:
             device.close()
 
     async def _finish_step(self, outputs: StepOutputs, st: StepStats) -> None:
-        self.num_steps += 1
         for fn in self.after_step:
             fn()
         if self.after_ops is not None:

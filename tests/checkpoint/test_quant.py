@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import save_file
 
 from shared.checkpoint.quant import (
-    QuantSpec, dequant_fp4, dequant_fp8_block, e8m0_to_float, quantize_fp4, quantize_fp8_block, scale_name,
+    QuantSpec, dequant_fp4, dequant_fp8_block, e8m0_to_float, quantize_fp4, quantize_fp8_block,
 )
 from shared.checkpoint.safetensors_io import SafetensorsFile
 
@@ -179,10 +179,6 @@ def test_fp4_shape_mismatches_are_explained():
         dequant_fp4(torch.zeros(4, 20, dtype=torch.int8), _e8m0([[127]] * 4))
     with pytest.raises(ValueError, match="e8m0 scale must be uint8, float8_e8m0fnu, got torch.float32"):
         dequant_fp4(packed, torch.ones(4, 2))
-
-
-def test_scale_name():
-    assert scale_name("layers.0.ffn.experts.3.w1.weight") == "layers.0.ffn.experts.3.w1.scale"
 
 
 # --- QuantSpec ------------------------------------------------------------------------
