@@ -11,21 +11,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from shared.checkpoint.writer import init_model
+    from moemesh.shared.checkpoint.writer import init_model
 
     return str(init_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0))
 
 
 @pytest.fixture(scope="session")
 def tiny_v2_model(tmp_path_factory) -> str:
-    from shared.checkpoint.writer import init_model
+    from moemesh.shared.checkpoint.writer import init_model
 
     return str(init_model(tmp_path_factory.mktemp("tiny-v2"), "tiny-v2", seed=1))
 
 
 @pytest.fixture(scope="session")
 def tiny_v4_model(tmp_path_factory) -> str:
-    from shared.checkpoint.writer import init_model
+    from moemesh.shared.checkpoint.writer import init_model
 
     return str(init_model(tmp_path_factory.mktemp("tiny-v4"), "v4-tiny", seed=0))
 
@@ -33,9 +33,9 @@ def tiny_v4_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_engine_factory(tiny_model):
     """Builds engines on the tiny model, reusing one loaded copy of the weights."""
-    from shared.checkpoint.loader import load_model
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import LLMEngine
+    from moemesh.shared.checkpoint.loader import load_model
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.engine import LLMEngine
 
     model = load_model(tiny_model)
 

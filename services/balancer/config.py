@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config.common import ServiceConfig
+from moemesh.shared.config.common import ServiceConfig
 
 
 @dataclass(frozen=True)

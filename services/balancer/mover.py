@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.protocol.messages import MoveAbort, MoveCommit, MoveDone, MovePlan, MoveStaged
-from shared.protocol.subjects import Subjects
-from shared.service.dep_runtime import tensor_bytes
-from shared.service.nats_io import publish
+from moemesh.shared.protocol.messages import MoveAbort, MoveCommit, MoveDone, MovePlan, MoveStaged
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.service.dep_runtime import tensor_bytes
+from moemesh.shared.service.nats_io import publish
 
 _ids = itertools.count(int(time.time()) & 0xFFFF)
 

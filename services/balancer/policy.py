@@ -8,12 +8,12 @@ import time
 
 import torch
 
-from services.balancer.config import BalancerConfig
-from services.balancer.state import InstanceView
-from shared.eplb import align
-from shared.eplb.hysteresis import SwitchConfig, SwitchState, decide
-from shared.eplb.placement import Placement
-from shared.eplb.policy import get_policy
+from moemesh.services.balancer.config import BalancerConfig
+from moemesh.services.balancer.state import InstanceView
+from moemesh.shared.eplb import align
+from moemesh.shared.eplb.hysteresis import SwitchConfig, SwitchState, decide
+from moemesh.shared.eplb.placement import Placement
+from moemesh.shared.eplb.policy import get_policy
 
 
 def propose(view: InstanceView, loads: torch.Tensor, cfg: BalancerConfig) -> tuple[Placement, float]:

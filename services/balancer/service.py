@@ -14,17 +14,17 @@ import asyncio
 import logging
 import time
 
-from services.balancer.config import BalancerConfig
-from services.balancer.mover import MoveCoordinator
-from services.balancer.policy import Decider, propose
-from services.balancer.state import InstanceView
-from shared.protocol.messages import ExpertLoad, MoveDone, MoveStaged, RebalanceReply, RebalanceRequest
-from shared.protocol.subjects import Subjects
-from shared.service.dep_runtime import tensor_from
-from shared.service.lifecycle import AsyncService
-from shared.service.metrics_http import MetricsServer
-from shared.service.nats_io import connect, disconnect, subscribe
-from shared.telemetry.metrics import Metrics
+from moemesh.services.balancer.config import BalancerConfig
+from moemesh.services.balancer.mover import MoveCoordinator
+from moemesh.services.balancer.policy import Decider, propose
+from moemesh.services.balancer.state import InstanceView
+from moemesh.shared.protocol.messages import ExpertLoad, MoveDone, MoveStaged, RebalanceReply, RebalanceRequest
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.service.dep_runtime import tensor_from
+from moemesh.shared.service.lifecycle import AsyncService
+from moemesh.shared.service.metrics_http import MetricsServer
+from moemesh.shared.service.nats_io import connect, disconnect, subscribe
+from moemesh.shared.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class BalancerService(AsyncService):
         if req.phy2log:
             try:
                 new = tensor_from(req.phy2log, req.num_layers)
-                from shared.eplb.placement import Placement
+                from moemesh.shared.eplb.placement import Placement
 
                 Placement(new, view.num_experts, view.dp_size)
             except ValueError as e:
@@ -197,6 +197,6 @@ class BalancerService(AsyncService):
 
 
 def _ratio(view: InstanceView, phy2log, loads) -> float:
-    from shared.eplb.placement import Placement
+    from moemesh.shared.eplb.placement import Placement
 
     return Placement(phy2log, view.num_experts, view.dp_size).instance_ratio(loads)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.eplb.placement import Placement
-from shared.protocol.messages import ExpertLoad
-from shared.service.dep_runtime import tensor_from
+from moemesh.shared.eplb.placement import Placement
+from moemesh.shared.protocol.messages import ExpertLoad
+from moemesh.shared.service.dep_runtime import tensor_from
 
 
 @dataclass

@@ -18,11 +18,11 @@ import logging
 import random
 from dataclasses import dataclass, field
 
-from shared.protocol.messages import KVPull, KVPullItem, KVPullReply, KVReady, KVReadyItem
-from shared.service.nats_io import RemoteError, Unreachable, request
-from shared.service.runtime import WorkerRuntime
-from shared.transport.base import TransferError
-from shared.transport.staging import StagingSlot
+from moemesh.shared.protocol.messages import KVPull, KVPullItem, KVPullReply, KVReady, KVReadyItem
+from moemesh.shared.service.nats_io import RemoteError, Unreachable, request
+from moemesh.shared.service.runtime import WorkerRuntime
+from moemesh.shared.transport.base import TransferError
+from moemesh.shared.transport.staging import StagingSlot
 
 log = logging.getLogger(__name__)
 

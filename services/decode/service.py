@@ -24,17 +24,17 @@ from dataclasses import dataclass
 import torch
 from opentelemetry import trace
 
-from services.decode.config import DecodeConfig
-from services.decode.kv_pull import Pull, PullBatch, PullState, finish, pull_kv
-from shared.engine.engine import RequestError
-from shared.engine.outputs import StepOutputs, StepStats
-from shared.engine.sampling_params import SamplingParamError
-from shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob
-from shared.service.lifecycle import AsyncService
-from shared.service.nats_io import publish
-from shared.service.runtime import WorkerRuntime, end_fields
-from shared.telemetry.propagation import extract_context, traceparent_of
-from shared.telemetry.tracing import exports_spans
+from moemesh.services.decode.config import DecodeConfig
+from moemesh.services.decode.kv_pull import Pull, PullBatch, PullState, finish, pull_kv
+from moemesh.shared.engine.engine import RequestError
+from moemesh.shared.engine.outputs import StepOutputs, StepStats
+from moemesh.shared.engine.sampling_params import SamplingParamError
+from moemesh.shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob
+from moemesh.shared.service.lifecycle import AsyncService
+from moemesh.shared.service.nats_io import publish
+from moemesh.shared.service.runtime import WorkerRuntime, end_fields
+from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
+from moemesh.shared.telemetry.tracing import exports_spans
 
 log = logging.getLogger(__name__)
 # Step events per request span: enough to profile steps (moemesh profile), few enough that

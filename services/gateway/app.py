@@ -27,19 +27,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.gateway import openai_api as api
-from services.gateway.auth import ApiKeyMiddleware, load_api_keys
-from services.gateway.config import GatewayConfig
-from services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
-from services.gateway.openapi import OPENAPI
-from services.gateway.sse import EventStream
-from services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
-from shared.model.config import ModelConfig
-from shared.service.metrics_http import MetricsServer
-from shared.telemetry.metrics import Metrics
-from shared.telemetry.propagation import extract_context, inject_headers
-from shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
-from shared.tokenizer.tokenizer import Tokenizer
+from moemesh.services.gateway import openai_api as api
+from moemesh.services.gateway.auth import ApiKeyMiddleware, load_api_keys
+from moemesh.services.gateway.config import GatewayConfig
+from moemesh.services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
+from moemesh.services.gateway.openapi import OPENAPI
+from moemesh.services.gateway.sse import EventStream
+from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
+from moemesh.shared.model.config import ModelConfig
+from moemesh.shared.service.metrics_http import MetricsServer
+from moemesh.shared.telemetry.metrics import Metrics
+from moemesh.shared.telemetry.propagation import extract_context, inject_headers
+from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
+from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ kept from the holders' KVEvents. Pure data; the mesh client feeds it."""
 
 from __future__ import annotations
 
-from shared.protocol.messages import KVEvents
+from moemesh.shared.protocol.messages import KVEvents
 
 
 class KVIndex:

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.engine.sampling_params import SamplingParamError, SamplingParams
-from shared.tokenizer.tokenizer import Tokenizer, TokenizerError
+from moemesh.shared.engine.sampling_params import SamplingParamError, SamplingParams
+from moemesh.shared.tokenizer.tokenizer import Tokenizer, TokenizerError
 
 
 class ApiError(Exception):

@@ -9,7 +9,7 @@ load keeps them in step.
 
 from __future__ import annotations
 
-from shared.protocol.messages import Heartbeat
+from moemesh.shared.protocol.messages import Heartbeat
 
 
 def pick_decode(workers: list[Heartbeat], assigned_since_beat: dict[str, int]) -> Heartbeat | None:

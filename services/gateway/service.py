@@ -8,15 +8,15 @@ import logging
 
 import uvicorn
 
-from services.gateway.app import build_app
-from services.gateway.config import GatewayConfig
-from shared.service.lifecycle import AsyncService
+from moemesh.services.gateway.app import build_app
+from moemesh.services.gateway.config import GatewayConfig
+from moemesh.shared.service.lifecycle import AsyncService
 
 log = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):
-    # The service owns signal handling (shared.service.lifecycle); uvicorn must not.
+    # The service owns signal handling (moemesh.shared.service.lifecycle); uvicorn must not.
     @contextlib.contextmanager
     def capture_signals(self):
         yield

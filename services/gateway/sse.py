@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from services.gateway.stream import Handle
+from moemesh.services.gateway.stream import Handle
 
 _HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from shared.protocol.messages import TokenEnd, TokenLogprobWire
-from shared.tokenizer.detokenizer import IncrementalDetokenizer
-from shared.tokenizer.tokenizer import Tokenizer
+from moemesh.shared.protocol.messages import TokenEnd, TokenLogprobWire
+from moemesh.shared.tokenizer.detokenizer import IncrementalDetokenizer
+from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 TIMED_OUT = "timed_out"
 DISCONNECTED = "disconnected"

@@ -17,9 +17,9 @@ import zlib
 
 import numpy as np
 
-from services.kv_store.config import KVStoreConfig
-from services.kv_store.tiers import DiskTier, MemoryTier
-from shared.protocol.messages import (
+from moemesh.services.kv_store.config import KVStoreConfig
+from moemesh.services.kv_store.tiers import DiskTier, MemoryTier
+from moemesh.shared.protocol.messages import (
     Heartbeat,
     KVEvents,
     KVFetch,
@@ -29,15 +29,15 @@ from shared.protocol.messages import (
     KVSnapshotRequest,
     WorkerLoad,
 )
-from shared.protocol.subjects import Subjects
-from shared.service.heartbeat import Heartbeater, WorkerRegistry
-from shared.service.lifecycle import AsyncService
-from shared.service.metrics_http import MetricsServer
-from shared.service.nats_io import connect, disconnect, publish, subscribe
-from shared.telemetry.metrics import Metrics
-from shared.transport.base import TransferError
-from shared.transport.staging import StagingPool
-from shared.transport.ucx import UcxTransport
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.service.heartbeat import Heartbeater, WorkerRegistry
+from moemesh.shared.service.lifecycle import AsyncService
+from moemesh.shared.service.metrics_http import MetricsServer
+from moemesh.shared.service.nats_io import connect, disconnect, publish, subscribe
+from moemesh.shared.telemetry.metrics import Metrics
+from moemesh.shared.transport.base import TransferError
+from moemesh.shared.transport.staging import StagingPool
+from moemesh.shared.transport.ucx import UcxTransport
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config.common import WorkerConfig
+from moemesh.shared.config.common import WorkerConfig
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol.messages import PrefillJob
+from moemesh.shared.protocol.messages import PrefillJob
 
 _ids = itertools.count(1)
 

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from services.prefill.config import PrefillConfig
-from services.prefill.leases import LeaseTable
-from shared.engine import block_io
-from shared.engine.engine import RequestError
-from shared.engine.outputs import StepOutputs, StepStats, request_outputs
-from shared.engine.prefix_hash import chain
-from shared.engine.sampling_params import SamplingParamError
-from shared.protocol.messages import (
+from moemesh.services.prefill.config import PrefillConfig
+from moemesh.services.prefill.leases import LeaseTable
+from moemesh.shared.engine import block_io
+from moemesh.shared.engine.engine import RequestError
+from moemesh.shared.engine.outputs import StepOutputs, StepStats, request_outputs
+from moemesh.shared.engine.prefix_hash import chain
+from moemesh.shared.engine.sampling_params import SamplingParamError
+from moemesh.shared.protocol.messages import (
     Abort,
     Ack,
     ErrorReply,
@@ -41,12 +41,12 @@ from shared.protocol.messages import (
     KVRelease,
     PrefillJob,
 )
-from shared.service.heartbeat import WorkerRegistry
-from shared.service.lifecycle import AsyncService
-from shared.service.nats_io import RemoteError, Unreachable, request
-from shared.service.runtime import WorkerRuntime, logprobs_wire
-from shared.telemetry.propagation import extract_context, traceparent_of
-from shared.transport.base import TransferError
+from moemesh.shared.service.heartbeat import WorkerRegistry
+from moemesh.shared.service.lifecycle import AsyncService
+from moemesh.shared.service.nats_io import RemoteError, Unreachable, request
+from moemesh.shared.service.runtime import WorkerRuntime, logprobs_wire
+from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
+from moemesh.shared.transport.base import TransferError
 
 log = logging.getLogger(__name__)
 INLINE_EXPORT_BYTES = 1 << 20  # larger exports are copied on a thread, off the event loop

@@ -20,15 +20,15 @@ from typing import Callable
 
 import torch
 
-from shared.checkpoint.names import Target, hf_to_local
-from shared.checkpoint.names_v4 import is_scale, local_to_upstream, scale_names, v4_to_local
-from shared.checkpoint.quant import QuantSpec, dequant_fp4, dequant_fp8_block
-from shared.checkpoint.safetensors_io import SafetensorsFile, SafetensorsFormatError
-from shared.model.config import ConfigError, ModelConfig
-from shared.model.deepseek import DeepseekForCausalLM
-from shared.model.rope import RotaryEmbedding
-from shared.model.v4.model import DeepseekV4ForCausalLM
-from shared.model.v4.rope import Rope
+from moemesh.shared.checkpoint.names import Target, hf_to_local
+from moemesh.shared.checkpoint.names_v4 import is_scale, local_to_upstream, scale_names, v4_to_local
+from moemesh.shared.checkpoint.quant import QuantSpec, dequant_fp4, dequant_fp8_block
+from moemesh.shared.checkpoint.safetensors_io import SafetensorsFile, SafetensorsFormatError
+from moemesh.shared.model.config import ConfigError, ModelConfig
+from moemesh.shared.model.deepseek import DeepseekForCausalLM
+from moemesh.shared.model.rope import RotaryEmbedding
+from moemesh.shared.model.v4.model import DeepseekV4ForCausalLM
+from moemesh.shared.model.v4.rope import Rope
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from shared.checkpoint.names import Target
+from moemesh.shared.checkpoint.names import Target
 
 _TOP = {
     "embed.weight": "model.embed_tokens.weight",

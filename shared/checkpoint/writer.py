@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shared.checkpoint.names import local_to_hf_names
-from shared.checkpoint.seeding import seed_for
-from shared.checkpoint.presets import REAL_DIMENSIONS, TOKENIZER_VOCAB, VOCAB_FROM_TOKENIZER, preset_config
-from shared.checkpoint.tokenizer_builder import build_tokenizer, write_tokenizer
-from shared.checkpoint.writer_v4 import QUANT_CONFIG, v4_tensors
-from shared.model.config import ModelConfig
-from shared.model.deepseek import DeepseekForCausalLM
+from moemesh.shared.checkpoint.names import local_to_hf_names
+from moemesh.shared.checkpoint.seeding import seed_for
+from moemesh.shared.checkpoint.presets import REAL_DIMENSIONS, TOKENIZER_VOCAB, VOCAB_FROM_TOKENIZER, preset_config
+from moemesh.shared.checkpoint.tokenizer_builder import build_tokenizer, write_tokenizer
+from moemesh.shared.checkpoint.writer_v4 import QUANT_CONFIG, v4_tensors
+from moemesh.shared.model.config import ModelConfig
+from moemesh.shared.model.deepseek import DeepseekForCausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -18,11 +18,11 @@ from collections.abc import Iterator
 
 import torch
 
-from shared.checkpoint.names_v4 import local_to_upstream
-from shared.checkpoint.quant import quantize_fp4, quantize_fp8_block
-from shared.checkpoint.seeding import seed_for
-from shared.model.v4.config import V4Config
-from shared.model.v4.model import DeepseekV4ForCausalLM
+from moemesh.shared.checkpoint.names_v4 import local_to_upstream
+from moemesh.shared.checkpoint.quant import quantize_fp4, quantize_fp8_block
+from moemesh.shared.checkpoint.seeding import seed_for
+from moemesh.shared.model.v4.config import V4Config
+from moemesh.shared.model.v4.model import DeepseekV4ForCausalLM
 
 _FP32 = ("_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias")
 # Upstream FP8 weights (the compressor and indexer projections stay bf16 there).

@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from shared.engine.config import EngineConfig
+from moemesh.shared.engine.config import EngineConfig
 
 
 def default_worker_id(role: str) -> str:

@@ -19,7 +19,7 @@ import zlib
 
 import torch
 
-from shared.engine.engine import LLMEngine
+from moemesh.shared.engine.engine import LLMEngine
 
 
 def why_unsupported(engine: LLMEngine) -> str:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.runner import Chunk, build_batch
-from shared.engine.sequence import Sequence, SeqStatus
-from shared.model.deepseek import DeepseekForCausalLM
+from moemesh.shared.engine.runner import Chunk, build_batch
+from moemesh.shared.engine.sequence import Sequence, SeqStatus
+from moemesh.shared.model.deepseek import DeepseekForCausalLM
 
 
 class Drafter:

@@ -24,22 +24,22 @@ from functools import partial
 
 import torch
 
-from shared.checkpoint.loader import load_model
-from shared.engine.block_manager import BlockManager
-from shared.engine.config import EngineConfig
-from shared.engine.drafter import Drafter
-from shared.engine.hybrid_batch import HybridBatcher
-from shared.engine.hybrid_cache import HybridKVCache
-from shared.engine.kv_cache import KVCache
-from shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
-from shared.engine.planned_step import PlannedStep, run
-from shared.engine.prefix_hash import chain, kv_identity
-from shared.engine.runner import Chunk, build_batch
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from shared.engine.speculative import speculative_step
-from shared.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SeqStatus
-from shared.model.deepseek import DeepseekForCausalLM
+from moemesh.shared.checkpoint.loader import load_model
+from moemesh.shared.engine.block_manager import BlockManager
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.drafter import Drafter
+from moemesh.shared.engine.hybrid_batch import HybridBatcher
+from moemesh.shared.engine.hybrid_cache import HybridKVCache
+from moemesh.shared.engine.kv_cache import KVCache
+from moemesh.shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
+from moemesh.shared.engine.planned_step import PlannedStep, run
+from moemesh.shared.engine.prefix_hash import chain, kv_identity
+from moemesh.shared.engine.runner import Chunk, build_batch
+from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from moemesh.shared.engine.speculative import speculative_step
+from moemesh.shared.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SeqStatus
+from moemesh.shared.model.deepseek import DeepseekForCausalLM
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.runner import Chunk
-from shared.model.v4.batch import Entries, Extend, Groups, HybridMeta
-from shared.model.v4.config import CSA, SLIDING, V4Config
+from moemesh.shared.engine.runner import Chunk
+from moemesh.shared.model.v4.batch import Entries, Extend, Groups, HybridMeta
+from moemesh.shared.model.v4.config import CSA, SLIDING, V4Config
 
 
 class HybridBatcher:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.model.v4.config import V4Config
-from shared.model.v4.layout import V4Layout
+from moemesh.shared.model.v4.config import V4Config
+from moemesh.shared.model.v4.layout import V4Layout
 
 
 class HybridKVCache:

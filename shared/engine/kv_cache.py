@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.kernels.kv_pack import kv_gather, kv_scatter
-from shared.model.config import ModelConfig
+from moemesh.shared.kernels.kv_pack import kv_gather, kv_scatter
+from moemesh.shared.model.config import ModelConfig
 
 
 class KVCache:

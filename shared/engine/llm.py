@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.sequence import FinishReason
-from shared.tokenizer.detokenizer import IncrementalDetokenizer
-from shared.tokenizer.tokenizer import Tokenizer
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.sequence import FinishReason
+from moemesh.shared.tokenizer.detokenizer import IncrementalDetokenizer
+from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass

@@ -25,8 +25,8 @@ import time
 import torch
 from torch import nn
 
-from shared.model.batch import ForwardBatch
-from shared.model.config import ModelConfig
+from moemesh.shared.model.batch import ForwardBatch
+from moemesh.shared.model.config import ModelConfig
 
 
 class MockModel(nn.Module):

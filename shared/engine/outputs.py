@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.engine.sequence import FinishReason, TokenLogprob
+from moemesh.shared.engine.sequence import FinishReason, TokenLogprob
 
 
 @dataclass

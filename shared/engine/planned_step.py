@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine import sampler
-from shared.engine.runner import Chunk
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.sequence import Sequence, TokenLogprob
-from shared.model.batch import ForwardBatch
+from moemesh.shared.engine import sampler
+from moemesh.shared.engine.runner import Chunk
+from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.sequence import Sequence, TokenLogprob
+from moemesh.shared.model.batch import ForwardBatch
 
 _step_ids = itertools.count()
 

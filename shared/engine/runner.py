@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.sequence import Sequence
-from shared.model.batch import ExtendSeq, ForwardBatch
+from moemesh.shared.engine.sequence import Sequence
+from moemesh.shared.model.batch import ExtendSeq, ForwardBatch
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.sequence import TokenLogprob
+from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.sequence import TokenLogprob
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

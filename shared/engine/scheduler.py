@@ -22,8 +22,8 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.engine.block_manager import BlockManager
-from shared.engine.sequence import FinishReason, SeqStatus, Sequence
+from moemesh.shared.engine.block_manager import BlockManager
+from moemesh.shared.engine.sequence import FinishReason, SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

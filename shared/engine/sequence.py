@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.sampling_params import SamplingParams
 
 _arrival = itertools.count()
 # Stands for a token that a step in flight is sampling; the step's landing overwrites it.

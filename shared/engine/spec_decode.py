@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.sampler import processed_probs
-from shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.sampler import processed_probs
+from moemesh.shared.engine.sampling_params import SamplingParams
 
 
 def verify(

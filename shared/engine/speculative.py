@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.engine import sampler
-from shared.engine.outputs import RequestOutput, StepStats
-from shared.engine.runner import Chunk, build_batch
-from shared.engine.sequence import FinishReason, Sequence
-from shared.engine.spec_decode import verify
+from moemesh.shared.engine import sampler
+from moemesh.shared.engine.outputs import RequestOutput, StepStats
+from moemesh.shared.engine.runner import Chunk, build_batch
+from moemesh.shared.engine.sequence import FinishReason, Sequence
+from moemesh.shared.engine.spec_decode import verify
 
 if TYPE_CHECKING:
-    from shared.engine.engine import LLMEngine
+    from moemesh.shared.engine.engine import LLMEngine
 
 
 @torch.inference_mode()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.engine.outputs import StepStats
+from moemesh.shared.engine.outputs import StepStats
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@
 No I/O and no service state here; the balancer service owns windows and moves.
 """
 
-from shared.eplb.align import align, moves_per_layer
-from shared.eplb.hysteresis import SwitchConfig, SwitchDecision, SwitchState, decide
-from shared.eplb.placement import Placement, naive_placement, route_to_slots
-from shared.eplb.policy import PlacementPolicy, build_placement, get_policy
+from moemesh.shared.eplb.align import align, moves_per_layer
+from moemesh.shared.eplb.hysteresis import SwitchConfig, SwitchDecision, SwitchState, decide
+from moemesh.shared.eplb.placement import Placement, naive_placement, route_to_slots
+from moemesh.shared.eplb.policy import PlacementPolicy, build_placement, get_policy
 
 __all__ = ["Placement", "PlacementPolicy", "SwitchConfig", "SwitchDecision", "SwitchState", "align",
            "build_placement", "decide", "get_policy", "moves_per_layer", "naive_placement", "route_to_slots"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.eplb.placement import Placement
+from moemesh.shared.eplb.placement import Placement
 
 
 def align(current: Placement, new: Placement, *, num_nodes: int = 1, opt_passes: int = 8) -> Placement:

@@ -1,4 +1,4 @@
-"""Held-out comparison of placement algorithms: `python -m shared.eplb.compare`.
+"""Held-out comparison of placement algorithms: `python -m moemesh.shared.eplb.compare`.
 
 For each workload, consecutive windows w_0 .. w_n are sampled; every algorithm builds
 a placement from w_i and is scored on w_i itself (in-window, flattering) and on w_i+1
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from shared.eplb.align import align, moves_per_layer
-from shared.eplb.placement import naive_placement
-from shared.eplb.policy import DeepSeekPolicy, OursPolicy, timed_place
-from shared.eplb.workloads import HOT, ZIPF, Workload
+from moemesh.shared.eplb.align import align, moves_per_layer
+from moemesh.shared.eplb.placement import naive_placement
+from moemesh.shared.eplb.policy import DeepSeekPolicy, OursPolicy, timed_place
+from moemesh.shared.eplb.workloads import HOT, ZIPF, Workload
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _nodes(policy) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shared.eplb.compare", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m moemesh.shared.eplb.compare", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=32)
     p.add_argument("--redundant", type=int, default=1)
     p.add_argument("--nodes", type=int, default=4, help="nodes for deepseek-hierarchical")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.eplb.placement import Placement
+from moemesh.shared.eplb.placement import Placement
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from typing import Protocol
 
 import torch
 
-from shared.eplb import reference
-from shared.eplb.packing import pack
-from shared.eplb.placement import Placement, slots_per_rank
-from shared.eplb.replicas import choose_counts, max_load_bound
+from moemesh.shared.eplb import reference
+from moemesh.shared.eplb.packing import pack
+from moemesh.shared.eplb.placement import Placement, slots_per_rank
+from moemesh.shared.eplb.replicas import choose_counts, max_load_bound
 
 
 class PlacementPolicy(Protocol):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.eplb.placement import Placement, slots_per_rank
+from moemesh.shared.eplb.placement import Placement, slots_per_rank
 
 
 def rebalance(loads: torch.Tensor, num_ranks: int, num_redundant: int, *, num_nodes: int = 1,

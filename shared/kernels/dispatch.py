@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from shared.kernels._triton import interpreting, triton_available
+from moemesh.shared.kernels._triton import interpreting, triton_available
 
 ENV_VAR = "MOEMESH_KERNELS"
 MODES = ("auto", "triton", "torch")

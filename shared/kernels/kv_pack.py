@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.kernels._triton import jit, next_pow2, tl
-from shared.kernels.dispatch import use_triton
+from moemesh.shared.kernels._triton import jit, next_pow2, tl
+from moemesh.shared.kernels.dispatch import use_triton
 
 
 def kv_gather_ref(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

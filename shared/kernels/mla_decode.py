@@ -16,8 +16,8 @@ import functools
 
 import torch
 
-from shared.kernels._triton import jit, next_pow2, tl
-from shared.kernels.dispatch import use_triton
+from moemesh.shared.kernels._triton import jit, next_pow2, tl
+from moemesh.shared.kernels.dispatch import use_triton
 
 
 def mla_decode_ref(

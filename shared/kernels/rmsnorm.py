@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.kernels._triton import jit, next_pow2, tl
-from shared.kernels.dispatch import use_triton
+from moemesh.shared.kernels._triton import jit, next_pow2, tl
+from moemesh.shared.kernels.dispatch import use_triton
 
 
 def rms_norm_ref(

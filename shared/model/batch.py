@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from shared.model.v4.batch import HybridMeta
+    from moemesh.shared.model.v4.batch import HybridMeta
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The model's architecture, parsed from a Hugging Face `config.json`.
 
 DeepSeek-V2 and DeepSeek-V3 (`model_type` `deepseek_v2` / `deepseek_v3`) parse into
-ModelConfig; DeepSeek-V4 (`deepseek_v4`) into shared.model.v4.config.V4Config, which
+ModelConfig; DeepSeek-V4 (`deepseek_v4`) into moemesh.shared.model.v4.config.V4Config, which
 answers the same questions the engine asks. Both spellings of the RoPE settings found on the Hub are read: the older
 `rope_scaling` + top-level `rope_theta`, and the current `rope_parameters`.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shared.model.v4.config import V4Config
+    from moemesh.shared.model.v4.config import V4Config
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v4")
 
@@ -130,7 +130,7 @@ class ModelConfig:
                 f"{source}: unsupported model_type {mt!r}; moemesh serves {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         if mt == "deepseek_v4":
-            from shared.model.v4.config import V4Config
+            from moemesh.shared.model.v4.config import V4Config
 
             return V4Config.from_dict(raw, source)
         g = _Getter(raw, source)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.model.batch import ForwardBatch
-from shared.model.config import ModelConfig
-from shared.model.layers import MLP, RMSNorm
-from shared.model.mla import MLAttention
-from shared.model.moe import MoE
-from shared.model.rope import RotaryEmbedding
+from moemesh.shared.model.batch import ForwardBatch
+from moemesh.shared.model.config import ModelConfig
+from moemesh.shared.model.layers import MLP, RMSNorm
+from moemesh.shared.model.mla import MLAttention
+from moemesh.shared.model.moe import MoE
+from moemesh.shared.model.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):

@@ -24,12 +24,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from shared.eplb.placement import Placement, naive_placement
-from shared.kernels.fused_moe import fused_moe
+from moemesh.shared.eplb.placement import Placement, naive_placement
+from moemesh.shared.kernels.fused_moe import fused_moe
 
 
 def contiguous_phy2log(num_experts: int, num_ranks: int, redundant: int) -> torch.Tensor:
-    """The naive placement of one layer ([P]); see shared.eplb.placement.naive_placement."""
+    """The naive placement of one layer ([P]); see moemesh.shared.eplb.placement.naive_placement."""
     return naive_placement(1, num_experts, num_ranks, redundant).phy2log[0]
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels.rmsnorm import rms_norm
+from moemesh.shared.kernels.rmsnorm import rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels.mla_decode import mla_decode
-from shared.model.batch import ForwardBatch
-from shared.model.config import ModelConfig
-from shared.model.layers import RMSNorm
-from shared.model.rope import RotaryEmbedding, softmax_scale
+from moemesh.shared.kernels.mla_decode import mla_decode
+from moemesh.shared.model.batch import ForwardBatch
+from moemesh.shared.model.config import ModelConfig
+from moemesh.shared.model.layers import RMSNorm
+from moemesh.shared.model.rope import RotaryEmbedding, softmax_scale
 
 
 class MLAttention(nn.Module):

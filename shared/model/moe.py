@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels.fused_moe import fused_moe
-from shared.model.config import ModelConfig
-from shared.model.layers import MLP
+from moemesh.shared.kernels.fused_moe import fused_moe
+from moemesh.shared.model.config import ModelConfig
+from moemesh.shared.model.layers import MLP
 
 
 def select_experts(

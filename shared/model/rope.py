@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from shared.kernels.rotary import rotary
-from shared.model.config import ModelConfig, RopeConfig
+from moemesh.shared.kernels.rotary import rotary
+from moemesh.shared.model.config import ModelConfig, RopeConfig
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

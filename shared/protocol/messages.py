@@ -11,8 +11,8 @@ import sys
 from array import array
 from dataclasses import dataclass, field
 
-from shared.engine.sampling_params import SamplingParams
-from shared.protocol.wire import ProtocolError, register_codec
+from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.wire import ProtocolError, register_codec
 
 _SWAP = sys.byteorder != "little"  # token ids travel as little-endian int32
 

@@ -1,4 +1,4 @@
-"""Command-line front for every service: `python -m services.<name>` and `moemesh <name>`.
+"""Command-line front for every service: `python -m moemesh.services.<name>` and `moemesh <name>`.
 
 Flags become config overrides; the config dataclass is built once here and passed
 down. Common flags have their own options; anything else goes through --set.
@@ -11,9 +11,9 @@ import sys
 from dataclasses import fields, replace
 from typing import Any, Callable
 
-from shared.config.common import default_worker_id
-from shared.config.loader import ConfigFileError, load, parse_overrides
-from shared.service.lifecycle import configure_logging, run
+from moemesh.shared.config.common import default_worker_id
+from moemesh.shared.config.loader import ConfigFileError, load, parse_overrides
+from moemesh.shared.service.lifecycle import configure_logging, run
 
 _FLAGS = ("model", "nats_url", "worker_id", "trace_file", "log_level", "host", "port", "served_model_name",
           "subject_prefix")

@@ -10,18 +10,18 @@ import time
 import numpy as np
 import torch
 
-from shared.checkpoint.loader import load_model
-from shared.engine.dp import DPGroup
-from shared.engine.engine import LLMEngine
-from shared.engine.load_tracker import LoadTracker
-from shared.model.config import ModelConfig
-from shared.model.expert_parallel import ExpertParallel, contiguous_phy2log
-from shared.model.skew import apply_skew
-from shared.protocol.messages import Ack, ErrorReply, ExpertLoad, Heartbeat, MoveAbort, MoveCommit, MoveDone, MovePlan, MoveStaged
-from shared.service.expert_moves import MoveAgent
-from shared.service.heartbeat import WorkerRegistry
-from shared.service.lockstep import Lockstep
-from shared.service.nats_io import publish
+from moemesh.shared.checkpoint.loader import load_model
+from moemesh.shared.engine.dp import DPGroup
+from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.engine.load_tracker import LoadTracker
+from moemesh.shared.model.config import ModelConfig
+from moemesh.shared.model.expert_parallel import ExpertParallel, contiguous_phy2log
+from moemesh.shared.model.skew import apply_skew
+from moemesh.shared.protocol.messages import Ack, ErrorReply, ExpertLoad, Heartbeat, MoveAbort, MoveCommit, MoveDone, MovePlan, MoveStaged
+from moemesh.shared.service.expert_moves import MoveAgent
+from moemesh.shared.service.heartbeat import WorkerRegistry
+from moemesh.shared.service.lockstep import Lockstep
+from moemesh.shared.service.nats_io import publish
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
-from shared.engine.engine import BLOCKED, LLMEngine
-from shared.engine.outputs import StepOutputs, StepStats, step_outputs
-from shared.engine.planned_step import PlannedStep
+from moemesh.shared.engine.engine import BLOCKED, LLMEngine
+from moemesh.shared.engine.outputs import StepOutputs, StepStats, step_outputs
+from moemesh.shared.engine.planned_step import PlannedStep
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.model.expert_parallel import ExpertParallel
-from shared.transport.base import TransferError
-from shared.transport.staging import StagingPool, StagingSlot
+from moemesh.shared.model.expert_parallel import ExpertParallel
+from moemesh.shared.transport.base import TransferError
+from moemesh.shared.transport.staging import StagingPool, StagingSlot
 
 log = logging.getLogger(__name__)
 

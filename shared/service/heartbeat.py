@@ -10,9 +10,9 @@ from typing import Callable
 
 from nats.aio.client import Client as NATS
 
-from shared.protocol.messages import Heartbeat
-from shared.protocol.subjects import Subjects
-from shared.protocol.wire import encode
+from moemesh.shared.protocol.messages import Heartbeat
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.protocol.wire import encode
 
 PRUNE_EVERY_S = 0.1
 

@@ -17,13 +17,13 @@ import logging
 import random
 from collections import OrderedDict
 
-from shared.engine import block_io
-from shared.protocol.messages import (
+from moemesh.shared.engine import block_io
+from moemesh.shared.protocol.messages import (
     Heartbeat, KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, KVSnapshotRequest, KVSource,
 )
-from shared.service.heartbeat import WorkerRegistry
-from shared.service.nats_io import RemoteError, Unreachable, publish, request
-from shared.transport.base import TransferError
+from moemesh.shared.service.heartbeat import WorkerRegistry
+from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request
+from moemesh.shared.transport.base import TransferError
 
 log = logging.getLogger(__name__)
 _PUSHED_MEMORY = 65536  # hashes remembered as already offered to the store

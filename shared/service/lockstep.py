@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from shared.engine.dp import DPGroup
+from moemesh.shared.engine.dp import DPGroup
 
 
 @dataclass(frozen=True)

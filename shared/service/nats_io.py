@@ -17,10 +17,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from shared.config.common import ServiceConfig
-from shared.protocol.messages import ErrorReply
-from shared.protocol.wire import ProtocolError, decode, encode, from_plain
-from shared.telemetry.propagation import extract_context
+from moemesh.shared.config.common import ServiceConfig
+from moemesh.shared.protocol.messages import ErrorReply
+from moemesh.shared.protocol.wire import ProtocolError, decode, encode, from_plain
+from moemesh.shared.telemetry.propagation import extract_context
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

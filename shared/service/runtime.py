@@ -11,28 +11,28 @@ from collections import deque
 
 from nats.aio.client import Client as NATS
 
-from shared.config.common import WorkerConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.mock_model import MockModel
-from shared.engine.outputs import Finished, StepOutputs
-from shared.engine.step_account import StepAccount, account
-from shared.model.config import ModelConfig
-from shared.protocol.messages import (
+from moemesh.shared.config.common import WorkerConfig
+from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.engine.mock_model import MockModel
+from moemesh.shared.engine.outputs import Finished, StepOutputs
+from moemesh.shared.engine.step_account import StepAccount, account
+from moemesh.shared.model.config import ModelConfig
+from moemesh.shared.protocol.messages import (
     Heartbeat, KVLayout, StatsRequest, TokenBatch, TokenEnd, TokenLogprobWire, WorkerLoad, WorkerStats,
 )
-from shared.protocol.subjects import Subjects
-from shared.protocol.wire import encode
-from shared.service.dep_runtime import DepRuntime
-from shared.service.engine_loop import EngineLoop, OutputSink
-from shared.service.heartbeat import Heartbeater
-from shared.service.kv_sharing import KVSharing
-from shared.service.metrics_http import MetricsServer
-from shared.service.nats_io import connect, disconnect, subscribe
-from shared.telemetry.metrics import Metrics
-from shared.telemetry.tracing import get_tracer, setup_tracing
-from shared.telemetry.tracing import shutdown as shutdown_tracing
-from shared.transport.staging import StagingPool
-from shared.transport.ucx import UcxTransport
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.protocol.wire import encode
+from moemesh.shared.service.dep_runtime import DepRuntime
+from moemesh.shared.service.engine_loop import EngineLoop, OutputSink
+from moemesh.shared.service.heartbeat import Heartbeater
+from moemesh.shared.service.kv_sharing import KVSharing
+from moemesh.shared.service.metrics_http import MetricsServer
+from moemesh.shared.service.nats_io import connect, disconnect, subscribe
+from moemesh.shared.telemetry.metrics import Metrics
+from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing
+from moemesh.shared.telemetry.tracing import shutdown as shutdown_tracing
+from moemesh.shared.transport.staging import StagingPool
+from moemesh.shared.transport.ucx import UcxTransport
 
 log = logging.getLogger(__name__)
 LOAD_REFRESH_S = 0.05

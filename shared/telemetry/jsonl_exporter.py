@@ -9,7 +9,7 @@ Record layout (ids are lowercase hex, times are Unix nanoseconds):
      "status": {"code": "UNSET" | "OK" | "ERROR", "description": str | null},
      "resource": {"service.name": str}}
 
-`shared.telemetry.chrome_trace.load_jsonl` reads this layout back.
+`moemesh.shared.telemetry.chrome_trace.load_jsonl` reads this layout back.
 """
 
 from __future__ import annotations

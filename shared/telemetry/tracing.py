@@ -30,7 +30,7 @@ from opentelemetry.trace import (
     NonRecordingSpan, NoOpTracer, Span, SpanContext, TraceFlags, Tracer, get_current_span, use_span,
 )
 
-from shared.telemetry.jsonl_exporter import JsonLinesSpanExporter
+from moemesh.shared.telemetry.jsonl_exporter import JsonLinesSpanExporter
 
 OTLP_TRACES_PATH = "v1/traces"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import codecs
 
-from shared.tokenizer.tokenizer import Tokenizer
+from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from shared.transport.base import Transfer, TransferError
+from moemesh.shared.transport.base import Transfer, TransferError
 
 _ids = itertools.count()
 

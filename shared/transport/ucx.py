@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.transport.base import Transfer, TransferError
+from moemesh.shared.transport.base import Transfer, TransferError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import pytest
 def bench(tmp_path, tiny_model, *args, timeout=240):
     out = tmp_path / "r.json"
     env = dict(os.environ, MOEMESH_HOME=str(tmp_path / "home"))
-    r = subprocess.run([sys.executable, "-m", "shared.cli.main", "bench", *args, "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", "bench", *args, "--out", str(out)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text()), r.stdout

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from shared.bench import kv_bytes
+from moemesh.tools.bench import kv_bytes
 
 
 def test_v4_flash_against_v3():
@@ -26,7 +26,7 @@ def test_v4_flash_against_v3():
 
 def test_cli_prints_and_saves(tmp_path):
     out = tmp_path / "kv.json"
-    res = subprocess.run([sys.executable, "-m", "shared.cli.main", "bench", "kv-bytes", "--out", str(out)],
+    res = subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", "bench", "kv-bytes", "--out", str(out)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "V4-Flash" in res.stdout and "6,880" in res.stdout

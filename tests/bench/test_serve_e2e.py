@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.bench.serve import runner
-from shared.bench.serve.client import ClientConfig
-from shared.bench.serve.workload import LengthDist, WorkloadConfig
-from shared.cli.main import main
+from moemesh.tools.bench.serve import runner
+from moemesh.tools.bench.serve.client import ClientConfig
+from moemesh.tools.bench.serve.workload import LengthDist, WorkloadConfig
+from moemesh.tools.cli.main import main
 from tests.bench.stub_server import StubServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def stub():
 
 
 def bench(stub, out: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "shared.cli.main", "bench", "serve", "--url", stub.url,
+    cmd = [sys.executable, "-m", "moemesh.tools.cli.main", "bench", "serve", "--url", stub.url,
            "--out-dir", str(out), "--no-progress", *args]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr[-3000:]

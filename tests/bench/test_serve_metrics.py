@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.bench.serve import metrics as m
-from shared.bench.serve.client import DONE, event_content, event_error, parse_sse_line
+from moemesh.tools.bench.serve import metrics as m
+from moemesh.tools.bench.serve.client import DONE, event_content, event_error, parse_sse_line
 
 
 def rec(index=0, start=0.0, chunks=(), tokens=None, end=None, out=None, turn=1, **kw) -> m.RequestRecord:

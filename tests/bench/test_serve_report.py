@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from shared.bench.serve import report
-from shared.bench.serve.metrics import RequestRecord, summarize
+from moemesh.tools.bench.serve import report
+from moemesh.tools.bench.serve.metrics import RequestRecord, summarize
 
 
 def _point(value: float, scale: float) -> dict:

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from shared.bench.serve import runner
-from shared.bench.serve import workload as wl
-from shared.bench.serve.workload import LengthDist, WorkloadConfig
+from moemesh.tools.bench.serve import runner
+from moemesh.tools.bench.serve import workload as wl
+from moemesh.tools.bench.serve.workload import LengthDist, WorkloadConfig
 
 
 def _stream(w: wl.Workload) -> list:
@@ -82,7 +82,7 @@ def test_prefix_groups_share_their_prefix():
 
 
 def test_tokenizer_calibrates_lengths(tmp_path):
-    from shared.checkpoint.tokenizer_builder import build_tokenizer
+    from moemesh.shared.checkpoint.tokenizer_builder import build_tokenizer
 
     # A small byte-level BPE splits most words into pieces: a hard case for calibration.
     build_tokenizer(512).save(str(tmp_path / "tokenizer.json"))

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from shared.bench.sse_client import LoadConfig, run_load
-from shared.bench.sse_wire import ChunkedSSE, ProtocolError
+from moemesh.tools.bench.sse_client import LoadConfig, run_load
+from moemesh.tools.bench.sse_wire import ChunkedSSE, ProtocolError
 
 TOKENS = 5
 EVENTS = [b'data: {"choices":[{"text":"t%d"}]}\n\n' % i for i in range(TOKENS)]

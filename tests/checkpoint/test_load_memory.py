@@ -7,8 +7,8 @@ def test_loading_never_holds_the_model_twice(tmp_path):
     """Peak RSS while loading stays well under twice the model's size."""
     script = textwrap.dedent(f"""
         import resource, torch
-        from shared.checkpoint.writer import init_model
-        from shared.model.config import ModelConfig
+        from moemesh.shared.checkpoint.writer import init_model
+        from moemesh.shared.model.config import ModelConfig
         d = init_model({str(tmp_path / 'm')!r}, "tiny", num_layers=3, seed=0)
         import json
         raw = json.loads(open(d / "config.json").read())
@@ -17,7 +17,7 @@ def test_loading_never_holds_the_model_twice(tmp_path):
         (d / "config.json").write_text(json.dumps(raw))
         for f in d.glob("*.safetensors"):
             f.unlink()
-        from shared.checkpoint import writer
+        from moemesh.shared.checkpoint import writer
         cfg = ModelConfig.from_dict(raw)
         from safetensors.torch import save_file
         tensors = {{n: writer._materialise(n, s, cfg, 0, torch.float32) for n, s in writer._hf_tensors(cfg)}}
@@ -32,9 +32,9 @@ def test_loading_never_holds_the_model_twice(tmp_path):
     size = int(out.stdout.split()[-1])
     load = textwrap.dedent(f"""
         import resource, torch
-        from shared.checkpoint.loader import load_model
-        from shared.model.config import ModelConfig
-        from shared.model.deepseek import DeepseekForCausalLM
+        from moemesh.shared.checkpoint.loader import load_model
+        from moemesh.shared.model.config import ModelConfig
+        from moemesh.shared.model.deepseek import DeepseekForCausalLM
         # The first meta-device construction imports ~150 MB of torch internals; do it
         # before the baseline so only the weights are measured.
         with torch.device("meta"):

@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.checkpoint.loader import CheckpointError, load_model
-from shared.checkpoint.writer import init_model
+from moemesh.shared.checkpoint.loader import CheckpointError, load_model
+from moemesh.shared.checkpoint.writer import init_model
 
 
 @pytest.fixture

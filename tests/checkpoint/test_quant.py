@@ -4,10 +4,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shared.checkpoint.quant import (
+from moemesh.shared.checkpoint.quant import (
     QuantSpec, dequant_fp4, dequant_fp8_block, e8m0_to_float, quantize_fp4, quantize_fp8_block,
 )
-from shared.checkpoint.safetensors_io import SafetensorsFile
+from moemesh.shared.checkpoint.safetensors_io import SafetensorsFile
 
 E2M1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 V4_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",

@@ -16,12 +16,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from shared.checkpoint.loader import CheckpointError, load_model
-from shared.checkpoint.presets import preset_config
-from shared.checkpoint.writer import init_model
-from shared.model.config import ModelConfig
-from shared.model.v4.config import V4Config
-from shared.model.v4.layout import V4Layout
+from moemesh.shared.checkpoint.loader import CheckpointError, load_model
+from moemesh.shared.checkpoint.presets import preset_config
+from moemesh.shared.checkpoint.writer import init_model
+from moemesh.shared.model.config import ModelConfig
+from moemesh.shared.model.v4.config import V4Config
+from moemesh.shared.model.v4.layout import V4Layout
 
 SEED = 5
 
@@ -144,7 +144,7 @@ def test_quantized_loads_within_the_format_error(dirs, states):
     q, exact = states["quantized"], states["upstream"]
     assert set(q) == set(exact)
     names = _names(dirs["quantized"])
-    from shared.checkpoint.names_v4 import v4_to_local
+    from moemesh.shared.checkpoint.names_v4 import v4_to_local
 
     fp8 = {v4_to_local(n).param for n, dt in names.items() if dt == "F8_E4M3"}
     fp4 = {v4_to_local(n).param for n, dt in names.items() if dt == "I8"}

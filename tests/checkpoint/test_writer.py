@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared.checkpoint.writer import init_model
+from moemesh.shared.checkpoint.writer import init_model
 
 
 def _digest(d):
@@ -47,7 +47,7 @@ def test_layout_loads_in_transformers(tiny_model):
 def test_our_tokenizer_matches_transformers(tiny_model):
     from transformers import AutoTokenizer
 
-    from shared.tokenizer.tokenizer import Tokenizer
+    from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
     ours, ref = Tokenizer(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "café 日本語 🙂?"},

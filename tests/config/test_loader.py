@@ -1,8 +1,8 @@
 import pytest
 
-from services.decode.config import DecodeConfig
-from services.gateway.config import GatewayConfig
-from shared.config.loader import ConfigFileError, load, parse_overrides
+from moemesh.services.decode.config import DecodeConfig
+from moemesh.services.gateway.config import GatewayConfig
+from moemesh.shared.config.loader import ConfigFileError, load, parse_overrides
 
 
 def test_precedence_file_then_env_then_cli(tmp_path):

@@ -12,8 +12,8 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from services.gateway import auth
-from services.gateway.auth import ApiKeyError, ApiKeyMiddleware, load_api_keys
+from moemesh.services.gateway import auth
+from moemesh.services.gateway.auth import ApiKeyError, ApiKeyMiddleware, load_api_keys
 
 KEYS = ("sk-first-0123456789", "sk-second-abcdefghij")
 
@@ -84,7 +84,7 @@ def test_keys_file(tmp_path):
 
 
 def test_keys_stay_out_of_the_config_repr():
-    from services.gateway.config import GatewayConfig
+    from moemesh.services.gateway.config import GatewayConfig
 
     cfg = GatewayConfig(model="/m", api_keys=("sk-secret-repr-check",))
     assert "sk-secret-repr-check" not in repr(cfg)

@@ -62,7 +62,7 @@ def test_every_moemesh_service_is_healthchecked_and_waits_for_healthy_nats(spec)
         assert (":8000/health" in test) == name.startswith("gateway"), name  # workers: their metrics_port
         assert s["depends_on"]["nats"] == {"condition": "service_healthy"}, name
         assert s["stop_signal"] == "SIGTERM" and s["read_only"] is True, name
-        assert "python -m services." + name.split("-gpu")[0].replace("-", "_") in " ".join(s["command"]), name
+        assert "python -m moemesh.services." + name.split("-gpu")[0].replace("-", "_") in " ".join(s["command"]), name
         assert any(str(v).startswith("./moemesh.toml:") and str(v).endswith(":ro") for v in s["volumes"]), name
     assert "healthcheck" in services["nats"]
     for gw, workers in (("gateway", ("prefill", "decode")), ("gateway-gpu", ("prefill-gpu", "decode-gpu"))):

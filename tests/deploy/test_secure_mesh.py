@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.launch.nats_server import find_nats_server
-from shared.launch.procs import ProcessGroup, free_port, wait_for_port
-from shared.launch.up import Mesh, up_config
+from moemesh.tools.launch.nats_server import find_nats_server
+from moemesh.tools.launch.procs import ProcessGroup, free_port, wait_for_port
+from moemesh.tools.launch.up import Mesh, up_config
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 USERS = ["gateway", "prefill", "decode", "balancer", "kv_store", "ops"]

@@ -46,7 +46,7 @@ def test_unit_fields(service):
     assert int(s["TimeoutStopSec"][0].rstrip("s")) > 30  # beyond the default drain_timeout_s
     assert f"/etc/moemesh/{service}-%i.env" in s["EnvironmentFile"]
     (exec_start,) = s["ExecStart"]
-    assert exec_start.startswith("/opt/moemesh/.venv/bin/python -m services." + service)
+    assert exec_start.startswith("/opt/moemesh/.venv/bin/python -m moemesh.services." + service)
     assert "--config /etc/moemesh/moemesh.toml" in exec_start
     for key, value in SANDBOX.items():
         assert s.get(key) == [value], key
@@ -59,8 +59,8 @@ def test_unit_fields(service):
 
 
 def test_example_env_uses_settings_the_loader_knows():
-    from services.decode.config import DecodeConfig
-    from shared.config.loader import load
+    from moemesh.services.decode.config import DecodeConfig
+    from moemesh.shared.config.loader import load
 
     env = {}
     for line in (UNITS / "example.env").read_text().splitlines():

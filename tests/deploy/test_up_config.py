@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli.main import build_parser
-from shared.cli.cmd_up import config_from_args
-from shared.config.loader import ConfigFileError, load
-from shared.launch.up import launch_plan, up_config
+from moemesh.tools.cli.main import build_parser
+from moemesh.tools.cli.cmd_up import config_from_args
+from moemesh.shared.config.loader import ConfigFileError, load
+from moemesh.tools.launch.up import launch_plan, up_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,19 +57,19 @@ def test_pools_come_from_the_file(deployment):
     assert (cfg.nats_url, cfg.model, cfg.host, cfg.port) == ("nats://10.0.0.5:4222", "/models/v3", "0.0.0.0", 8080)
     plan = launch_plan(cfg, cfg.model, cfg.nats_url, cfg.port)
     roles = _by_role(plan)
-    assert len(roles["services.prefill"]) == 1
-    assert len(roles["services.decode"]) == 4  # two DEP2 instances, one process per rank
-    assert len(roles["services.balancer"]) == 1  # redundant slots need one
-    assert "services.kv_store" not in roles
-    assert plan[-1].argv[0] == "services.gateway"  # opens its port last
+    assert len(roles["moemesh.services.prefill"]) == 1
+    assert len(roles["moemesh.services.decode"]) == 4  # two DEP2 instances, one process per rank
+    assert len(roles["moemesh.services.balancer"]) == 1  # redundant slots need one
+    assert "moemesh.services.kv_store" not in roles
+    assert plan[-1].argv[0] == "moemesh.services.gateway"  # opens its port last
     for launch in plan:
         i = launch.argv.index("--config")
         assert launch.argv[i + 1] == str(deployment.resolve())
-    ranks = sorted(a for launch in roles["services.decode"] for a in launch.argv if a.startswith("dp_rank="))
+    ranks = sorted(a for launch in roles["moemesh.services.decode"] for a in launch.argv if a.startswith("dp_rank="))
     assert ranks == ["dp_rank=0", "dp_rank=0", "dp_rank=1", "dp_rank=1"]
-    instances = {a for launch in roles["services.decode"] for a in launch.argv if a.startswith("instance_id=")}
+    instances = {a for launch in roles["moemesh.services.decode"] for a in launch.argv if a.startswith("instance_id=")}
     assert len(instances) == 2
-    assert all("eplb_redundant=1" in launch.argv for launch in roles["services.decode"])
+    assert all("eplb_redundant=1" in launch.argv for launch in roles["moemesh.services.decode"])
 
 
 def test_flags_override_the_file(deployment):
@@ -79,7 +79,7 @@ def test_flags_override_the_file(deployment):
     assert (cfg.num_decode, cfg.decode_dp, cfg.eplb_redundant, cfg.balancer, cfg.port) == (1, 1, 0, False, 9000)
     assert cfg.num_prefill == 1 and cfg.nats_url == "nats://10.0.0.5:4222"  # not given: the file's
     roles = _by_role(launch_plan(cfg, cfg.model, cfg.nats_url, cfg.port))
-    assert len(roles["services.decode"]) == 1 and "services.balancer" not in roles
+    assert len(roles["moemesh.services.decode"]) == 1 and "moemesh.services.balancer" not in roles
 
 
 def test_without_a_file_the_defaults_stand():
@@ -95,7 +95,7 @@ def test_kv_store_pool(tmp_path):
     p = tmp_path / "d.toml"
     p.write_text("[pools]\nkv_store = true\n")
     plan = launch_plan(up_config(str(p)), "/m", "nats://h:4222", 8000)
-    assert plan[0].argv[0] == "services.kv_store"  # before the workers that will use it
+    assert plan[0].argv[0] == "moemesh.services.kv_store"  # before the workers that will use it
 
 
 @pytest.mark.parametrize("pools, match", [
@@ -113,8 +113,8 @@ def test_bad_pools_are_errors(tmp_path, pools, match):
 
 
 def test_services_read_their_tables_and_ignore_pools(deployment):
-    from services.decode.config import DecodeConfig
-    from services.gateway.config import GatewayConfig
+    from moemesh.services.decode.config import DecodeConfig
+    from moemesh.services.gateway.config import GatewayConfig
 
     gw = load(GatewayConfig, "gateway", deployment, environ={})
     assert (gw.port, gw.nats_user, gw.nats_url) == (8080, "gateway", "nats://10.0.0.5:4222")
@@ -123,18 +123,18 @@ def test_services_read_their_tables_and_ignore_pools(deployment):
 
 
 def _service_configs():
-    from services.balancer.config import BalancerConfig
-    from services.decode.config import DecodeConfig
-    from services.gateway.config import GatewayConfig
-    from services.prefill.config import PrefillConfig
+    from moemesh.services.balancer.config import BalancerConfig
+    from moemesh.services.decode.config import DecodeConfig
+    from moemesh.services.gateway.config import GatewayConfig
+    from moemesh.services.prefill.config import PrefillConfig
 
     out = [("gateway", GatewayConfig), ("prefill", PrefillConfig), ("decode", DecodeConfig),
            ("balancer", BalancerConfig)]
     try:  # being built alongside; checked once it exists, whatever its class is called
-        import services.kv_store.config as kv
+        import moemesh.services.kv_store.config as kv
     except ImportError:
         return out
-    from shared.config.common import ServiceConfig
+    from moemesh.shared.config.common import ServiceConfig
 
     out += [("kv_store", c) for c in vars(kv).values()
             if isinstance(c, type) and issubclass(c, ServiceConfig) and c.__module__ == kv.__name__]
@@ -153,11 +153,11 @@ def test_the_rack_file_plans_a_dep32_decode_instance_and_dep4_prefills():
     rack = REPO / "compose" / "rack" / "moemesh.toml"
     cfg = up_config(str(rack))
     roles = _by_role(launch_plan(cfg, cfg.model, cfg.nats_url, cfg.port))
-    assert len(roles["services.decode"]) == 32 and len(roles["services.prefill"]) == 16
-    assert len({a for launch in roles["services.prefill"] for a in launch.argv if a.startswith("instance_id=")}) == 4
-    assert len(roles["services.balancer"]) == 1 and len(roles["services.kv_store"]) == 1
-    from services.balancer.config import BalancerConfig
-    from services.gateway.config import GatewayConfig
+    assert len(roles["moemesh.services.decode"]) == 32 and len(roles["moemesh.services.prefill"]) == 16
+    assert len({a for launch in roles["moemesh.services.prefill"] for a in launch.argv if a.startswith("instance_id=")}) == 4
+    assert len(roles["moemesh.services.balancer"]) == 1 and len(roles["moemesh.services.kv_store"]) == 1
+    from moemesh.services.balancer.config import BalancerConfig
+    from moemesh.services.gateway.config import GatewayConfig
 
     assert load(BalancerConfig, "balancer", rack, environ={}).num_nodes == 4
     assert load(GatewayConfig, "gateway", rack, environ={}).api_keys_file

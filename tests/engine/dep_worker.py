@@ -8,13 +8,13 @@ def run_rank(rank: int, world: int, init_method: str, model_dir: str, prompts: l
     import torch
 
     torch.set_num_threads(1)
-    from shared.checkpoint.loader import load_model
-    from shared.engine.config import EngineConfig
-    from shared.engine.dp import DPGroup
-    from shared.engine.engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
-    from shared.model.config import ModelConfig
-    from shared.model.expert_parallel import ExpertParallel, contiguous_phy2log
+    from moemesh.shared.checkpoint.loader import load_model
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.dp import DPGroup
+    from moemesh.shared.engine.engine import LLMEngine
+    from moemesh.shared.engine.sampling_params import SamplingParams
+    from moemesh.shared.model.config import ModelConfig
+    from moemesh.shared.model.expert_parallel import ExpertParallel, contiguous_phy2log
 
     dp = DPGroup(rank, world, init_method)
     try:

@@ -1,6 +1,6 @@
 import pytest
 
-from shared.engine.block_manager import BlockManager
+from moemesh.shared.engine.block_manager import BlockManager
 
 
 def test_allocate_free_and_exact_accounting():

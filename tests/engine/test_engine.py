@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from shared.engine.engine import RequestError
-from shared.engine.llm import LLM
-from shared.engine.config import EngineConfig
-from shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.engine import RequestError
+from moemesh.shared.engine.llm import LLM
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.sampling_params import SamplingParams
 
 
 def _drain(eng):

@@ -6,12 +6,12 @@ flight, requests that join mid-flight, and a cache small enough to force preempt
 import torch
 from hypothesis import given, settings, strategies as st
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import BLOCKED, LLMEngine
-from shared.engine.outputs import request_outputs
-from shared.engine.mock_model import MockModel
-from shared.engine.sampling_params import SamplingParams
-from shared.model.config import ModelConfig
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.engine import BLOCKED, LLMEngine
+from moemesh.shared.engine.outputs import request_outputs
+from moemesh.shared.engine.mock_model import MockModel
+from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.model.config import ModelConfig
 
 
 def _collect(outs: dict, step_outputs) -> None:

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from shared.engine import sampler
-from shared.engine.sampling_params import SamplingParamError, SamplingParams
+from moemesh.shared.engine import sampler
+from moemesh.shared.engine.sampling_params import SamplingParamError, SamplingParams
 
 
 def test_greedy_is_argmax():

@@ -3,10 +3,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.engine.block_manager import BlockManager
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerConfig
-from shared.engine.sequence import FinishReason, SeqStatus, Sequence
+from moemesh.shared.engine.block_manager import BlockManager
+from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.scheduler import Scheduler, SchedulerConfig
+from moemesh.shared.engine.sequence import FinishReason, SeqStatus, Sequence
 
 
 def _seq(rid, n_prompt, max_tokens=4):

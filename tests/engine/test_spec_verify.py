@@ -1,7 +1,7 @@
 import torch
 
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.spec_decode import verify
+from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.spec_decode import verify
 
 
 def _logits(best: list[int], vocab=10):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine.block_manager import BlockManager
-from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine, RequestError
-from shared.engine.runner import build_batch
-from shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.block_manager import BlockManager
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.engine import LLMEngine, RequestError
+from moemesh.shared.engine.runner import build_batch
+from moemesh.shared.engine.sampling_params import SamplingParams
 
 
 def _engine(model_dir, **kw) -> LLMEngine:

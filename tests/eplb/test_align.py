@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from shared.eplb.align import align, moves_per_layer
-from shared.eplb.placement import Placement
-from shared.eplb.policy import build_placement
-from shared.eplb.reference import rebalance
-from shared.eplb.workloads import Workload
+from moemesh.shared.eplb.align import align, moves_per_layer
+from moemesh.shared.eplb.placement import Placement
+from moemesh.shared.eplb.policy import build_placement
+from moemesh.shared.eplb.reference import rebalance
+from moemesh.shared.eplb.workloads import Workload
 
 SMALL = Workload(num_layers=4, num_experts=64, tokens_per_window=8192)
 

@@ -2,14 +2,14 @@ import json
 import subprocess
 import sys
 
-from shared.eplb.placement import Placement
-from shared.eplb.workloads import Workload
+from moemesh.shared.eplb.placement import Placement
+from moemesh.shared.eplb.workloads import Workload
 
 SMALL = Workload(num_layers=3, num_experts=32, tokens_per_window=4096)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli.main", "eplb", *args],
+    return subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", "eplb", *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -2,10 +2,10 @@ from dataclasses import replace
 
 import pytest
 
-from shared.eplb.hysteresis import SwitchConfig, SwitchState, decide
-from shared.eplb.placement import naive_placement
-from shared.eplb.policy import build_placement
-from shared.eplb.workloads import HOT
+from moemesh.shared.eplb.hysteresis import SwitchConfig, SwitchState, decide
+from moemesh.shared.eplb.placement import naive_placement
+from moemesh.shared.eplb.policy import build_placement
+from moemesh.shared.eplb.workloads import HOT
 
 STATIONARY = replace(HOT, num_layers=8, num_experts=64, tokens_per_window=16384, drift=0.0)
 

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from shared.eplb.placement import Placement, instance_ratio, layer_ratios, naive_placement, route_to_slots
+from moemesh.shared.eplb.placement import Placement, instance_ratio, layer_ratios, naive_placement, route_to_slots
 
 
 def test_naive_is_contiguous_and_redundant_slots_repeat_own_experts():

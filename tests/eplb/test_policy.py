@@ -3,11 +3,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.eplb import reference
-from shared.eplb.placement import layer_ratios, naive_placement
-from shared.eplb.policy import build_placement
-from shared.eplb.replicas import choose_counts, dhondt_counts, max_load_bound
-from shared.eplb.workloads import HOT, ZIPF
+from moemesh.shared.eplb import reference
+from moemesh.shared.eplb.placement import layer_ratios, naive_placement
+from moemesh.shared.eplb.policy import build_placement
+from moemesh.shared.eplb.replicas import choose_counts, dhondt_counts, max_load_bound
+from moemesh.shared.eplb.workloads import HOT, ZIPF
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_hot_experts_get_packable_replica_counts(hot):
 
 @pytest.mark.parametrize("redundant", [0, 2])
 def test_full_shape_runs(zipf, redundant):
-    # The compute-time goal (under 100 ms, one thread) is measured by shared.eplb.compare.
+    # The compute-time goal (under 100 ms, one thread) is measured by moemesh.shared.eplb.compare.
     p = build_placement(zipf[0], 32, redundant)
     _check_valid(p, 43, 256, 32, 8 + redundant)
     # Without redundancy the hottest expert alone outweighs two ranks: no one balances that.

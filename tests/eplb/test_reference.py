@@ -1,6 +1,6 @@
 import torch
 
-from shared.eplb.reference import rebalance, rebalance_slots
+from moemesh.shared.eplb.reference import rebalance, rebalance_slots
 
 
 def test_matches_upstream_readme_example():

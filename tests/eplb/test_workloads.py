@@ -1,7 +1,7 @@
 import torch
 
-from shared.eplb.placement import naive_placement
-from shared.eplb.workloads import HOT, ZIPF
+from moemesh.shared.eplb.placement import naive_placement
+from moemesh.shared.eplb.workloads import HOT, ZIPF
 
 
 def test_windows_are_seeded_and_sum_to_routed_tokens():

@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from shared.kernels._triton import LazyKernel
+from moemesh.shared.kernels._triton import LazyKernel
 
 GPU = (pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))
 

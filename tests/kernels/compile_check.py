@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 
-from shared.kernels import fused_moe, kv_pack, mla_decode, rmsnorm, rotary
+from moemesh.shared.kernels import fused_moe, kv_pack, mla_decode, rmsnorm, rotary
 
 ARCH = 90
 BF16 = "bf16"  # the serving dtype; fp32 and fp16 only change the element type

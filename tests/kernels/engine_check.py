@@ -14,11 +14,11 @@ import os
 import random
 import sys
 
-from shared.checkpoint.loader import load_model
-from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
-from shared.kernels import fused_moe, kv_pack, mla_decode, rmsnorm, rotary
+from moemesh.shared.checkpoint.loader import load_model
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.kernels import fused_moe, kv_pack, mla_decode, rmsnorm, rotary
 
 NEW_TOKENS = 6  # the interpreter is slow; a few steps of each path are enough
 PROMPT_LENS = [1, 7, 33]  # one token, one partial block, three blocks (block_size 16)

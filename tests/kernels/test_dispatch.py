@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.kernels import dispatch
-from shared.kernels.rmsnorm import _rms_norm_kernel, rms_norm, rms_norm_ref
+from moemesh.shared.kernels import dispatch
+from moemesh.shared.kernels.rmsnorm import _rms_norm_kernel, rms_norm, rms_norm_ref
 
 
 def test_cpu_tensors_take_the_reference_by_default(monkeypatch):
@@ -45,10 +45,10 @@ _WITHOUT_TRITON = """
 import sys
 sys.modules["triton"] = None  # as if the kernels extra were not installed
 import torch
-from shared.kernels import dispatch
-from shared.model.deepseek import DeepseekForCausalLM
-from shared.engine.kv_cache import KVCache
-from shared.kernels.rmsnorm import rms_norm, rms_norm_ref
+from moemesh.shared.kernels import dispatch
+from moemesh.shared.model.deepseek import DeepseekForCausalLM
+from moemesh.shared.engine.kv_cache import KVCache
+from moemesh.shared.kernels.rmsnorm import rms_norm, rms_norm_ref
 x, w = torch.randn(3, 8), torch.randn(8)
 assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
 assert not dispatch.triton_available()

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.kernels.fused_moe import _fused_moe_kernel, _moe_combine_kernel, fused_moe, fused_moe_ref, moe_align
+from moemesh.shared.kernels.fused_moe import _fused_moe_kernel, _moe_combine_kernel, fused_moe, fused_moe_ref, moe_align
 from tests.kernels.cases import DEVICE_DTYPES, check, launches, randn
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (5e-2, 5e-2)}

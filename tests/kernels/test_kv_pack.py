@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.kernels.kv_pack import _kv_pack_kernel, kv_gather, kv_gather_ref, kv_scatter, kv_scatter_ref
+from moemesh.shared.kernels.kv_pack import _kv_pack_kernel, kv_gather, kv_gather_ref, kv_scatter, kv_scatter_ref
 from tests.kernels.cases import DEVICE_DTYPES, GPU, launches, randn
 
 # Packing moves bytes; any difference at all is a bug, so every comparison is exact.

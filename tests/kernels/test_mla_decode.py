@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.kernels.mla_decode import _mla_decode_kernel, _mla_decode_reduce_kernel, mla_decode, mla_decode_ref
+from moemesh.shared.kernels.mla_decode import _mla_decode_kernel, _mla_decode_reduce_kernel, mla_decode, mla_decode_ref
 from tests.kernels.cases import DEVICE_DTYPES, check, launches, randn
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (4e-2, 4e-2)}

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.kernels.rmsnorm import _rms_norm_kernel, rms_norm, rms_norm_ref
+from moemesh.shared.kernels.rmsnorm import _rms_norm_kernel, rms_norm, rms_norm_ref
 from tests.kernels.cases import DEVICE_DTYPES, GPU, check, launches, randn
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.kernels.rotary import _rotary_kernel, rotary, rotary_ref
+from moemesh.shared.kernels.rotary import _rotary_kernel, rotary, rotary_ref
 from tests.kernels.cases import DEVICE_DTYPES, check, launches, randn
 
 TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.launch.nats_server import start_nats
-from shared.launch.procs import ProcessGroup, free_port
+from moemesh.tools.launch.nats_server import start_nats
+from moemesh.tools.launch.procs import ProcessGroup, free_port
 
 
 @dataclass
@@ -67,23 +67,23 @@ def start_mesh(tmp: Path, model: str, prefill_set=(), decode_set=(), gateway_set
     try:
         for i in range(num_prefill):
             wid = m.prefill_id if i == 0 else f"{m.prefill_id}{i}"
-            group.start(f"prefill{i or ''}", py + ["services.prefill", *common, "--worker-id", wid, *sets(prefill_set)])
+            group.start(f"prefill{i or ''}", py + ["moemesh.services.prefill", *common, "--worker-id", wid, *sets(prefill_set)])
         if kv_store_set is not None:
-            group.start("kv_store", py + ["services.kv_store", "--nats-url", nats_url, "--worker-id", "kv-store-t",
+            group.start("kv_store", py + ["moemesh.services.kv_store", "--nats-url", nats_url, "--worker-id", "kv-store-t",
                                           *sets(kv_store_set)])
         if decode_dp == 1:
-            group.start("decode", py + ["services.decode", *common, "--worker-id", m.decode_id, *sets(decode_set)])
+            group.start("decode", py + ["moemesh.services.decode", *common, "--worker-id", m.decode_id, *sets(decode_set)])
         else:
             init = f"tcp://127.0.0.1:{free_port()}"
             for r in range(decode_dp):
                 dep = [f"dp_size={decode_dp}", f"dp_rank={r}", f"instance_id={m.decode_id}", f"dist_init={init}",
                        "expert_parallel=true", *(rank_set or {}).get(r, [])]
-                group.start(f"decode-r{r}", py + ["services.decode", *common, "--worker-id", f"{m.decode_id}-r{r}",
+                group.start(f"decode-r{r}", py + ["moemesh.services.decode", *common, "--worker-id", f"{m.decode_id}-r{r}",
                                                   *sets(decode_set), *sets(dep)])
         if balancer_set is not None:
-            group.start("balancer", py + ["services.balancer", "--model", model, "--nats-url", nats_url,
+            group.start("balancer", py + ["moemesh.services.balancer", "--model", model, "--nats-url", nats_url,
                                           *sets(balancer_set)])
-        group.start("gateway", py + ["services.gateway", "--model", model, "--nats-url", nats_url,
+        group.start("gateway", py + ["moemesh.services.gateway", "--model", model, "--nats-url", nats_url,
                                      "--trace-file", str(trace), "--port", str(http), "--worker-id", m.gateway_id,
                                      "--served-model-name", "tiny",
                                      *sets(gateway_set)])
@@ -104,8 +104,8 @@ def mesh(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def offline(tiny_model):
     """The offline engine, for outputs the mesh must reproduce exactly."""
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm import LLM
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.llm import LLM
 
     return LLM(EngineConfig(model=tiny_model, num_kv_blocks=512))
 
@@ -113,9 +113,9 @@ def offline(tiny_model):
 async def worker_stats(nats_url: str, worker_id: str, prefix: str = "mm"):
     import nats
 
-    from shared.protocol.messages import StatsRequest, WorkerStats
-    from shared.protocol.subjects import Subjects
-    from shared.service.nats_io import request
+    from moemesh.shared.protocol.messages import StatsRequest, WorkerStats
+    from moemesh.shared.protocol.subjects import Subjects
+    from moemesh.shared.service.nats_io import request
 
     nc = await nats.connect(nats_url)
     try:

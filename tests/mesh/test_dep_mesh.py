@@ -12,14 +12,14 @@ import nats
 import pytest
 import torch
 
-from shared.engine.sampling_params import SamplingParams
-from shared.launch.procs import free_port
-from shared.model.expert_parallel import contiguous_phy2log
-from shared.protocol.messages import ExpertLoad, RebalanceReply, RebalanceRequest
-from shared.protocol.wire import decode
-from shared.service.dep_runtime import tensor_bytes
-from shared.service.nats_io import request
-from shared.protocol.subjects import Subjects
+from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.tools.launch.procs import free_port
+from moemesh.shared.model.expert_parallel import contiguous_phy2log
+from moemesh.shared.protocol.messages import ExpertLoad, RebalanceReply, RebalanceRequest
+from moemesh.shared.protocol.wire import decode
+from moemesh.shared.service.dep_runtime import tensor_bytes
+from moemesh.shared.service.nats_io import request
+from moemesh.shared.protocol.subjects import Subjects
 from tests.mesh.conftest import start_mesh
 
 PROMPTS = [f"Expert {i} holds the tokens of rank {i % 3}" + " again" * (i % 4) for i in range(16)]
@@ -170,7 +170,7 @@ def test_a_dep2_prefill_instance(tiny_model, tmp_path_factory, offline):
     """Prefill, too, can be an instance of expert-parallel ranks."""
     from pathlib import Path
 
-    from shared.launch.up import Mesh, UpConfig
+    from moemesh.tools.launch.up import Mesh, UpConfig
 
     up = UpConfig(model=tiny_model, port=0, prefill_dp=2, log_dir=str(tmp_path_factory.mktemp("pdep")),
                   balancer=False, service_args=("num_kv_blocks=256", "staging_mb=16"))

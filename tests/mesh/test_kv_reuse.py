@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from shared.engine.config import EngineConfig
-from shared.engine.llm import LLM
-from shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.llm import LLM
+from moemesh.shared.engine.sampling_params import SamplingParams
 from tests.mesh.conftest import start_mesh, worker_stats
 
 TURNS = ["Plan a trip to the mesh of experts", "Add the tool output: rank 3 is hot",

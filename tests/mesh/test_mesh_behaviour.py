@@ -10,8 +10,8 @@ import httpx
 import nats
 import pytest
 
-from shared.protocol.messages import ErrorReply
-from shared.protocol.wire import decode
+from moemesh.shared.protocol.messages import ErrorReply
+from moemesh.shared.protocol.wire import decode
 from tests.mesh.conftest import worker_stats
 
 
@@ -121,8 +121,8 @@ def test_one_request_is_one_trace_across_all_services(mesh):
 def test_a_pull_naming_an_unknown_address_is_refused_not_fatal(mesh):
     """UCX aborts a process given a malformed worker address; the prefill worker must
     never hand one to it, and must keep serving."""
-    from shared.protocol.messages import KVPull, KVPullItem, KVPullReply
-    from shared.protocol.wire import encode
+    from moemesh.shared.protocol.messages import KVPull, KVPullItem, KVPullReply
+    from moemesh.shared.protocol.wire import encode
 
     async def go():
         nc = await nats.connect(mesh.nats_url)

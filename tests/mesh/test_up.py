@@ -28,7 +28,7 @@ def _procs_mentioning(needle: str) -> list[int]:
 
 def test_up_starts_answers_a_stream_and_stops_cleanly(tmp_path):
     env = dict(os.environ, MOEMESH_HOME=str(tmp_path / "home"))
-    p = subprocess.Popen([sys.executable, "-m", "shared.cli.main", "up", "--port", "0", "--log-dir",
+    p = subprocess.Popen([sys.executable, "-m", "moemesh.tools.cli.main", "up", "--port", "0", "--log-dir",
                           str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = nats_port = None
     lines = []

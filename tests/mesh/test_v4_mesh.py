@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from shared.engine.sampling_params import SamplingParams
+from moemesh.shared.engine.sampling_params import SamplingParams
 from tests.mesh.conftest import start_mesh, worker_stats
 from tests.mesh.test_mesh_behaviour import _wait_free
 
@@ -28,8 +28,8 @@ def v4_mesh(tiny_v4_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def v4_offline(tiny_v4_model):
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm import LLM
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.llm import LLM
 
     return LLM(EngineConfig(model=tiny_v4_model, num_kv_blocks=256))
 
@@ -89,9 +89,9 @@ def test_a_block_fetch_from_a_v4_worker_is_refused_plainly(v4_mesh, worker):
     """V4 workers keep no prefix cache; a peer that asks for blocks anyway gets a reason."""
     import nats
 
-    from shared.protocol.messages import KVFetch, KVFetchReply
-    from shared.protocol.subjects import Subjects
-    from shared.service.nats_io import request
+    from moemesh.shared.protocol.messages import KVFetch, KVFetchReply
+    from moemesh.shared.protocol.subjects import Subjects
+    from moemesh.shared.service.nats_io import request
 
     async def go():
         nc = await nats.connect(v4_mesh.nats_url)

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from shared.checkpoint.presets import preset_config
-from shared.model.config import ConfigError, ModelConfig
-from shared.model.rope import inv_freq_and_attention_factor, softmax_scale
+from moemesh.shared.checkpoint.presets import preset_config
+from moemesh.shared.model.config import ConfigError, ModelConfig
+from moemesh.shared.model.rope import inv_freq_and_attention_factor, softmax_scale
 
 
 def test_older_rope_scaling_and_current_rope_parameters_parse_the_same():

@@ -1,7 +1,7 @@
 import torch
 
-from shared.kernels.fused_moe import fused_moe_ref
-from shared.model.moe import select_experts
+from moemesh.shared.kernels.fused_moe import fused_moe_ref
+from moemesh.shared.model.moe import select_experts
 
 
 def _kw(**over):

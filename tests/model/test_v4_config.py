@@ -14,11 +14,11 @@ import math
 import pytest
 import torch
 
-from shared.checkpoint.presets import preset_config
-from shared.model.config import ConfigError, ModelConfig
-from shared.model.v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, V4Config
-from shared.model.v4.layout import V4Layout
-from shared.model.v4.rope import Rope
+from moemesh.shared.checkpoint.presets import preset_config
+from moemesh.shared.model.config import ConfigError, ModelConfig
+from moemesh.shared.model.v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, V4Config
+from moemesh.shared.model.v4.layout import V4Layout
+from moemesh.shared.model.v4.rope import Rope
 
 
 def _base(**over) -> dict:

@@ -20,10 +20,10 @@ import math
 import pytest
 import torch
 
-from shared.model.config import RopeConfig
-from shared.model.v4.batch import Groups
-from shared.model.v4.compressor import Compressor, Indexer
-from shared.model.v4.rope import Rope
+from moemesh.shared.model.config import RopeConfig
+from moemesh.shared.model.v4.batch import Groups
+from moemesh.shared.model.v4.compressor import Compressor, Indexer
+from moemesh.shared.model.v4.rope import Rope
 
 D, Q_LORA, EPS = 48, 24, 1e-6
 ROPES = {

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.checkpoint.presets import preset_config
-from shared.model.config import ModelConfig
-from shared.model.v4.moe import HashRouter, V4Router
+from moemesh.shared.checkpoint.presets import preset_config
+from moemesh.shared.model.config import ModelConfig
+from moemesh.shared.model.v4.moe import HashRouter, V4Router
 
 
 def _cfg(**kw):

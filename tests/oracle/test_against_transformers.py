@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.checkpoint.loader import load_model
-from shared.engine import sampler as sampler_mod
-from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from moemesh.shared.checkpoint.loader import load_model
+from moemesh.shared.engine import sampler as sampler_mod
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.engine.sampling_params import SamplingParams
 from tests.oracle.conftest import NEW_TOKENS, Reference
 
 _models: dict[str, torch.nn.Module] = {}

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.checkpoint.loader import load_model
-from shared.engine import sampler as sampler_mod
-from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from moemesh.shared.checkpoint.loader import load_model
+from moemesh.shared.engine import sampler as sampler_mod
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.engine.sampling_params import SamplingParams
 from tests.oracle.conftest import Reference
 from tests.oracle.v4_reference import mtp_reference_logits, reference
 
@@ -242,7 +242,7 @@ VARIANT_LENS = [3, 17, 40, 140]
 
 @pytest.fixture(scope="session", params=sorted(VARIANTS))
 def variant_ref(request, tmp_path_factory) -> Reference:
-    from shared.checkpoint.writer import init_model
+    from moemesh.shared.checkpoint.writer import init_model
 
     d = init_model(tmp_path_factory.mktemp(request.param), "v4-tiny", seed=7, overrides=VARIANTS[request.param])
     return reference(str(d), 3, VARIANT_LENS, 10)

@@ -1,8 +1,8 @@
 import pytest
 
-from shared.profile.breakdown import (PHASES, request_phases, steps_from_spans, summarize_requests,
+from moemesh.tools.profile.breakdown import (PHASES, request_phases, steps_from_spans, summarize_requests,
                                       summarize_steps)
-from shared.profile.spans import index_requests
+from moemesh.tools.profile.spans import index_requests
 from tests.profile.traces import Trace, full_request, ns, step
 
 

@@ -15,7 +15,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def profile(*args, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli.main", "profile", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", "profile", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -76,7 +76,7 @@ def test_trace_and_overhead_together(tmp_path):
 
 
 def test_bad_input_exits_2_and_empty_trace_exits_1(tmp_path, capsys):
-    from shared.cli.main import main
+    from moemesh.tools.cli.main import main
 
     def run(*args) -> int:
         return main(["profile", *map(str, args)])
@@ -104,9 +104,9 @@ def _shift(tr: Trace, delta_ns: int) -> None:
 async def _heartbeat(url: str) -> None:
     import nats
 
-    from shared.protocol.messages import Heartbeat, WorkerLoad
-    from shared.protocol.subjects import Subjects
-    from shared.protocol.wire import encode
+    from moemesh.shared.protocol.messages import Heartbeat, WorkerLoad
+    from moemesh.shared.protocol.subjects import Subjects
+    from moemesh.shared.protocol.wire import encode
 
     nc = await nats.connect(url)
     try:
@@ -118,8 +118,8 @@ async def _heartbeat(url: str) -> None:
 
 
 def test_live_window(tmp_path):
-    from shared.launch.nats_server import NatsServerNotFound, start_nats
-    from shared.launch.procs import ProcessGroup, free_port
+    from moemesh.tools.launch.nats_server import NatsServerNotFound, start_nats
+    from moemesh.tools.launch.procs import ProcessGroup, free_port
 
     trace = tmp_path / "trace.jsonl"
     old = Trace()
@@ -133,7 +133,7 @@ def test_live_window(tmp_path):
         except NatsServerNotFound:
             pytest.skip("no nats-server binary")
         url = f"nats://127.0.0.1:{port}"
-        proc = subprocess.Popen([sys.executable, "-m", "shared.cli.main", "profile", "--live", "--nats-url", url,
+        proc = subprocess.Popen([sys.executable, "-m", "moemesh.tools.cli.main", "profile", "--live", "--nats-url", url,
                                  "--trace-file", str(trace), "--seconds", "2", "--grace", "0.3",
                                  "--out", str(tmp_path / "live.json")],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

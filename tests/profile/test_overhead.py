@@ -1,6 +1,6 @@
 import pytest
 
-from shared.profile.overhead import OverheadInputError, analyse, split
+from moemesh.tools.profile.overhead import OverheadInputError, analyse, split
 
 
 def decode_result() -> dict:

@@ -28,7 +28,7 @@ def test_profile_of_a_real_mesh(tiny_model, tmp_path):
     finally:
         mesh.group.stop()
     out = tmp_path / "profile.json"
-    r = subprocess.run([sys.executable, "-m", "shared.cli.main", "profile", str(mesh.trace_file), "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", "profile", str(mesh.trace_file), "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())

@@ -1,5 +1,5 @@
-from shared.profile.breakdown import request_phases
-from shared.profile.spans import index_requests, load, started_between
+from moemesh.tools.profile.breakdown import request_phases
+from moemesh.tools.profile.spans import index_requests, load, started_between
 from tests.profile.traces import Trace, full_request, ns
 
 

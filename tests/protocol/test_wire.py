@@ -1,10 +1,10 @@
 import msgpack
 import pytest
 
-from shared.protocol.messages import (
+from moemesh.shared.protocol.messages import (
     Heartbeat, KVReady, KVReadyItem, KVLayout, PrefillJob, TokenBatch, TokenEnd, TokenLogprobWire, WireSampling, WorkerLoad,
 )
-from shared.protocol.wire import ProtocolError, decode, encode
+from moemesh.shared.protocol.wire import ProtocolError, decode, encode
 
 
 def test_round_trip_keeps_every_field():
@@ -58,7 +58,7 @@ def test_optional_and_nested_defaults():
 
 
 def test_wire_sampling_validates_through_sampling_params():
-    from shared.engine.sampling_params import SamplingParamError
+    from moemesh.shared.engine.sampling_params import SamplingParamError
 
     with pytest.raises(SamplingParamError):
         WireSampling(max_tokens=0).to_params()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine import block_io
-from shared.engine.config import EngineConfig
-from shared.engine.engine import LLMEngine
-from shared.protocol.messages import KVLayout
-from shared.service.runtime import kv_layout
+from moemesh.shared.engine import block_io
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.protocol.messages import KVLayout
+from moemesh.shared.service.runtime import kv_layout
 
 
 def _engine(model: str, **kw) -> LLMEngine:
@@ -29,7 +29,7 @@ def test_v2_v3_layout_is_the_paged_cache_geometry(tiny_model, tiny_v2_model):
 
 
 def test_v4_layout_names_the_flat_buffer_and_the_architecture(tiny_v4_model, tmp_path):
-    from shared.checkpoint.writer import init_model
+    from moemesh.shared.checkpoint.writer import init_model
 
     pre, dec = _engine(tiny_v4_model, role="prefill"), _engine(tiny_v4_model, role="decode")
     lay = kv_layout(pre)

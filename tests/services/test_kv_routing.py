@@ -1,6 +1,6 @@
-from services.gateway.kv_index import KVIndex
-from services.gateway.router import pick_prefill
-from shared.protocol.messages import Heartbeat, KVEvents, WorkerLoad
+from moemesh.services.gateway.kv_index import KVIndex
+from moemesh.services.gateway.router import pick_prefill
+from moemesh.shared.protocol.messages import Heartbeat, KVEvents, WorkerLoad
 
 
 def _hb(wid, pending=0):

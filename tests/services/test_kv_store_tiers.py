@@ -1,6 +1,6 @@
 import zlib
 
-from services.kv_store.tiers import DiskTier, MemoryTier
+from moemesh.services.kv_store.tiers import DiskTier, MemoryTier
 
 
 def _blk(i: int, n: int = 100) -> tuple[bytes, bytes, int]:

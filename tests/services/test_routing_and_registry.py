@@ -1,6 +1,6 @@
-from services.gateway.router import pick_decode
-from shared.protocol.messages import Heartbeat, WorkerLoad
-from shared.service.heartbeat import WorkerRegistry
+from moemesh.services.gateway.router import pick_decode
+from moemesh.shared.protocol.messages import Heartbeat, WorkerLoad
+from moemesh.shared.service.heartbeat import WorkerRegistry
 
 
 def _hb(wid, out, free=100, role="decode", interval=1.0, draining=False):

@@ -5,7 +5,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.telemetry.chrome_trace import load_jsonl, to_chrome_trace
+from moemesh.shared.telemetry.chrome_trace import load_jsonl, to_chrome_trace
 
 T = "ab" * 16
 

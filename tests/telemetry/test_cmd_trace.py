@@ -4,12 +4,12 @@ import json
 import subprocess
 import sys
 
-from shared.telemetry.propagation import extract_context, inject_headers
-from shared.telemetry.tracing import get_tracer, setup_tracing, shutdown
+from moemesh.shared.telemetry.propagation import extract_context, inject_headers
+from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown
 
 
 def moemesh(*args):
-    return subprocess.run([sys.executable, "-m", "shared.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", *args], capture_output=True, text=True,
                           timeout=120)
 
 

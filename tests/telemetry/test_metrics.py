@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.telemetry.metrics import DEFAULT_LATENCY_BUCKETS, Metrics
+from moemesh.shared.telemetry.metrics import DEFAULT_LATENCY_BUCKETS, Metrics
 
 
 def test_render_contains_the_histogram():

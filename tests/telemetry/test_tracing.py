@@ -8,8 +8,8 @@ import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExportResult
 
-from shared.telemetry.jsonl_exporter import JsonLinesSpanExporter
-from shared.telemetry.tracing import get_tracer, setup_tracing, shutdown
+from moemesh.shared.telemetry.jsonl_exporter import JsonLinesSpanExporter
+from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown
 
 
 def _read(path):

@@ -1,5 +1,5 @@
-from shared.tokenizer.detokenizer import IncrementalDetokenizer
-from shared.tokenizer.tokenizer import Tokenizer
+from moemesh.shared.tokenizer.detokenizer import IncrementalDetokenizer
+from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 
 def _stream(tok, ids, stop=()):

@@ -3,7 +3,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.transport.staging import ALIGN, RangeAllocator, StagingPool
+from moemesh.shared.transport.staging import ALIGN, RangeAllocator, StagingPool
 
 
 def test_alloc_free_coalesces_back_to_one_range():

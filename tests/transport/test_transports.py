@@ -5,8 +5,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from shared.transport.base import TransferError, TransferState
-from shared.transport.loopback import LoopbackHub, LoopbackTransport
+from moemesh.shared.transport.base import TransferError, TransferState
+from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
 
 
 async def _pair(kind):
@@ -16,7 +16,7 @@ async def _pair(kind):
         await a.start()
         await b.start()
         return a, b
-    from shared.transport.ucx import UcxTransport
+    from moemesh.shared.transport.ucx import UcxTransport
 
     a, b = UcxTransport(), UcxTransport()
     await a.start()
@@ -154,7 +154,7 @@ def test_ucx_a_receive_posted_while_its_message_is_landing_still_gets_it():
     # The message arrives before its receive is posted, so it lands in memory of its own;
     # the receive is posted before that landing completes. It must not wait forever.
     pytest.importorskip("ucxx")
-    from shared.transport.ucx import UcxTransport
+    from moemesh.shared.transport.ucx import UcxTransport
 
     async def go():
         import ucxx._lib.libucxx as api

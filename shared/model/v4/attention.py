@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.model.layers import RMSNorm
-from shared.model.v4.batch import Entries, HybridMeta
-from shared.model.v4.compressor import Compressor, Indexer
-from shared.model.v4.config import CSA, HCA, SLIDING, V4Config
-from shared.model.v4.hyper import unit_rms
-from shared.model.v4.layout import LayerRegions
-from shared.model.v4.rope import Rope, rotate
+from moemesh.shared.model.layers import RMSNorm
+from moemesh.shared.model.v4.batch import Entries, HybridMeta
+from moemesh.shared.model.v4.compressor import Compressor, Indexer
+from moemesh.shared.model.v4.config import CSA, HCA, SLIDING, V4Config
+from moemesh.shared.model.v4.hyper import unit_rms
+from moemesh.shared.model.v4.layout import LayerRegions
+from moemesh.shared.model.v4.rope import Rope, rotate
 
 
 @dataclass

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.model.layers import RMSNorm
-from shared.model.v4.batch import Groups
-from shared.model.v4.rope import Rope, rotate
+from moemesh.shared.model.layers import RMSNorm
+from moemesh.shared.model.v4.batch import Groups
+from moemesh.shared.model.v4.rope import Rope, rotate
 
 
 class Compressor(nn.Module):

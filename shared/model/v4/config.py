@@ -18,7 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shared.model.config import ConfigError, RopeConfig, _Getter
+from moemesh.shared.model.config import ConfigError, RopeConfig, _Getter
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)

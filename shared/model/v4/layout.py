@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.model.v4.config import CSA, SLIDING, V4Config
+from moemesh.shared.model.v4.config import CSA, SLIDING, V4Config
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.model.batch import ForwardBatch
-from shared.model.layers import RMSNorm
-from shared.model.v4.attention import V4Attention, V4Step
-from shared.model.v4.config import V4Config
-from shared.model.v4.hyper import HyperConnection, HyperHead, merge
-from shared.model.v4.layout import V4Layout
-from shared.model.v4.moe import V4MoE
-from shared.model.v4.rope import Rope
+from moemesh.shared.model.batch import ForwardBatch
+from moemesh.shared.model.layers import RMSNorm
+from moemesh.shared.model.v4.attention import V4Attention, V4Step
+from moemesh.shared.model.v4.config import V4Config
+from moemesh.shared.model.v4.hyper import HyperConnection, HyperHead, merge
+from moemesh.shared.model.v4.layout import V4Layout
+from moemesh.shared.model.v4.moe import V4MoE
+from moemesh.shared.model.v4.rope import Rope
 
 
 class V4Block(nn.Module):

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.kernels.fused_moe import fused_moe
-from shared.model.moe import Experts
-from shared.model.v4.config import V4Config
+from moemesh.shared.kernels.fused_moe import fused_moe
+from moemesh.shared.model.moe import Experts
+from moemesh.shared.model.v4.config import V4Config
 
 
 def scores_of(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:

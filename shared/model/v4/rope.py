@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.model.config import RopeConfig
-from shared.model.rope import inv_freq_and_attention_factor
+from moemesh.shared.model.config import RopeConfig
+from moemesh.shared.model.rope import inv_freq_and_attention_factor
 
 
 class Rope(nn.Module):

@@ -1,0 +1,81 @@
+"""`moemesh bench decode --mock-step-ms X`: the decode-only bench mesh on the mock engine.
+
+The mesh is `bench decode`'s (decode workers with bench_dummy_kv, a gateway in
+decode_only_bench mode, no prefill worker) with `engine = "mock"`: every step takes X ms
+and gives each running sequence one token, so with B streams the ideal is B × 1000 / X
+tokens/s and anything short of it is host overhead. There is no forward-only run.
+
+Run: the mesh -> a short warm-up -> for each batch B, the load client
+(`moemesh.tools.bench.sse_client`) in its own process with B streams of completions (a prompt
+of `isl` token ids, `osl` output tokens) back to back for `seconds` -> per point,
+tokens/s against the ideal, CPU µs per token of the gateway, decode and nats processes
+and their sum over the load window, and the decode worker's step figures (step, host
+and exposed host ms, the share of host hidden behind the forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from moemesh.tools.bench import overhead
+from moemesh.tools.bench.env import environment
+from moemesh.tools.launch.up import Mesh, UpConfig, default_home, ensure_tiny_model
+
+ROLES = ("gateway", "decode", "nats")
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class MockDecodeConfig:
+    model: str = ""
+    mock_step_ms: float = 20.0
+    isl: int = 512
+    osl: int = 64
+    batches: tuple[int, ...] = (8, 32, 64, 128, 256)
+    seconds: float = 10.0
+    warmup_s: float = 2.0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mock_step_ms <= 0 or not self.batches or min(self.batches) < 1:
+            raise ValueError("--mock-step-ms must be > 0 and --batch values >= 1")
+        if self.isl < 1 or self.osl < 1 or self.seconds < 0:
+            raise ValueError("--isl and --osl must be >= 1, --seconds >= 0")
+
+
+def _mesh(cfg: MockDecodeConfig) -> Mesh:
+    top = max(cfg.batches)
+    blocks_per_seq = -(-(cfg.isl + cfg.osl) // BLOCK_SIZE)
+    worker = ("engine=mock", f"mock_step_ms={cfg.mock_step_ms}", f"num_threads={cfg.threads}",
+              f"block_size={BLOCK_SIZE}", f"max_num_seqs={max(top, 64)}",
+              f"max_num_batched_tokens={max(16384, top * 64)}",
+              f"num_kv_blocks={max(16384, 2 * top * blocks_per_seq)}")
+    model = cfg.model or str(ensure_tiny_model(default_home()))
+    return Mesh(UpConfig(model=model, port=0, num_prefill=0, service_args=worker,
+                         decode_args=("bench_dummy_kv=true", "num_speculative_tokens=0"),
+                         gateway_args=("decode_only_bench=true", f"max_inflight={top * 2}"), balancer=False))
+
+
+def run(cfg: MockDecodeConfig) -> dict:
+    rows = []
+    with _mesh(cfg) as mesh:
+        model, pids = Path(mesh.model).name, overhead.mesh_pids(mesh)
+        warmup = None
+        if cfg.warmup_s > 0:
+            warmup = overhead.run_client(mesh.url, model, min(8, max(cfg.batches)), cfg.warmup_s, min(cfg.osl, 32),
+                                         cfg.mock_step_ms, prompt_tokens=cfg.isl)
+        for b in cfg.batches:
+            res = overhead.run_client(mesh.url, model, b, cfg.seconds, cfg.osl, cfg.mock_step_ms,
+                                      prompt_tokens=cfg.isl, pids=pids)
+            row = overhead.point_row(res, cfg.mock_step_ms, ROLES, overhead.decode_steps(mesh))
+            rows.append({"batch": b, **row})
+    return {"bench": "decode", "mode": "mock", "config": asdict(cfg), "env": environment(), "warmup": warmup,
+            "runs": [{"label": "mock", "skew": "", "points": rows}]}
+
+
+def table(r: dict) -> str:
+    c = r["config"]
+    head = (f"decode only, mock step {c['mock_step_ms']} ms, isl {c['isl']}, osl {c['osl']}, {c['seconds']:g} s per "
+            f"point; CPU us per output token of each process (gw+dec+nats = mesh), client apart")
+    return head + "\n" + overhead.table(r["runs"][0]["points"], ROLES, "batch")

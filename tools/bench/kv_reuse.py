@@ -1,0 +1,118 @@
+"""`moemesh bench kv-reuse`: agentic multi-turn sessions, with prefix reuse and without.
+
+Sessions of growing context (turn 1: the initial context; each later turn appends the
+model's answer and a tool output) run through a local mesh twice: once with prefix
+caching, KV-aware routing and the KV store, once with caching off. Reported: the mean
+time to first token of turn 1 and of turns 2 and later in each run, their ratio (the
+goal: turns 2+ at least 5x faster with reuse), and the workers' prefix hit rates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+
+import nats
+
+from moemesh.tools.bench.env import environment
+from moemesh.tools.bench.serve import runner as serve_runner
+from moemesh.tools.bench.serve import workload as wl
+from moemesh.tools.bench.serve.client import ClientConfig
+from moemesh.tools.launch.up import Mesh, UpConfig, default_home, ensure_tiny_model
+from moemesh.shared.protocol.messages import Heartbeat, StatsRequest, WorkerStats
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.protocol.wire import decode
+from moemesh.shared.service.nats_io import request
+
+
+@dataclass(frozen=True)
+class KVReuseBenchConfig:
+    model: str = ""
+    sessions: int = 4
+    turns: int = 4
+    context_tokens: int = 8192
+    tool_tokens: int = 512
+    osl: int = 64
+    concurrency: int = 4
+    prefill_workers: int = 1
+    seed: int = 0
+
+
+async def _worker_counters(nats_url: str) -> dict[str, dict[str, float]]:
+    s = Subjects()
+    nc = await nats.connect(nats_url)
+    try:
+        sub = await nc.subscribe(s.heartbeat_all)
+        ids: dict[str, str] = {}
+        deadline = time.monotonic() + 2.5  # every worker beats within this
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                hb = decode((await sub.next_msg(timeout=left)).data, Heartbeat)
+            except Exception:  # nats' TimeoutError: the window is over
+                break
+            if hb.role in ("prefill", "decode"):
+                ids[hb.worker_id] = hb.role
+        await sub.unsubscribe()
+        out = {}
+        for wid, role in ids.items():
+            st = await request(nc, s.stats(wid), StatsRequest(), WorkerStats, 10)
+            out[wid] = {"role": role, **st.counters}
+        return out
+    finally:
+        await nc.close()
+
+
+def _run_once(cfg: KVReuseBenchConfig, model: str, reuse: bool) -> dict:
+    ctx = cfg.context_tokens + cfg.turns * (cfg.tool_tokens + cfg.osl) + 256
+    sets = (f"enable_prefix_caching={str(reuse).lower()}", f"max_model_len={ctx}", "max_num_batched_tokens=2048",
+            "kv_cache_memory_mb=4096", "num_speculative_tokens=0")
+    up = UpConfig(model=model, port=0, num_prefill=cfg.prefill_workers, service_args=sets, kv_store=reuse,
+                  kv_store_args=("capacity_mb=4096",), balancer=False,
+                  # a long first turn queues behind the others' prefills for minutes on a CPU
+                  gateway_args=("inactivity_timeout_s=1800",))
+    work = wl.WorkloadConfig(kind="agentic", num_sessions=cfg.sessions, turns=wl.LengthDist("fixed", cfg.turns),
+                             isl=wl.LengthDist("fixed", cfg.context_tokens),
+                             tool_len=wl.LengthDist("fixed", cfg.tool_tokens), osl=wl.LengthDist("fixed", cfg.osl))
+    with Mesh(up) as mesh:
+        scfg = serve_runner.ServeBenchConfig(client=ClientConfig(url=mesh.url, endpoint="chat"), workload=work,
+                                             mode="concurrency", values=(cfg.concurrency,), seed=cfg.seed,
+                                             tokenizer=model, progress=False)
+        summary = serve_runner.run(scfg)["points"][0]["summary"]
+        counters = asyncio.run(_worker_counters(mesh.nats_url))
+    pre = [c for c in counters.values() if c["role"] == "prefill"]
+    prompt = sum(c.get("prompt_tokens", 0) for c in pre)
+    hit = sum(c.get("prefix_cache_hit_tokens", 0) for c in pre)
+    pulled = sum(c.get("kv_pulled_tokens", 0) for c in pre)
+    by_turn = summary.get("ttft_ms_by_turn", {})
+    return {"reuse": reuse, "ttft_ms_turn1_mean": by_turn.get("1", {}).get("mean"),
+            "ttft_ms_turn2plus_mean": by_turn.get("2+", {}).get("mean"), "errors": summary["num_errors"],
+            "error_messages": summary.get("errors", {}).get("messages", {}),
+            "prefill_prompt_tokens": prompt, "prefix_hit_tokens": hit, "pulled_tokens": pulled,
+            "token_hit_rate": (hit + pulled) / prompt if prompt else None, "workers": counters}
+
+
+def run(cfg: KVReuseBenchConfig) -> dict:
+    model = cfg.model or str(ensure_tiny_model(default_home()))
+    on = _run_once(cfg, model, True)
+    off = _run_once(cfg, model, False)
+    ratio = (off["ttft_ms_turn2plus_mean"] / on["ttft_ms_turn2plus_mean"]
+             if on["ttft_ms_turn2plus_mean"] and off["ttft_ms_turn2plus_mean"] else None)
+    return {"bench": "kv-reuse", "config": asdict(cfg) | {"model": model}, "env": environment(),
+            "with_reuse": on, "without_reuse": off, "turn2plus_ttft_speedup": ratio, "goal_speedup": 5.0}
+
+
+def table(r: dict) -> str:
+    lines = [f"{'run':<14} {'TTFT turn 1 ms':>15} {'TTFT turns 2+ ms':>17} {'hit rate':>9} {'errors':>7}"]
+    for name in ("with_reuse", "without_reuse"):
+        x = r[name]
+        rate = "-" if x["token_hit_rate"] is None else f"{x['token_hit_rate']:.1%}"
+        lines.append(f"{name:<14} {x['ttft_ms_turn1_mean'] or float('nan'):>15.1f} "
+                     f"{x['ttft_ms_turn2plus_mean'] or float('nan'):>17.1f} {rate:>9} {x['errors']:>7}")
+    for name in ("with_reuse", "without_reuse"):
+        for e in r[name].get("error_messages", []):
+            lines.append(f"  {name} error x{e['count']}: {e['message']}")
+    sp = r["turn2plus_ttft_speedup"]
+    lines.append(f"turns 2+ TTFT speed-up with reuse: {sp:.1f}x (goal >= {r['goal_speedup']:.0f}x)" if sp else
+                 "turns 2+ TTFT speed-up: n/a")
+    return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""`moemesh bench kv-transfer`: UCX throughput between two processes, beside the
+machine's own memory-copy bandwidth for the same sizes.
+
+The receiver runs in a child process and publishes its UCX worker address over NATS,
+as a decode worker does. Both sides use staging memory allocated once. For each size
+the sender sends `iters` messages, one after another (one request's pull at a time)
+and then all at once (many requests' pulls in flight); the receiver answers with one
+small message when all have landed, so the figure includes the whole transfer. The
+ceiling is the machine's copy bandwidth: a single-threaded memcpy of 256 MiB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from moemesh.tools.bench.env import environment, percentile
+
+_ACK_TAG = 1 << 62
+
+
+@dataclass(frozen=True)
+class KVBenchConfig:
+    sizes: tuple[int, ...] = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+    iters: int = 20
+    repeats: int = 3
+    nats_url: str = ""  # empty: start a nats-server for the run
+    tls: str = ""
+
+
+def copy_bandwidth(nbytes: int, min_seconds: float = 0.2) -> float:
+    """Bytes/s of a single-threaded memcpy between two buffers touched beforehand: the
+    ceiling a transfer between two processes on this host is measured against."""
+    src = np.full(nbytes, 1, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    rates = []
+    end = time.perf_counter() + min_seconds
+    while time.perf_counter() < end or len(rates) < 5:
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        rates.append(nbytes / (time.perf_counter() - t))
+    return percentile(rates, 50)
+
+
+def _receiver(nats_url: str, sizes, iters, repeats, tls: str) -> None:
+    asyncio.run(_receive(nats_url, sizes, iters, repeats, tls))
+
+
+async def _receive(nats_url, sizes, iters, repeats, tls) -> None:
+    import nats
+
+    from moemesh.shared.transport.staging import StagingPool
+    from moemesh.shared.transport.ucx import UcxTransport
+
+    t = UcxTransport(tls=tls)
+    await t.start()
+    pool = StagingPool(max(sizes) * 2 + (1 << 20))
+    nc = await nats.connect(nats_url)
+    sender = asyncio.get_running_loop().create_future()
+
+    async def on_hello(msg):
+        if not sender.done():
+            sender.set_result(msg.data)
+
+    await nc.subscribe("bench.kv.hello", cb=on_hello)
+    while not sender.done():
+        await nc.publish("bench.kv.addr", t.address)
+        await asyncio.sleep(0.1)
+    peer = sender.result()
+    ack = pool.alloc(8)
+    tag = 0
+    for size in sizes:
+        slot = pool.alloc(size)
+        for _ in range(2 * repeats):
+            transfers = [t.post_recv(slot.buffer(), tag + i) for i in range(iters)]
+            tag += iters
+            for tr in transfers:
+                await tr.wait(60)
+            await t.send(peer, ack.buffer(), _ACK_TAG + tag, 30)
+        pool.free(slot)
+    await nc.close()
+    await t.close()
+
+
+async def _send(cfg: KVBenchConfig, nats_url: str) -> list[dict]:
+    import nats
+
+    from moemesh.shared.transport.staging import StagingPool
+    from moemesh.shared.transport.ucx import UcxTransport
+
+    t = UcxTransport(tls=cfg.tls)
+    await t.start()
+    nc = await nats.connect(nats_url)
+    addr = asyncio.get_running_loop().create_future()
+
+    async def on_addr(msg):
+        if not addr.done():
+            addr.set_result(msg.data)
+
+    await nc.subscribe("bench.kv.addr", cb=on_addr)
+    peer = await asyncio.wait_for(addr, 60)
+    await nc.publish("bench.kv.hello", t.address)
+    pool = StagingPool(max(cfg.sizes) + (1 << 20))
+    ack = pool.alloc(8)
+    rows = []
+    tag = 0
+    for size in cfg.sizes:
+        slot = pool.alloc(size)
+        slot.tensor.fill_(7)
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(2 * cfg.repeats):
+            concurrent = bool(r % 2)  # one pull at a time, then many requests' pulls in flight together
+            got = t.post_recv(ack.buffer(), _ACK_TAG + tag + cfg.iters)
+            start = time.perf_counter()
+            if concurrent:
+                await asyncio.gather(*(t.send(peer, slot.buffer(), tag + i, 30) for i in range(cfg.iters)))
+            else:
+                for i in range(cfg.iters):
+                    await t.send(peer, slot.buffer(), tag + i, 30)
+            await got.wait(60)
+            rates[concurrent].append(size * cfg.iters / (time.perf_counter() - start))
+            tag += cfg.iters
+        pool.free(slot)
+        rows.append({"bytes": size, "ucx_one_GBps": percentile(rates[False], 50) / 1e9,
+                     "ucx_concurrent_GBps": percentile(rates[True], 50) / 1e9,
+                     "memcpy_same_size_GBps": copy_bandwidth(size) / 1e9})
+    await nc.close()
+    await t.close()
+    return rows
+
+
+def run(cfg: KVBenchConfig) -> dict:
+    from moemesh.tools.launch.nats_server import start_nats
+    from moemesh.tools.launch.procs import ProcessGroup, free_port
+
+    group = ProcessGroup()
+    nats_url = cfg.nats_url
+    try:
+        if not nats_url:
+            port = free_port()
+            start_nats(group, port)
+            nats_url = f"nats://127.0.0.1:{port}"
+        ctx = mp.get_context("spawn")
+        child = ctx.Process(target=_receiver, args=(nats_url, cfg.sizes, cfg.iters, cfg.repeats, cfg.tls),
+                            daemon=True)
+        child.start()
+        try:
+            rows = asyncio.run(_send(cfg, nats_url))
+        finally:
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+    finally:
+        group.stop()
+    ceiling = copy_bandwidth(256 << 20, 1.0) / 1e9
+    for r in rows:
+        r["ratio_one"] = r["ucx_one_GBps"] / ceiling
+        r["ratio_concurrent"] = r["ucx_concurrent_GBps"] / ceiling
+    big = [r for r in rows if r["bytes"] >= 1 << 20]
+    return {"bench": "kv-transfer", "config": asdict(cfg), "env": environment(), "results": rows,
+            "machine_copy_GBps": ceiling, "goal_ratio": 0.70,
+            "min_ratio_at_1MiB_plus": {"one": min((r["ratio_one"] for r in big), default=None),
+                                       "concurrent": min((r["ratio_concurrent"] for r in big), default=None)}}
+
+
+def table(result: dict) -> str:
+    lines = [f"machine copy bandwidth (256 MiB memcpy): {result['machine_copy_GBps']:.2f} GB/s",
+             f"{'size':>8} {'one GB/s':>9} {'ratio':>6} {'concurrent':>11} {'ratio':>6} {'memcpy same size':>17}"]
+    for r in result["results"]:
+        size = r["bytes"]
+        label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+        lines.append(f"{label:>8} {r['ucx_one_GBps']:>9.2f} {r['ratio_one']:>6.2f} {r['ucx_concurrent_GBps']:>11.2f} "
+                     f"{r['ratio_concurrent']:>6.2f} {r['memcpy_same_size_GBps']:>17.2f}")
+    m = result["min_ratio_at_1MiB_plus"]
+    lines.append(f"goal: >= {result['goal_ratio']:.0%} of machine copy bandwidth from 1 MiB up; worst measured "
+                 f"{m['one']:.0%} one at a time, {m['concurrent']:.0%} concurrent")
+    return "\n".join(lines)

@@ -1,0 +1,216 @@
+"""Driving a server: warm-up, then one measured point per sweep value.
+
+Lifecycle of a run: tokenizer loaded -> model resolved -> warm-up (discarded) -> for each
+point: stream built (same shapes, fresh text) -> sessions launched by the arrival process
+-> every turn of a session sent in order -> point summarised.
+
+Arrival processes, over sessions (a single-turn workload has one request per session):
+- concurrency C: a closed loop; C sessions in flight, the next starts when one ends.
+- rate R: an open loop; sessions start at Poisson times of rate R (inf: all at once),
+  optionally capped at --concurrency in flight. Turns of one session still run in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from moemesh.tools.bench.serve import workload as wl
+from moemesh.tools.bench.serve.client import ClientConfig, ServeClient
+from moemesh.tools.bench.serve.metrics import RequestRecord, summarize
+
+MODES = ("concurrency", "rate")
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    client: ClientConfig
+    workload: wl.WorkloadConfig = field(default_factory=wl.WorkloadConfig)
+    mode: str = "concurrency"
+    values: tuple[float, ...] = (1,)  # one point per value; a sweep has several
+    max_concurrency: int | None = None  # rate mode only
+    warmup: int = 0
+    seed: int = 0
+    tokenizer: str | None = None
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    labels: dict = field(default_factory=dict)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be concurrency or rate, got {self.mode!r}")
+        if not self.values:
+            raise ValueError("at least one concurrency or rate value is needed")
+        for v in self.values:
+            if self.mode == "concurrency" and (v < 1 or v != int(v)):
+                raise ValueError(f"a concurrency must be a positive integer, got {v:g}")
+            if self.mode == "rate" and not v > 0:
+                raise ValueError(f"a rate must be positive (or inf), got {v:g}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("--concurrency must be at least 1")
+        if self.warmup < 0:
+            raise ValueError("--warmup must be >= 0")
+
+
+class Progress:
+    """A one-line bar on stderr; off a terminal, a line per tenth so logs stay short."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True, stream=None):
+        self.total, self.label, self.enabled = total, label, enabled
+        self.stream = stream or sys.stderr
+        self.tty = getattr(self.stream, "isatty", lambda: False)()
+        self.done = self.errors = self._last_tenth = 0
+        self.t0 = time.monotonic()
+
+    def update(self, ok: bool) -> None:
+        self.done += 1
+        self.errors += not ok
+        tenth = self.done * 10 // max(self.total, 1)
+        if self.enabled and (self.tty or tenth > self._last_tenth or self.done == self.total):
+            self._last_tenth = tenth
+            filled = self.done * 30 // max(self.total, 1)
+            line = (f"{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                    f"err={self.errors} {time.monotonic() - self.t0:.1f}s")
+            self.stream.write(("\r" + line) if self.tty else line + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+async def run_session(client: ServeClient, spec: wl.SessionSpec, first_index: int,
+                      records: list[RequestRecord], progress: Progress | None = None) -> None:
+    """Send a session's turns in order, each on the context the previous turns left.
+    A failed turn leaves an empty answer and the session carries on, so every point sends
+    the same number of requests."""
+    messages: list[dict] = []
+    answer, context_target = "", 0
+    for k, turn in enumerate(spec.turns):
+        if k == 0:
+            messages = [{"role": "user", "content": turn.text}]
+        else:
+            messages = wl.context_after(messages, answer, turn)
+        context_target += turn.input_len
+        rec = RequestRecord(index=first_index + k, session=spec.session, turn=k + 1,
+                            max_tokens=turn.max_tokens, target_input_tokens=context_target, group=spec.group)
+        await client.send(rec, messages)
+        records.append(rec)
+        if progress is not None:
+            progress.update(rec.ok)
+        answer = rec.text
+        context_target += rec.output_tokens
+
+
+async def run_point(client: ServeClient, work: wl.Workload, mode: str, value: float,
+                    max_concurrency: int | None = None, progress: Progress | None = None) -> list[RequestRecord]:
+    """Run one point's stream; records come back in request-index order, times in seconds
+    from the point's start."""
+    records: list[RequestRecord] = []
+    firsts, n = [], 0
+    for s in work.sessions:
+        firsts.append(n)
+        n += len(s.turns)
+    jobs = list(zip(work.sessions, firsts))
+    client.reset_clock()
+    if mode == "concurrency":
+        it = iter(jobs)
+
+        async def loop() -> None:
+            for spec, first in it:  # shared iterator: each worker takes the next session
+                await run_session(client, spec, first, records, progress)
+
+        await asyncio.gather(*(loop() for _ in range(min(int(value), len(jobs)))))
+    else:
+        cap = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def capped(spec: wl.SessionSpec, first: int) -> None:
+            if cap is None:
+                return await run_session(client, spec, first, records, progress)
+            async with cap:
+                await run_session(client, spec, first, records, progress)
+
+        tasks = []
+        for (spec, first), at in zip(jobs, work.arrivals):
+            delay = at / value - client.now() if math.isfinite(value) else 0.0
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(capped(spec, first)))
+        await asyncio.gather(*tasks)
+    return sorted(records, key=lambda r: r.index)
+
+
+def warmup_workload(cfg: ServeBenchConfig, tokenizer=None) -> wl.Workload:
+    """N single requests shaped like the first turns of the real stream, with their own text."""
+    base = wl.build(cfg.workload, cfg.seed, salt="warmup", tokenizer=tokenizer)
+    sessions = tuple(wl.SessionSpec(i, base.sessions[i % len(base.sessions)].turns[:1])
+                     for i in range(cfg.warmup))
+    return wl.Workload(sessions, tuple(0.0 for _ in sessions))
+
+
+async def run_async(cfg: ServeBenchConfig) -> dict:
+    from moemesh.tools.bench.env import environment
+
+    tok = wl.load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    async with ServeClient(cfg.client, tok) as client:
+        model = await client.resolve_model()
+        warm = {"num_requests": cfg.warmup, "num_errors": 0}
+        if cfg.warmup:
+            work = warmup_workload(cfg, tok)
+            conc = int(cfg.values[0]) if cfg.mode == "concurrency" else (cfg.max_concurrency or 8)
+            bar = Progress(work.num_requests, "warm-up", cfg.progress)
+            recs = await run_point(client, work, "concurrency", min(conc, cfg.warmup), progress=bar)
+            bar.close()
+            warm["num_errors"] = sum(not r.ok for r in recs)
+        points = []
+        for i, value in enumerate(cfg.values):
+            work = wl.build(cfg.workload, cfg.seed, salt=i, tokenizer=tok)
+            bar = Progress(work.num_requests, f"{cfg.mode}={value:g}", cfg.progress)
+            recs = await run_point(client, work, cfg.mode, value, cfg.max_concurrency, bar)
+            bar.close()
+            points.append({"mode": cfg.mode, "value": value, "text_salt": i,
+                           "summary": summarize(recs, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+                           "requests": [r.to_json() for r in recs]})
+    return {
+        "bench": "serve",
+        "schema_version": 1,
+        "config": config_json(cfg) | {"model": model},
+        "seeds": {"seed": cfg.seed, "warmup_text_salt": "warmup",
+                  "points": [{"value": p["value"], "text_salt": p["text_salt"]} for p in points]},
+        "env": environment() | {"versions": _versions()},
+        "warmup": warm,
+        "points": points,
+    }
+
+
+def run(cfg: ServeBenchConfig) -> dict:
+    return asyncio.run(run_async(cfg))
+
+
+def config_json(cfg: ServeBenchConfig) -> dict:
+    c = cfg.client
+    return {
+        "url": c.url, "endpoint": c.endpoint, "model": c.model, "ignore_eos": c.ignore_eos,
+        "stream_usage": c.stream_usage, "timeout_s": c.timeout_s, "worker_header": c.worker_header,
+        "temperature": c.temperature, "extra_body": c.extra_body, "api_key_set": c.api_key is not None,
+        "workload": cfg.workload.description, "mode": cfg.mode, "values": list(cfg.values),
+        "max_concurrency": cfg.max_concurrency, "warmup": cfg.warmup, "seed": cfg.seed,
+        "tokenizer": cfg.tokenizer, "slo_ttft_ms": cfg.slo_ttft_ms, "slo_tpot_ms": cfg.slo_tpot_ms,
+        "labels": dict(cfg.labels),
+    }
+
+
+def _versions() -> dict:
+    out = {}
+    for pkg in ("httpx", "tokenizers", "matplotlib", "numpy"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out

@@ -1,0 +1,44 @@
+"""`moemesh bench forward`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(bsub) -> None:
+    from moemesh.tools.cli.bench_io import ints
+
+    f = bsub.add_parser("forward", help="forward-only decode and prefill step times")
+    f.add_argument("--model", required=True)
+    f.add_argument("--batch-sizes", type=ints, default=(1, 8, 32, 64, 128, 256))
+    f.add_argument("--context-len", type=int, default=512)
+    f.add_argument("--prefill-lens", type=ints, default=(128, 512, 2048))
+    f.add_argument("--steps", type=int, default=10)
+    f.add_argument("--warmup", type=int, default=3)
+    f.add_argument("--dtype", default="float32")
+    f.add_argument("--device", default="cpu")
+    f.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1, as mesh workers run; 0 for torch's default)")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--out", default="bench-results/forward.json")
+    f.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moemesh.tools.bench import forward
+    from moemesh.shared.checkpoint.loader import CheckpointError
+    from moemesh.tools.cli.bench_io import save
+
+    cfg = forward.ForwardBenchConfig(
+        model=args.model, batch_sizes=args.batch_sizes, context_len=args.context_len,
+        prefill_lens=args.prefill_lens, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
+        device=args.device, num_threads=args.threads or None, seed=args.seed)
+    try:
+        result = forward.run(cfg)
+    except (CheckpointError, ValueError) as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 2
+    print(forward.table(result))
+    save(result, args.out)
+    return 0

@@ -1,0 +1,31 @@
+"""`moemesh bench kv-transfer`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(bsub) -> None:
+    from moemesh.tools.cli.bench_io import ints
+
+    k = bsub.add_parser("kv-transfer", help="UCX KV transfer throughput vs the machine's copy bandwidth")
+    k.add_argument("--sizes", type=ints, default=None, help="bytes, comma separated")
+    k.add_argument("--iters", type=int, default=20)
+    k.add_argument("--repeats", type=int, default=3)
+    k.add_argument("--nats-url", default="")
+    k.add_argument("--ucx-tls", default="")
+    k.add_argument("--out", default="bench-results/kv_transfer.json")
+    k.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moemesh.tools.bench import kv_transfer
+    from moemesh.tools.cli.bench_io import save
+
+    kw = {"sizes": args.sizes} if args.sizes else {}
+    cfg = kv_transfer.KVBenchConfig(iters=args.iters, repeats=args.repeats, nats_url=args.nats_url,
+                                    tls=args.ucx_tls, **kw)
+    result = kv_transfer.run(cfg)
+    print(kv_transfer.table(result))
+    save(result, args.out)
+    return 0

@@ -1,0 +1,34 @@
+"""`moemesh bench kv-reuse`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(bsub) -> None:
+    b = bsub.add_parser("kv-reuse", help="agentic multi-turn TTFT with prefix reuse vs without")
+    b.add_argument("--model", default="", help="model directory (default: the tiny model)")
+    b.add_argument("--sessions", type=int, default=4)
+    b.add_argument("--turns", type=int, default=4)
+    b.add_argument("--context-tokens", type=int, default=8192, help="the first turn's context")
+    b.add_argument("--tool-tokens", type=int, default=512, help="tool output appended each turn")
+    b.add_argument("--osl", type=int, default=64)
+    b.add_argument("--concurrency", type=int, default=4)
+    b.add_argument("--prefill-workers", type=int, default=1)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="bench-results/kv_reuse.json")
+    b.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moemesh.tools.bench import kv_reuse
+    from moemesh.tools.cli.bench_io import save
+
+    cfg = kv_reuse.KVReuseBenchConfig(model=args.model, sessions=args.sessions, turns=args.turns,
+                                      context_tokens=args.context_tokens, tool_tokens=args.tool_tokens,
+                                      osl=args.osl, concurrency=args.concurrency,
+                                      prefill_workers=args.prefill_workers, seed=args.seed)
+    result = kv_reuse.run(cfg)
+    print(kv_reuse.table(result))
+    save(result, args.out)
+    return 0

@@ -1,0 +1,37 @@
+"""`moemesh bench stream`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(bsub) -> None:
+    from moemesh.tools.cli.bench_io import ints
+
+    b = bsub.add_parser("stream", help="host overhead of the serving path on the mock engine: share of the ideal "
+                                       "tokens/s, CPU us per token of each mesh process")
+    b.add_argument("--model", default="", help="model directory for config and tokenizer (default: tiny)")
+    b.add_argument("--streams", type=ints, default=(8, 64, 256), help="concurrent streams, one point each")
+    b.add_argument("--seconds", type=float, default=20.0, help="load per point")
+    b.add_argument("--osl", type=int, default=256, help="output tokens per request")
+    b.add_argument("--mock-step-ms", type=float, default=20.0, help="the mock engine's step time")
+    b.add_argument("--warmup-seconds", type=float, default=2.0, help="warm-up load before the first point (0: none)")
+    b.add_argument("--out", default="bench-results/stream.json")
+    b.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moemesh.tools.bench import stream
+    from moemesh.tools.cli.bench_io import save
+
+    try:
+        cfg = stream.StreamBenchConfig(model=args.model, streams=args.streams, seconds=args.seconds, osl=args.osl,
+                                       mock_step_ms=args.mock_step_ms, warmup_s=args.warmup_seconds)
+    except ValueError as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 2
+    result = stream.run(cfg)
+    print(stream.table(result))
+    save(result, args.out)
+    return 0

@@ -1,0 +1,21 @@
+"""`moemesh bench ...`: benchmarks that print a table and save JSON.
+
+Each benchmark registers itself from its own module in BENCHES."""
+
+from __future__ import annotations
+
+from moemesh.tools.cli import (
+    bench_eplb, bench_forward, bench_idle, bench_kv, bench_kv_bytes, bench_kv_reuse, bench_phases, bench_serve,
+    bench_stream,
+)
+
+BENCHES = [bench_forward, bench_kv, bench_serve, bench_eplb, bench_phases, bench_stream, bench_idle, bench_kv_reuse,
+           bench_kv_bytes]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    for mod in BENCHES:
+        mod.register(bsub)
+

@@ -1,0 +1,38 @@
+"""`moemesh init-model DIR --preset NAME`: write a random-weight checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moemesh.shared.checkpoint.presets import PRESETS
+
+
+def register(sub) -> None:
+    p = sub.add_parser("init-model", help="write a seeded random-weight checkpoint in Hugging Face layout")
+    p.add_argument("dir")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("--shard-size-mb", type=int, default=2048)
+    p.add_argument("--fused-experts", action="store_true", help="write experts in the fused transformers-5 layout")
+    p.add_argument("--layout", choices=["hf", "upstream"], default="hf",
+                   help="DeepSeek-V4: transformers' tensor names (hf) or the release's own (upstream)")
+    p.add_argument("--quantize", action="store_true",
+                   help="DeepSeek-V4, upstream layout: FP8 block-scaled weights and FP4 experts, as released")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moemesh.shared.checkpoint.writer import init_model
+
+    try:
+        out = init_model(args.dir, args.preset, seed=args.seed, dtype=args.dtype, num_layers=args.num_layers,
+                         shard_size=args.shard_size_mb << 20, fused_experts=args.fused_experts,
+                         layout=args.layout, quantize=args.quantize)
+    except ValueError as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.preset} checkpoint to {out}")
+    return 0

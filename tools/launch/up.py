@@ -1,0 +1,245 @@
+"""`moemesh up`: one NATS server, one gateway, one prefill and one decode worker.
+
+States: starting NATS -> making the model (if none given) -> starting workers and the
+gateway -> waiting for readiness -> serving -> stopping (reverse order, SIGTERM first).
+
+With `--config FILE` (the deployment file, see compose/moemesh.toml) the pool sizes come
+from its [pools] table, the NATS URL and model from [common], the gateway address from
+[gateway]; flags still win. Every service is started with `--config FILE` and reads its
+own tables, so credentials and settings in the file reach the services unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from moemesh.shared.config.loader import ConfigFileError, read_toml
+from moemesh.tools.launch.nats_server import start_nats
+from moemesh.tools.launch.procs import ProcessGroup, free_port
+
+log = logging.getLogger(__name__)
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("MOEMESH_HOME", Path.home() / ".cache" / "moemesh"))
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str = ""  # empty: the tiny model, made on first use
+    nats_url: str = ""  # empty: start a nats-server
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_prefill: int = 1
+    num_decode: int = 1
+    decode_dp: int = 1  # ranks per decode instance (DEP-N); each rank is a worker
+    prefill_dp: int = 1
+    eplb_redundant: int = 0  # redundant expert slots per rank
+    balancer: bool | None = None  # None: start one when an instance is expert-parallel
+    balancer_args: tuple[str, ...] = ()  # --set arguments for the balancer
+    kv_store: bool = False
+    kv_store_args: tuple[str, ...] = ()
+    log_dir: str = ""
+    ready_timeout_s: float = 180.0
+    service_args: tuple[str, ...] = ()  # extra --set arguments for every worker
+    prefill_args: tuple[str, ...] = ()  # ... for prefill workers only
+    decode_args: tuple[str, ...] = ()  # ... for decode workers only
+    gateway_args: tuple[str, ...] = ()
+    trace_file: str = ""
+    extra_env: dict = field(default_factory=dict)
+    config_file: str = ""  # the deployment file, passed to every service as --config
+
+
+# [pools] key -> UpConfig field. Only `moemesh up` reads this table; services never do.
+POOL_KEYS = {"prefill": "num_prefill", "decode": "num_decode", "prefill_dep": "prefill_dp",
+             "decode_dep": "decode_dp", "redundant": "eplb_redundant", "balancer": "balancer",
+             "kv_store": "kv_store"}
+
+
+def up_config(config_file: str = "", **flags: Any) -> UpConfig:
+    """An UpConfig from the deployment file (if any) and command-line flags.
+
+    Args:
+        config_file: TOML deployment file; "" for none.
+        flags: UpConfig fields given on the command line; None means "not given", so the
+            file's value (or the default) stands.
+    Returns:
+        The launch settings, with config_file made absolute for the services.
+    Raises:
+        ConfigFileError: an unreadable file, an unknown [pools] key or a bad value.
+    """
+    values: dict[str, Any] = {}
+    if config_file:
+        doc = read_toml(config_file)
+        pools = doc.get("pools", {})
+        for k, v in pools.items():
+            if k not in POOL_KEYS:
+                raise ConfigFileError(f"{config_file}: [pools] has unknown key {k!r}; known: {', '.join(POOL_KEYS)}")
+            want = bool if k in ("balancer", "kv_store") else int
+            if type(v) is not want:
+                raise ConfigFileError(f"{config_file}: [pools] {k} must be {want.__name__}, got {v!r}")
+            values[POOL_KEYS[k]] = v
+        common, gateway = doc.get("common", {}), doc.get("gateway", {})
+        for key, table in (("model", common), ("nats_url", common), ("host", gateway), ("port", gateway)):
+            if key in table:
+                values[key] = table[key]
+        values["config_file"] = str(Path(config_file).resolve())
+    known = {f.name for f in fields(UpConfig)}
+    for k, v in flags.items():
+        if k not in known:
+            raise TypeError(f"unknown UpConfig field {k!r}")
+        if v is not None:
+            values[k] = v
+    cfg = UpConfig(**values)
+    if min(cfg.num_prefill, cfg.num_decode, cfg.eplb_redundant) < 0 \
+            or min(cfg.prefill_dp, cfg.decode_dp) < 1:
+        raise ConfigFileError("pool sizes must be >= 0 and DEP widths >= 1")
+    return cfg
+
+
+@dataclass(frozen=True)
+class Launch:
+    name: str
+    argv: list[str]  # after `python -m`
+
+
+def ensure_tiny_model(home: Path) -> Path:
+    path = home / "models" / "tiny"
+    if not (path / "config.json").is_file():
+        from moemesh.shared.checkpoint.writer import init_model
+
+        log.info("making the tiny model in %s", path)
+        init_model(path, "tiny")
+    return path
+
+
+class Mesh:
+    """A running local mesh; a context manager that always stops what it started."""
+
+    def __init__(self, cfg: UpConfig):
+        self.cfg = cfg
+        home = default_home()
+        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else home / "runs" / time.strftime("up-%Y%m%d-%H%M%S")
+        self.group = ProcessGroup(self.log_dir)
+        self.model = cfg.model or str(ensure_tiny_model(home))
+        self.nats_url = cfg.nats_url
+        self.port = cfg.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    def __enter__(self) -> "Mesh":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cfg = self.cfg
+        if not self.nats_url:
+            port = free_port() if _busy(4222) else 4222
+            start_nats(self.group, port)
+            self.nats_url = f"nats://127.0.0.1:{port}"
+        if self.port == 0:
+            self.port = free_port(cfg.host)
+        for launch in launch_plan(cfg, self.model, self.nats_url, self.port):
+            self.group.start(launch.name, [sys.executable, "-m", *launch.argv], cfg.extra_env)
+        self.wait_ready(cfg.ready_timeout_s)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            dead = self.group.dead()
+            if dead:
+                c = dead[0]
+                raise RuntimeError(f"{c.name} exited with code {c.popen.returncode} during start-up:\n{c.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health/ready", timeout=2) as r:
+                    # Ready means every worker started here has joined, not just the first
+                    # of each role: a test or a benchmark right after start sees them all.
+                    if r.status == 200 and self._all_joined():
+                        return
+            except OSError as e:
+                last = str(e)
+            time.sleep(0.25)
+        raise TimeoutError(f"mesh not ready after {timeout:.0f}s ({last}); logs in {self.log_dir}")
+
+    def _all_joined(self) -> bool:
+        cfg = self.cfg
+        want = {"prefill": cfg.num_prefill * cfg.prefill_dp, "decode": cfg.num_decode * cfg.decode_dp}
+        have = self.health().get("workers", {})
+        return all(have.get(role, 0) >= n for role, n in want.items())
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        self.group.stop()
+
+
+def launch_plan(cfg: UpConfig, model: str, nats_url: str, port: int) -> list[Launch]:
+    """Every service process of the mesh, in start order: KV store, workers, balancer, gateway.
+
+    Args:
+        cfg: the launch settings.
+        model: the model directory every service is given.
+        nats_url: the NATS server they all connect to.
+        port: the gateway's HTTP port.
+    """
+    common = ["--model", model, "--nats-url", nats_url]
+    if cfg.config_file:
+        common = ["--config", cfg.config_file, *common]
+    traced = common + (["--trace-file", cfg.trace_file] if cfg.trace_file else [])
+    extra = _sets(cfg.service_args)
+    out = [Launch("kv_store", ["moemesh.services.kv_store", *common, *_sets(cfg.kv_store_args)])] if cfg.kv_store else []
+    for role, n, dp, own in (("prefill", cfg.num_prefill, cfg.prefill_dp, cfg.prefill_args),
+                             ("decode", cfg.num_decode, cfg.decode_dp, cfg.decode_args)):
+        for i in range(n):
+            for argv, name in instance_argv(role, i, dp, cfg.eplb_redundant):
+                out.append(Launch(name, [f"services.{role}", *traced, *argv, *extra, *_sets(own)]))
+    if cfg.balancer or (cfg.balancer is None and (cfg.decode_dp > 1 or cfg.prefill_dp > 1 or cfg.eplb_redundant)):
+        out.append(Launch("balancer", ["moemesh.services.balancer", *common, *_sets(cfg.balancer_args)]))
+    out.append(Launch("gateway", ["moemesh.services.gateway", *traced, "--host", cfg.host, "--port", str(port),
+                                  *_sets(cfg.gateway_args)]))
+    return out
+
+
+def _sets(items) -> list[str]:
+    return [a for s in items for a in ("--set", s)]
+
+
+def instance_argv(role: str, index: int, dp: int, redundant: int) -> list[tuple[list[str], str]]:
+    """Arguments for each process of one instance: one, or one per DEP rank."""
+    if dp == 1 and not redundant:
+        return [([], f"{role}-{index}")]
+    inst = f"{role}-i{index}"
+    init = f"tcp://127.0.0.1:{free_port()}"
+    out = []
+    for r in range(dp):
+        sets = [f"dp_size={dp}", f"dp_rank={r}", f"instance_id={inst}", f"dist_init={init}",
+                f"eplb_redundant={redundant}", "expert_parallel=true"]
+        out.append((["--worker-id", f"{inst}-r{r}", *[a for x in sets for a in ("--set", x)]], f"{inst}-r{r}"))
+    return out
+
+
+def _busy(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
