@@ -25,16 +25,18 @@ import torch
 from opentelemetry import trace
 
 from moemesh.services.decode.config import DecodeConfig
-from moemesh.services.decode.kv_pull import Pull, PullBatch, PullState, finish, pull_kv
+from moemesh.services.decode.kv_pull import Pull, PullBatch, finish, pull_kv
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.engine.sampling_params import SamplingParamError
+from moemesh.shared.kv.spec import compatible
 from moemesh.shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
 from moemesh.shared.service.runtime import WorkerRuntime, end_fields
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.telemetry.tracing import exports_spans
+from moemesh.shared.transport.base import TransferState
 
 log = logging.getLogger(__name__)
 # Step events per request span: enough to profile steps (moemesh profile), few enough that
@@ -101,8 +103,8 @@ class DecodeService(AsyncService):
     # ---- hand-off from prefill --------------------------------------------------------
     async def _on_ready(self, r: KVReady, msg, ctx):
         rt = self.rt
-        if r.layout != rt.layout:
-            return ErrorReply(f"incompatible KV layout: mine {rt.layout}, sent {r.layout}", "bad_request")
+        if not (c := compatible(rt.kv_spec, r.layout)):
+            return ErrorReply(f"incompatible KV layout: {c.reason}", "bad_request")
         batch, refused, off = PullBatch(r), {}, 0
         for item in r.items:
             why = self._refusal(item)
@@ -145,14 +147,14 @@ class DecodeService(AsyncService):
         dt = time.perf_counter() - t0
         for span, p in zip(spans, batch.pulls):
             span.set_attribute("kv.seconds", dt)
-            if p.state == PullState.FAILED:
+            if p.state == TransferState.FAILED:
                 span.set_status(trace.StatusCode.ERROR, p.error)
             span.end()
-        if batch.state == PullState.ARRIVED:
+        if batch.state == TransferState.SUCCESS:
             self.m_pull.observe(dt)
             self.m_pull_bytes.inc(batch.nbytes)
         for p in batch.pulls:
-            if p.state == PullState.ARRIVED:
+            if p.state == TransferState.SUCCESS:
                 self._import(p)
             else:
                 await self._pull_failed(p)
@@ -182,7 +184,7 @@ class DecodeService(AsyncService):
         """Between steps, once blocks are free: scatter the request's bytes into the cache."""
         rt, item = self.rt, pull.item
         params = item.sampling.to_params()
-        dtype, shape = rt.engine.kv_dtype, rt.engine.kv_shape(item.num_blocks)
+        dtype, shape = rt.kv_spec.dtype, rt.kv_spec.shape(item.num_blocks)
 
         def attempt(engine) -> bool:
             if pull.aborted:

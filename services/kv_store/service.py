@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import zlib
 
 import numpy as np
 
 from moemesh.services.kv_store.config import KVStoreConfig
 from moemesh.services.kv_store.tiers import DiskTier, MemoryTier
+from moemesh.shared.kv.events import KVEventPublisher, KVPeers
+from moemesh.shared.kv.receive import StagedReceive
 from moemesh.shared.protocol.messages import (
     Heartbeat,
     KVEvents,
@@ -30,7 +31,7 @@ from moemesh.shared.protocol.messages import (
     WorkerLoad,
 )
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.service.heartbeat import Heartbeater, WorkerRegistry
+from moemesh.shared.service.heartbeat import Heartbeater
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.service.nats_io import connect, disconnect, publish, subscribe
@@ -49,7 +50,7 @@ class KVStoreService(AsyncService):
         self.subjects = Subjects(cfg.subject_prefix)
         self.mem = MemoryTier(cfg.capacity_mb << 20)
         self.disk = DiskTier(cfg.disk_dir, cfg.disk_capacity_mb << 20) if cfg.disk_dir else None
-        self.peers = WorkerRegistry()
+        self.peers = KVPeers()
         self.metrics = m = Metrics()
         self.c_blocks = m.counter("kv_store_blocks_total", "fetch lookups by outcome", ("outcome",))
         self.c_bytes = m.counter("kv_store_transfer_bytes_total", "block bytes moved", ("direction",))
@@ -57,10 +58,9 @@ class KVStoreService(AsyncService):
         self.c_corrupt = m.counter("kv_store_corrupt_blocks_total", "blocks dropped for a bad checksum")
         self.g_used = m.gauge("kv_store_held_bytes", "bytes held", ("tier",))
         self.g_count = m.gauge("kv_store_held_blocks", "blocks held", ("tier",))
-        self._stored: list[bytes] = []
-        self._removed: list[bytes] = []
-        self._flush = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self.events = KVEventPublisher(lambda stored, removed: publish(
+            self.nc, self.subjects.kv_events, KVEvents(self.id, "kv_store", b"*", stored, removed)))
+        self._tasks: set[asyncio.Task] = set()  # live ones only: a task per offer must not accumulate
         self.nc = self.transport = self.staging = self.heartbeat = self._http = None
 
 
@@ -74,15 +74,15 @@ class KVStoreService(AsyncService):
         await subscribe(self.nc, s.kv_store_put, KVPut, self._on_put)
         await subscribe(self.nc, s.kv_fetch(self.id), KVFetch, self._on_fetch)
         await subscribe(self.nc, s.kv_snapshot(self.id), KVSnapshotRequest, self._on_snapshot)
-        self._tasks.append(asyncio.create_task(self._publish_events(), name="kv-events"))
+        self._spawn(self.events.run(), "kv-events")
         self.heartbeat = Heartbeater(self.nc, s, self._beat, cfg.heartbeat_interval_s)
         self.heartbeat.start()
         if cfg.metrics_port >= 0:
             self._http = MetricsServer(self._render, lambda: {"status": "ok"}, cfg.metrics_host, cfg.metrics_port)
             await self._http.start()
         # Blocks on disk from before a restart are announced again.
-        self._stored += self.disk.hashes() if self.disk else []
-        self._flush.set()
+        self.events.add(self.disk.hashes() if self.disk else [])
+        self.events.publish_soon()
         log.info("KV store %s ready: %d MiB memory, disk %s", self.id, cfg.capacity_mb, cfg.disk_dir or "off")
 
     async def drain(self) -> None:
@@ -91,9 +91,10 @@ class KVStoreService(AsyncService):
     async def stop(self) -> None:
         if self.heartbeat is not None:
             await self.heartbeat.stop()
-        for t in self._tasks:
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
         if self.nc is not None:
@@ -117,9 +118,12 @@ class KVStoreService(AsyncService):
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         self.peers.observe(hb)
 
-    def _known(self, address: bytes) -> bool:
-        # UCX aborts a process given a malformed address: only announced peers.
-        return any(lw.beat.address == address for lw in self.peers.workers.values())
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        t = asyncio.create_task(coro, name=name)
+        self._tasks.add(t)
+        t.add_done_callback(_log_crash)
+        t.add_done_callback(self._tasks.discard)
+        return t
 
     # ---- holding ----------------------------------------------------------------------------
     def has(self, h: bytes) -> bool:
@@ -129,16 +133,16 @@ class KVStoreService(AsyncService):
         evicted = self.mem.put(h, data, crc)
         if evicted is None:
             return  # memory is all pinned right now: drop it, the worker still has it
-        self._stored.append(h)
+        removed = []
         for old, d, c in evicted:
             if self.disk is not None:
                 for gone in self.disk.put(old, d, c):
                     self.c_evict.labels("disk").inc()
-                    self._removed.append(gone)
+                    removed.append(gone)
             else:
-                self._removed.append(old)
+                removed.append(old)
             self.c_evict.labels("memory").inc()
-        self._flush.set()
+        self.events.add([h], removed)
 
     def _read(self, h: bytes) -> tuple[bytes, int] | None:
         got = self.mem.get(h)
@@ -164,19 +168,18 @@ class KVStoreService(AsyncService):
             return KVPutReply(True, wanted=wanted)
         if len(p.checksums) != len(p.hashes) or p.nbytes % len(p.hashes):
             return KVPutReply(False, error="checksums and sizes do not match the offered blocks")
-        slot = self.staging.alloc(p.nbytes)
-        if slot is None:
+        rx = StagedReceive(self.transport, self.staging, p.nbytes)
+        if rx.error:
             return KVPutReply(False, error="store staging memory is full")
-        tag = random.getrandbits(62)
-        transfer = self.transport.post_recv(slot.buffer(), tag)
-        asyncio.get_running_loop().create_task(self._receive(p, wanted, slot, transfer))
-        return KVPutReply(True, tag, self.transport.address, wanted)
+        rx.post()
+        self._spawn(self._receive(p, wanted, rx), f"kv-receive-{p.holder_id}")
+        return KVPutReply(True, rx.tag, self.transport.address, wanted)
 
-    async def _receive(self, p: KVPut, wanted, slot, transfer) -> None:
+    async def _receive(self, p: KVPut, wanted, rx: StagedReceive) -> None:
         try:
-            await transfer.wait(self.cfg.transfer_timeout_s)
+            await rx.wait(self.cfg.transfer_timeout_s)
             per = p.nbytes // len(p.hashes)
-            raw = slot.buffer()
+            raw = rx.slot.buffer()
             for i, (h, crc, want) in enumerate(zip(p.hashes, p.checksums, wanted)):
                 if not want:
                     continue
@@ -189,15 +192,12 @@ class KVStoreService(AsyncService):
         except TransferError as e:
             log.info("blocks offered by %s never arrived: %s", p.holder_id, e)
         finally:
-            if await transfer.abandon(1.0):
-                self.staging.free(slot)
-            else:
-                transfer.add_done_callback(lambda _t: self.staging.free(slot))
+            rx.release()
 
     async def _on_fetch(self, f: KVFetch, msg, ctx) -> KVFetchReply:
         if not f.hashes or f.nbytes % len(f.hashes):
             return KVFetchReply(False, "bad block count or size")
-        if not self._known(f.address):
+        if not self.peers.knows(f.address):
             return KVFetchReply(False, "the fetching address belongs to no live worker")
         blocks = []
         for h in f.hashes:
@@ -232,13 +232,7 @@ class KVStoreService(AsyncService):
         hashes = self.mem.hashes() + (self.disk.hashes() if self.disk else [])
         return KVEvents(self.id, "kv_store", b"*", list(dict.fromkeys(hashes)), reset=True)
 
-    async def _publish_events(self) -> None:
-        while True:
-            await self._flush.wait()
-            self._flush.clear()
-            stored, removed, self._stored, self._removed = self._stored, self._removed, [], []
-            try:
-                await publish(self.nc, self.subjects.kv_events, KVEvents(self.id, "kv_store", b"*", stored, removed))
-            except Exception as e:
-                log.debug("KV events not published: %s", e)
-            await asyncio.sleep(0.05)
+
+def _log_crash(t: asyncio.Task) -> None:
+    if not t.cancelled() and t.exception() is not None:
+        log.error("background task %s crashed", t.get_name(), exc_info=t.exception())

@@ -202,7 +202,7 @@ class PrefillService(AsyncService):
             if out.prefill_done:
                 seq = rt.engine.held_sequence(job.request_id)
                 n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)
-                nbytes = rt.engine.kv_nbytes(n_blocks)
+                nbytes = rt.kv_spec.nbytes(n_blocks)
                 lease = self.leases.grant(job, n_blocks, nbytes)
                 handoffs.setdefault(job.decode_id, []).append(Handoff(job, span, lease, list(out.new_token_ids)))
             else:
@@ -216,7 +216,7 @@ class PrefillService(AsyncService):
         is ready to pull, in one message. If it has gone, or is draining, another live
         decode worker takes them instead."""
         rt = self.rt
-        ready = KVReady(rt.worker_id, rt.transport.address, rt.layout, [
+        ready = KVReady(rt.worker_id, rt.transport.address, rt.kv_spec.wire, [
             KVReadyItem(h.job.request_id, h.job.prompt_ids, h.output_ids, h.job.sampling, h.job.gateway_id,
                         h.lease.lease_id, h.lease.num_blocks, h.lease.nbytes, traceparent_of(h.span))
             for h in group], self.cfg.lease_timeout_s)
@@ -298,14 +298,14 @@ class PrefillService(AsyncService):
             return KVPullReply(False, error="prefill staging memory is full")
         spans = []
         try:
-            engine = rt.engine
+            engine, spec = rt.engine, rt.kv_spec
             off = 0
             for item, lease in zip(p.items, leases):
                 if lease is not None:
                     lease.pulling = True
                     spans.append(rt.tracer.start_span("kv.send", context=extract_context({"traceparent": item.traceparent}),
                                                       attributes={"request.id": item.request_id, "kv.bytes": item.nbytes}))
-                    dst = slot.part(off, item.nbytes).typed(engine.kv_dtype, engine.kv_shape(lease.num_blocks))
+                    dst = slot.part(off, item.nbytes).typed(spec.dtype, spec.shape(lease.num_blocks))
                     # A held request's blocks are never written by a step, so the copy runs beside
                     # the engine, not between its steps: a pull never waits behind a long prefill.
                     # A small one is cheaper here than a thread's round trip.

@@ -5,12 +5,12 @@ importing blocks pulled from a peer or the KV store, and offering finished block
 the store. References are taken while blocks are read or filled, so eviction under
 pressure never touches a block in use.
 
-On the wire, blocks travel block-major, [n, layers, block_size, D]: each block's bytes
-are contiguous, so a holder can keep, checksum and serve them one by one.
+On the wire, blocks travel block-major (KVSpec.block_shape in shared/kv/spec.py): each
+block's bytes are contiguous, so a holder can keep, checksum and serve them one by one.
 
 Only the V2/V3 paged cache moves this way. A DeepSeek-V4 block is not self-contained:
 the window rows a sequence needs to go on live in its ring, not in its blocks, so V4
-engines keep no prefix cache and refuse to move blocks (why_unsupported).
+engines keep no prefix cache and refuse to move blocks (KVSpec.why_no_blocks).
 """
 
 from __future__ import annotations
@@ -20,25 +20,13 @@ import zlib
 import torch
 
 from moemesh.shared.engine.engine import LLMEngine
-
-
-def why_unsupported(engine: LLMEngine) -> str:
-    """Why this engine's blocks cannot move one by one, or "" when they can."""
-    if engine.hybrid:
-        return "DeepSeek-V4 KV blocks are not shared (no prefix reuse for V4 yet)"
-    return ""
+from moemesh.shared.kv.spec import V4_NO_BLOCKS
 
 
 def _paged(engine: LLMEngine) -> torch.Tensor:
-    why = why_unsupported(engine)
-    if why:
-        raise ValueError(why)
+    if engine.hybrid:
+        raise ValueError(V4_NO_BLOCKS)
     return engine.kv.tensor
-
-
-def block_nbytes(engine: LLMEngine) -> int:
-    kv = _paged(engine)
-    return kv[:, 0].numel() * kv.element_size()
 
 
 def acquire_prefix(engine: LLMEngine, hashes: list[bytes]) -> list[int]:
@@ -64,15 +52,6 @@ def allocate(engine: LLMEngine, n: int) -> list[int] | None:
 def release(engine: LLMEngine, blocks: list[int]) -> None:
     if blocks:
         engine.blocks.free(blocks)
-
-
-def wire_shape(engine: LLMEngine, n: int) -> tuple[int, ...]:
-    layers, _, bs, d = _paged(engine).shape
-    return (n, layers, bs, d)
-
-
-def wire_dtype(engine: LLMEngine) -> torch.dtype:
-    return _paged(engine).dtype
 
 
 def gather(engine: LLMEngine, blocks: list[int], out: torch.Tensor) -> list[int]:

@@ -226,9 +226,6 @@ class LLMEngine:
     def kv_dtype(self) -> torch.dtype:
         return self.cfg.torch_dtype
 
-    def kv_nbytes(self, n_blocks: int) -> int:
-        return math.prod(self.kv_shape(n_blocks)) * self.kv_dtype.itemsize
-
     def held_sequence(self, request_id: str) -> Sequence:
         return self.held[request_id]
 

@@ -400,6 +400,7 @@ class KVFetch:
     address: bytes
     tag: int
     nbytes: int
+    layout: KVLayout | None = None  # the fetcher's (shared/kv/spec.py); a worker checks it, a store holds by hash
 
 
 @dataclass

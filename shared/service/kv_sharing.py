@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections import OrderedDict
 
 from moemesh.shared.engine import block_io
+from moemesh.shared.kv.events import KVEventPublisher, KVPeers
+from moemesh.shared.kv.receive import StagedReceive
+from moemesh.shared.kv.spec import compatible
 from moemesh.shared.protocol.messages import (
     Heartbeat, KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, KVSnapshotRequest, KVSource,
 )
-from moemesh.shared.service.heartbeat import WorkerRegistry
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request
 from moemesh.shared.transport.base import TransferError
 
@@ -32,11 +33,11 @@ _PUSHED_MEMORY = 65536  # hashes remembered as already offered to the store
 class KVSharing:
     def __init__(self, rt):
         self.rt = rt
-        self.peers = WorkerRegistry()
-        self._stored: list[bytes] = []
-        self._removed: list[bytes] = []
+        self.spec = rt.kv_spec
+        self.peers = KVPeers()
+        self.events = KVEventPublisher(lambda stored, removed: publish(
+            rt.nc, rt.subjects.kv_events, KVEvents(rt.worker_id, rt.role, self.spec.identity, stored, removed)))
         self._pushed: OrderedDict[bytes, None] = OrderedDict()
-        self._flush = asyncio.Event()
         self.pulled_tokens = 0  # prompt tokens whose KV came from a peer or the store
         m = rt.metrics
         self.c_hit = m.counter("kv_prefix_tokens_total", "prompt tokens by where their KV came from", ("source",))
@@ -48,34 +49,13 @@ class KVSharing:
         await rt.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
         await rt.sub(s.kv_snapshot(rt.worker_id), KVSnapshotRequest, self._on_snapshot)
         await rt.sub(s.kv_fetch(rt.worker_id), KVFetch, self._on_fetch)
-        rt.spawn(self._publish_events(), "kv-events")
+        rt.spawn(self.events.run(), "kv-events")
 
     def _drain(self) -> None:
-        stored, removed = self.rt.engine.blocks.drain_events()
-        if stored or removed:
-            self._stored += stored
-            self._removed += removed
-            self._flush.set()
-
-    async def _publish_events(self) -> None:
-        rt = self.rt
-        while True:
-            await self._flush.wait()
-            self._flush.clear()
-            stored, removed, self._stored, self._removed = self._stored, self._removed, [], []
-            try:
-                await publish(rt.nc, rt.subjects.kv_events,
-                              KVEvents(rt.worker_id, rt.role, rt.engine.kv_identity, stored, removed))
-            except Exception as e:  # NATS reconnecting: a later snapshot request repairs the index
-                log.debug("KV events not published: %s", e)
-            await asyncio.sleep(0.05)  # batch the events of several steps into one message
+        self.events.add(*self.rt.engine.blocks.drain_events())
 
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         self.peers.observe(hb)
-
-    def _known(self, address: bytes) -> bool:
-        # UCX aborts the process on a malformed address: only talk to announced peers.
-        return any(lw.beat.address == address for lw in self.peers.workers.values())
 
     async def _on_snapshot(self, req: KVSnapshotRequest, msg, ctx) -> KVEvents:
         def snap(e):
@@ -83,18 +63,19 @@ class KVSharing:
             return list(e.blocks._block_of)
 
         hashes = await self.rt.loop.call(snap)
-        return KVEvents(self.rt.worker_id, self.rt.role, self.rt.engine.kv_identity, hashes, reset=True)
+        return KVEvents(self.rt.worker_id, self.rt.role, self.spec.identity, hashes, reset=True)
 
     # ---- serving peers --------------------------------------------------------------------
     async def _on_fetch(self, f: KVFetch, msg, ctx) -> KVFetchReply:
-        rt = self.rt
-        why = block_io.why_unsupported(rt.engine)
-        if why:  # no gateway routes here (no kv_identity in our heartbeat), but a peer might ask
+        rt, spec = self.rt, self.spec
+        # A V4 worker refuses here: no gateway routes to it (no kv_identity in its
+        # heartbeat), but a peer might ask.
+        why = spec.why_not_blocks(len(f.hashes), f.nbytes)
+        if not why and f.layout is not None and not (c := compatible(spec, f.layout)):
+            why = f"incompatible KV layout: {c.reason}"
+        if why:
             return KVFetchReply(False, why)
-        per = block_io.block_nbytes(rt.engine)
-        if f.nbytes != per * len(f.hashes):
-            return KVFetchReply(False, f"size mismatch: {len(f.hashes)} blocks are {per * len(f.hashes)} bytes")
-        if not self._known(f.address):
+        if not self.peers.knows(f.address):
             return KVFetchReply(False, "the fetching address belongs to no live worker")
         blocks = await rt.loop.call(lambda e: block_io.acquire_exact(e, f.hashes))
         if blocks is None:
@@ -104,7 +85,7 @@ class KVSharing:
             await rt.loop.call(lambda e: block_io.release(e, blocks))
             return KVFetchReply(False, "staging memory is full")
         try:
-            out = slot.typed(block_io.wire_dtype(rt.engine), block_io.wire_shape(rt.engine, len(blocks)))
+            out = slot.typed(spec.dtype, spec.block_shape(len(blocks)))
             # Referenced blocks are not written by steps: copy beside the engine, not between steps.
             sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, out)
             await rt.loop.call(lambda e: block_io.release(e, blocks))
@@ -124,7 +105,7 @@ class KVSharing:
         """Blocks holding the longest prefix of `hashes` we can get: our own cache first,
         then the best source. References are held; they go to the request."""
         rt = self.rt
-        if block_io.why_unsupported(rt.engine):
+        if self.spec.why_no_blocks:
             return []
         local = await rt.loop.call(lambda e: block_io.acquire_prefix(e, hashes))
         self.c_hit.labels("local").inc(len(local) * rt.engine.cfg.block_size)
@@ -140,30 +121,27 @@ class KVSharing:
         return local + pulled
 
     async def _pull(self, holder: str, hashes: list[bytes]) -> list[int]:
-        rt = self.rt
+        rt, spec = self.rt, self.spec
         new = await rt.loop.call(lambda e: block_io.allocate(e, len(hashes)))
         if not new:
             return []
-        per = block_io.block_nbytes(rt.engine)
-        slot = rt.staging.alloc(per * len(hashes))
-        if slot is None:
-            await rt.loop.call(lambda e: block_io.release(e, new))
-            return []
-        tag = random.getrandbits(62)
-        transfer = rt.transport.post_recv(slot.buffer(), tag)
+        rx = StagedReceive(rt.transport, rt.staging, spec.blocks_nbytes(len(hashes)))
         ok = False
         try:
-            reply = await request(rt.nc, rt.subjects.kv_fetch(holder),
-                                  KVFetch(hashes, rt.transport.address, tag, slot.nbytes), KVFetchReply,
-                                  rt.cfg.transfer_timeout_s)
-            if not reply.ok:
-                raise TransferError(reply.error)
-            await transfer.wait(rt.cfg.transfer_timeout_s)
-            buf = slot.typed(block_io.wire_dtype(rt.engine), block_io.wire_shape(rt.engine, len(hashes)))
+            async def ask(tag: int) -> KVFetchReply:
+                reply = await request(rt.nc, rt.subjects.kv_fetch(holder),
+                                      KVFetch(hashes, rt.transport.address, tag, rx.nbytes, spec.wire), KVFetchReply,
+                                      rt.cfg.transfer_timeout_s)
+                if not reply.ok:
+                    raise TransferError(reply.error)
+                return reply
+
+            reply = await rx.run(ask, rt.cfg.transfer_timeout_s)
+            buf = rx.slot.typed(spec.dtype, spec.block_shape(len(hashes)))
             if block_io.checksums(buf) != reply.checksums:
                 raise TransferError("checksum mismatch: treating the blocks as a miss")
             await rt.loop.call(lambda e: block_io.scatter_and_register(e, new, hashes, buf))
-            self.c_bytes.labels("received").inc(slot.nbytes)
+            self.c_bytes.labels("received").inc(rx.nbytes)
             ok = True
             return new
         except (TransferError, Unreachable, RemoteError) as e:
@@ -172,10 +150,7 @@ class KVSharing:
         finally:
             if not ok:
                 await rt.loop.call(lambda e: block_io.release(e, new))
-            if await transfer.abandon(1.0):
-                rt.staging.free(slot)
-            else:
-                transfer.add_done_callback(lambda _t, s=slot: rt.staging.free(s))
+            rx.release()
 
     # ---- pushing to the store -----------------------------------------------------------------
     def store_id(self) -> str | None:
@@ -185,28 +160,27 @@ class KVSharing:
     def push_soon(self, hashes: list[bytes]) -> None:
         """Offer these full blocks to the KV store, in the background."""
         fresh = [h for h in hashes if h not in self._pushed]
-        if fresh and self.store_id() is not None and not block_io.why_unsupported(self.rt.engine):
+        if fresh and self.store_id() is not None and not self.spec.why_no_blocks:
             self.rt.spawn(self._push(fresh), "kv-push")
 
     async def _push(self, hashes: list[bytes]) -> None:
-        rt = self.rt
+        rt, spec = self.rt, self.spec
         blocks = await rt.loop.call(lambda e: block_io.acquire_prefix(e, hashes))
         if not blocks:
             return
         hashes = hashes[: len(blocks)]
-        per = block_io.block_nbytes(rt.engine)
-        slot = rt.staging.alloc(per * len(blocks))
+        slot = rt.staging.alloc(spec.blocks_nbytes(len(blocks)))
         try:
             if slot is None:
                 return
-            buf = slot.typed(block_io.wire_dtype(rt.engine), block_io.wire_shape(rt.engine, len(blocks)))
+            buf = slot.typed(spec.dtype, spec.block_shape(len(blocks)))
             # The copy runs beside the engine, so offering blocks to the store never delays a step.
             sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, buf)
             await rt.loop.call(lambda e: block_io.release(e, blocks))
             blocks = []
-            put = KVPut(rt.worker_id, hashes, sums, slot.nbytes, rt.engine.kv_identity)
+            put = KVPut(rt.worker_id, hashes, sums, slot.nbytes, spec.identity)
             reply = await request(rt.nc, rt.subjects.kv_store_put, put, KVPutReply, rt.cfg.transfer_timeout_s)
-            if reply.ok and any(reply.wanted) and self._known(reply.address):
+            if reply.ok and any(reply.wanted) and self.peers.knows(reply.address):
                 await rt.transport.send(reply.address, slot.buffer(), reply.tag, rt.cfg.transfer_timeout_s)
                 self.c_bytes.labels("pushed").inc(slot.nbytes)
             for h in hashes:

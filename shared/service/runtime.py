@@ -16,9 +16,10 @@ from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.mock_model import MockModel
 from moemesh.shared.engine.outputs import Finished, StepOutputs
 from moemesh.shared.engine.step_account import StepAccount, account
+from moemesh.shared.kv.spec import KVSpec, describe
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.protocol.messages import (
-    Heartbeat, KVLayout, StatsRequest, TokenBatch, TokenEnd, TokenLogprobWire, WorkerLoad, WorkerStats,
+    Heartbeat, StatsRequest, TokenBatch, TokenEnd, TokenLogprobWire, WorkerLoad, WorkerStats,
 )
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.protocol.wire import encode
@@ -36,21 +37,6 @@ from moemesh.shared.transport.ucx import UcxTransport
 
 log = logging.getLogger(__name__)
 LOAD_REFRESH_S = 0.05
-
-
-def kv_layout(engine: LLMEngine) -> KVLayout:
-    """What a decode worker checks before it takes a prefill worker's KV (KVReady)."""
-    cfg = engine.model_config
-    dtype = str(engine.kv_dtype).removeprefix("torch.")
-    fp = f"{cfg.model_type}:{cfg.hidden_size}x{cfg.num_hidden_layers}:{cfg.vocab_size}"
-    if engine.hybrid:
-        # A V4 buffer is flat: its length could match between models that file their rows
-        # differently (layer types, rates, widths), and the carried window only means
-        # something to the model that wrote it. So the whole architecture must match.
-        (numel,) = engine.kv_shape(1)
-        return KVLayout(cfg.num_cache_layers, engine.cfg.block_size, numel, dtype, f"{fp}:{engine.kv_identity.hex()}")
-    layers, _, bs, dim = engine.kv_shape(1)
-    return KVLayout(layers, bs, dim, dtype, f"{fp}:{cfg.kv_lora_rank}")
 
 
 class TokenPublisher:
@@ -154,7 +140,7 @@ class WorkerRuntime:
             self.engine = await asyncio.to_thread(self.dep.build_engine, self.role)
         else:
             self.engine = await asyncio.to_thread(LLMEngine, cfg.engine_config(self.role))
-        self.layout = kv_layout(self.engine)
+        self.kv_spec: KVSpec = describe(self.engine)
         self.transport = UcxTransport(cfg.ucx_net_devices, cfg.ucx_tls)
         await self.transport.start()
         self.staging = StagingPool(cfg.staging_mb << 20, "cpu")
@@ -231,7 +217,7 @@ class WorkerRuntime:
             worker_id=self.worker_id, role=self.role, model=self.cfg.model_name, load=self._load,
             address=self.transport.address, draining=self.draining, instance_id=self.cfg.instance,
             dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size, engine=self.cfg.engine,
-            kv_identity=self.engine.kv_identity if self.engine.blocks.enable_caching else b"",
+            kv_identity=self.kv_spec.identity if self.engine.blocks.enable_caching else b"",
             block_size=self.engine.cfg.block_size,
         )
 

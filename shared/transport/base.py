@@ -13,9 +13,21 @@ from typing import Callable, Protocol
 
 
 class TransferState(enum.Enum):
-    PENDING = "pending"  # receive posted, nothing arrived yet
-    DONE = "done"
+    """Where a receive stands, to poll without awaiting (SGLang's KVPoll, receiver side).
+
+    BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS, or FAILED from any.
+    A bare Transfer starts at WAITING_FOR_INPUT; BOOTSTRAPPING is the staged receive's
+    (shared/kv/receive.py) time between reserving staging memory and posting."""
+
+    BOOTSTRAPPING = "bootstrapping"  # staging reserved, receive not posted yet
+    WAITING_FOR_INPUT = "waiting_for_input"  # receive posted, nothing arrived yet
+    TRANSFERRING = "transferring"  # bytes are landing in the buffer
+    SUCCESS = "success"
     FAILED = "failed"
+
+    @property
+    def finished(self) -> bool:
+        return self in (TransferState.SUCCESS, TransferState.FAILED)
 
 
 class TransferError(RuntimeError):
@@ -25,23 +37,34 @@ class TransferError(RuntimeError):
 class Transfer:
     """A posted receive. `state` can be polled; `wait(timeout)` raises TransferError."""
 
-    def __init__(self, task: asyncio.Future, nbytes: int, try_cancel: Callable[[], bool] | None = None):
+    def __init__(self, task: asyncio.Future, nbytes: int, try_cancel: Callable[[], bool] | None = None,
+                 landing: Callable[[], bool] | None = None):
         """try_cancel: stops the receive if no bytes can land in the buffer any more
-        and returns True; returns False when a receive is already under way."""
+        and returns True; returns False when a receive is already under way.
+        landing: whether bytes are landing right now (TRANSFERRING); a transport that
+        copies in one go (loopback) has no such moment and passes None."""
         self._task = task
         self.nbytes = nbytes
         self.error: str | None = None
         self._try_cancel = try_cancel
+        self._landing = landing
 
     @property
     def state(self) -> TransferState:
         if not self._task.done():
-            return TransferState.PENDING
-        if self._task.cancelled():
-            return TransferState.FAILED
+            if self._landing is not None and self._landing():
+                return TransferState.TRANSFERRING
+            return TransferState.WAITING_FOR_INPUT
         if self._task.cancelled() or self._task.exception() is not None:
             return TransferState.FAILED
-        return TransferState.DONE
+        return TransferState.SUCCESS
+
+    def cancel(self) -> bool:
+        """Stop the receive unless bytes are landing. Returns True when the buffer is
+        certainly free (nothing can land in it any more, or the receive finished)."""
+        if self._task.done():
+            return True
+        return self._try_cancel is not None and self._try_cancel()
 
     async def wait(self, timeout: float) -> None:
         try:
@@ -59,9 +82,7 @@ class Transfer:
     async def abandon(self, timeout: float) -> bool:
         """Give up on this receive. Returns True when the buffer is certainly free
         again: either nothing can land in it any more, or the receive finished."""
-        if self._task.done():
-            return True
-        if self._try_cancel is not None and self._try_cancel():
+        if self.cancel():
             return True
         try:
             await asyncio.wait_for(asyncio.shield(self._task), timeout)

@@ -325,7 +325,7 @@ class UcxTransport:
             self._arm_janitor()
             return True
 
-        return Transfer(fut, nbytes, try_cancel)
+        return Transfer(fut, nbytes, try_cancel, landing=lambda: self._pending.get(tag) is not r)
 
     # ---- sending --------------------------------------------------------------------
     async def send(self, peer: bytes, buf, tag: int, timeout: float) -> None:

@@ -15,6 +15,7 @@ from moemesh.shared.engine import sampler as sampler_mod
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.kv.spec import describe
 from tests.oracle.conftest import Reference
 from tests.oracle.v4_reference import mtp_reference_logits, reference
 
@@ -123,7 +124,7 @@ def test_prefill_export_import_decode_on_another_engine(v4_ref, spec):
         rid = f"r{i}"
         n = pre.blocks.blocks_for(len(p))
         kv = pre.export_kv(rid).clone()  # what a transport would carry
-        assert kv.shape == pre.kv_shape(n) and kv.numel() * kv.element_size() == pre.kv_nbytes(n)
+        assert kv.shape == pre.kv_shape(n) and kv.numel() * kv.element_size() == describe(pre).nbytes(n)
         pre.release(rid)
         dec.add_prefilled(rid, p + firsts[rid], len(p), _greedy(), kv)
     _leak_free(pre)

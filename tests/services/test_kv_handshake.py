@@ -8,12 +8,16 @@ import pytest
 from moemesh.shared.engine import block_io
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.kv.spec import describe
 from moemesh.shared.protocol.messages import KVLayout
-from moemesh.shared.service.runtime import kv_layout
 
 
 def _engine(model: str, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model, num_kv_blocks=8, **kw))
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    return describe(engine).wire
 
 
 def test_v2_v3_layout_is_the_paged_cache_geometry(tiny_model, tiny_v2_model):
@@ -45,9 +49,11 @@ def test_v4_layout_names_the_flat_buffer_and_the_architecture(tiny_v4_model, tmp
 
 
 def test_v4_blocks_do_not_move_one_by_one(tiny_model, tiny_v4_model):
-    assert block_io.why_unsupported(_engine(tiny_model)) == ""
+    assert describe(_engine(tiny_model)).why_no_blocks == ""
     e = _engine(tiny_v4_model)
-    assert "DeepSeek-V4" in block_io.why_unsupported(e)
-    for f in (block_io.block_nbytes, lambda e: block_io.wire_shape(e, 1), block_io.wire_dtype):
+    spec = describe(e)
+    assert "DeepSeek-V4" in spec.why_no_blocks and "DeepSeek-V4" in spec.why_not_blocks(1, spec.bytes_per_block)
+    for f in (spec.blocks_nbytes, spec.block_shape, lambda n: block_io.gather(e, [0], None),
+              lambda n: block_io.scatter_and_register(e, [0], [b"h"], None)):
         with pytest.raises(ValueError, match="DeepSeek-V4"):
-            f(e)
+            f(1)

@@ -33,10 +33,10 @@ def test_send_lands_in_the_posted_buffer(kind):
                 src = np.arange(n, dtype=np.uint8)
                 dst = np.zeros(n, dtype=np.uint8)
                 tr = b.post_recv(dst, tag=1000 + n)
-                assert tr.state == TransferState.PENDING
+                assert tr.state == TransferState.WAITING_FOR_INPUT
                 await a.send(b.address, src, 1000 + n, timeout=10)
                 await tr.wait(10)
-                assert tr.state == TransferState.DONE and np.array_equal(src, dst)
+                assert tr.state == TransferState.SUCCESS and np.array_equal(src, dst)
         finally:
             await a.close()
             await b.close()
