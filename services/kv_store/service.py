@@ -14,6 +14,7 @@ import asyncio
 import logging
 import random
 import zlib
+from contextlib import AsyncExitStack
 
 import numpy as np
 
@@ -33,17 +34,19 @@ from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.heartbeat import Heartbeater, WorkerRegistry
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.metrics_http import MetricsServer
-from moemesh.shared.service.nats_io import connect, disconnect, publish, subscribe
+from moemesh.shared.service.nats_io import publish
+from moemesh.shared.service.parts import Bus, TransportFactory, opened, ucx_transport
+from moemesh.shared.service.tasks import TaskSet
 from moemesh.shared.telemetry.metrics import Metrics
 from moemesh.shared.transport.base import TransferError
 from moemesh.shared.transport.staging import StagingPool
-from moemesh.shared.transport.ucx import UcxTransport
 
 log = logging.getLogger(__name__)
 
 
 class KVStoreService(AsyncService):
-    def __init__(self, cfg: KVStoreConfig):
+    def __init__(self, cfg: KVStoreConfig, transport: TransportFactory | None = None):
+        """transport: makes the KV transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
         self.id = cfg.worker_id
         self.subjects = Subjects(cfg.subject_prefix)
@@ -60,26 +63,38 @@ class KVStoreService(AsyncService):
         self._stored: list[bytes] = []
         self._removed: list[bytes] = []
         self._flush = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-        self.nc = self.transport = self.staging = self.heartbeat = self._http = None
+        self._make_transport = transport or ucx_transport(cfg)
+        self._tasks = TaskSet()
+        self._stack: AsyncExitStack | None = None
+        self.bus = Bus(cfg, f"moemesh-kv_store-{self.id}", self.subjects, self._tasks)
+        self.transport = self.staging = self.heartbeat = self._http = None
 
+    @property
+    def nc(self):
+        return self.bus.nc
 
     async def start(self) -> None:
-        cfg, s = self.cfg, self.subjects
-        self.transport = UcxTransport(cfg.ucx_net_devices, cfg.ucx_tls)
-        await self.transport.start()
+        """Parts, entered in order (closed in reverse): transport, staging, bus, tasks,
+        heartbeats, metrics server."""
+        async with AsyncExitStack() as stack:
+            await self._enter(stack)
+            self._stack = stack.pop_all()
+
+    async def _enter(self, stack: AsyncExitStack) -> None:
+        cfg, s, bus = self.cfg, self.subjects, self.bus
+        self.transport = await stack.enter_async_context(opened(self._make_transport()))
         self.staging = StagingPool(cfg.staging_mb << 20)
-        self.nc = await connect(cfg, f"moemesh-kv_store-{self.id}")
-        await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat)
-        await subscribe(self.nc, s.kv_store_put, KVPut, self._on_put)
-        await subscribe(self.nc, s.kv_fetch(self.id), KVFetch, self._on_fetch)
-        await subscribe(self.nc, s.kv_snapshot(self.id), KVSnapshotRequest, self._on_snapshot)
-        self._tasks.append(asyncio.create_task(self._publish_events(), name="kv-events"))
-        self.heartbeat = Heartbeater(self.nc, s, self._beat, cfg.heartbeat_interval_s)
-        self.heartbeat.start()
+        await stack.enter_async_context(bus)
+        await stack.enter_async_context(self._tasks)
+        await bus.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
+        await bus.sub(s.kv_store_put, KVPut, self._on_put)
+        await bus.sub(s.kv_fetch(self.id), KVFetch, self._on_fetch)
+        await bus.sub(s.kv_snapshot(self.id), KVSnapshotRequest, self._on_snapshot)
+        self._tasks.spawn(self._publish_events(), "kv-events")
+        self.heartbeat = await stack.enter_async_context(Heartbeater(self.nc, s, self._beat, cfg.heartbeat_interval_s))
         if cfg.metrics_port >= 0:
-            self._http = MetricsServer(self._render, lambda: {"status": "ok"}, cfg.metrics_host, cfg.metrics_port)
-            await self._http.start()
+            self._http = await stack.enter_async_context(
+                MetricsServer(self._render, lambda: {"status": "ok"}, cfg.metrics_host, cfg.metrics_port))
         # Blocks on disk from before a restart are announced again.
         self._stored += self.disk.hashes() if self.disk else []
         self._flush.set()
@@ -89,18 +104,9 @@ class KVStoreService(AsyncService):
         pass  # nothing is owed to anyone: a restart only costs recomputation
 
     async def stop(self) -> None:
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._http is not None:
-            await self._http.close()
-        if self.nc is not None:
-            nc, self.nc = self.nc, None
-            await disconnect(nc)
-        if self.transport is not None:
-            await self.transport.close()
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
 
     def _beat(self) -> Heartbeat:
         load = WorkerLoad(num_free_blocks=0, num_blocks=len(self.mem) + (len(self.disk) if self.disk else 0))
@@ -169,7 +175,7 @@ class KVStoreService(AsyncService):
             return KVPutReply(False, error="store staging memory is full")
         tag = random.getrandbits(62)
         transfer = self.transport.post_recv(slot.buffer(), tag)
-        asyncio.get_running_loop().create_task(self._receive(p, wanted, slot, transfer))
+        self._tasks.spawn(self._receive(p, wanted, slot, transfer), f"kv-receive-{tag}")
         return KVPutReply(True, tag, self.transport.address, wanted)
 
     async def _receive(self, p: KVPut, wanted, slot, transfer) -> None:
