@@ -44,3 +44,12 @@ def tiny_engine_factory(tiny_model):
         return LLMEngine(EngineConfig(model=tiny_model, **kw), model=model)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_model):
+    """The offline engine, for outputs a mesh must reproduce exactly."""
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.llm import LLM
+
+    return LLM(EngineConfig(model=tiny_model, num_kv_blocks=512))

@@ -24,6 +24,7 @@ from moemesh.shared.service.dep_runtime import tensor_from
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.service.nats_io import connect, disconnect, subscribe
+from moemesh.shared.service.tasks import TaskSet
 from moemesh.shared.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class BalancerService(AsyncService):
         self.c_bytes = m.counter("eplb_bytes_moved_total", "expert weight bytes copied between ranks")
         self.nc = None
         self.mover: MoveCoordinator | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks = TaskSet()
         self._http: MetricsServer | None = None
 
 
@@ -59,7 +60,7 @@ class BalancerService(AsyncService):
         await subscribe(self.nc, s.eplb_all("done"), MoveDone, self._on_done)
         await subscribe(self.nc, s.eplb_all("rebalance"), RebalanceRequest, self._on_rebalance)
         if self.cfg.auto:
-            self._tasks.append(asyncio.create_task(self._watch(), name="eplb-watch"))
+            self._tasks.spawn(self._watch(), "eplb-watch")
         if self.cfg.metrics_port >= 0:
             self._http = MetricsServer(self.metrics.render, lambda: {"status": "ok",
                                                                      "instances": list(self.instances)},
@@ -72,10 +73,7 @@ class BalancerService(AsyncService):
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await self._tasks.close()
         if self._http is not None:
             await self._http.close()
             self._http = None

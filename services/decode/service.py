@@ -33,7 +33,7 @@ from moemesh.shared.kv.spec import compatible
 from moemesh.shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
-from moemesh.shared.service.runtime import WorkerRuntime, end_fields
+from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime, end_fields
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.telemetry.tracing import exports_spans
 from moemesh.shared.transport.base import TransferState
@@ -54,10 +54,12 @@ class Active:
 
 
 class DecodeService(AsyncService):
-    def __init__(self, cfg: DecodeConfig, engine=None):
+    def __init__(self, cfg: DecodeConfig, engine=None, transport: TransportFactory | None = None):
+        """engine: one built already (tests), else made from cfg. transport: makes the KV
+        transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
-        self.rt = WorkerRuntime(cfg, "decode")
-        self._engine = engine
+        self.rt = WorkerRuntime(cfg, "decode", self._on_outputs, engine, transport,
+                                lambda: {"num_transfers": len(self.pulls)})
         self.pulls: dict[str, Pull] = {}
         self.active: dict[str, Active] = {}
         self._gateways: Counter[str] = Counter()  # gateways of the active requests
@@ -65,11 +67,9 @@ class DecodeService(AsyncService):
         self._dummy: dict[tuple[int, ...], torch.Tensor] = {}  # bench_dummy_kv
         self._job_subs = []
 
-
     async def start(self) -> None:
         rt = self.rt
-        await rt.start(self._on_outputs, self._engine)
-        rt.extra_stats = lambda: {"num_transfers": len(self.pulls)}
+        await rt.start()
         s = rt.subjects
         # Not a job subscription: a draining worker still takes the hand-off of a request that
         # was routed to it before it announced the drain (its prompt is already computed).

@@ -10,9 +10,9 @@ KVEvents, so the gateway can send a request's prefill where its context is.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import zlib
+from contextlib import AsyncExitStack
 
 import numpy as np
 
@@ -34,17 +34,19 @@ from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.heartbeat import Heartbeater
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.metrics_http import MetricsServer
-from moemesh.shared.service.nats_io import connect, disconnect, publish, subscribe
+from moemesh.shared.service.nats_io import publish
+from moemesh.shared.service.parts import Bus, TransportFactory, opened, ucx_transport
+from moemesh.shared.service.tasks import TaskSet
 from moemesh.shared.telemetry.metrics import Metrics
 from moemesh.shared.transport.base import TransferError
 from moemesh.shared.transport.staging import StagingPool
-from moemesh.shared.transport.ucx import UcxTransport
 
 log = logging.getLogger(__name__)
 
 
 class KVStoreService(AsyncService):
-    def __init__(self, cfg: KVStoreConfig):
+    def __init__(self, cfg: KVStoreConfig, transport: TransportFactory | None = None):
+        """transport: makes the KV transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
         self.id = cfg.worker_id
         self.subjects = Subjects(cfg.subject_prefix)
@@ -60,26 +62,38 @@ class KVStoreService(AsyncService):
         self.g_count = m.gauge("kv_store_held_blocks", "blocks held", ("tier",))
         self.events = KVEventPublisher(lambda stored, removed: publish(
             self.nc, self.subjects.kv_events, KVEvents(self.id, "kv_store", b"*", stored, removed)))
-        self._tasks: set[asyncio.Task] = set()  # live ones only: a task per offer must not accumulate
-        self.nc = self.transport = self.staging = self.heartbeat = self._http = None
+        self._make_transport = transport or ucx_transport(cfg)
+        self._tasks = TaskSet()
+        self._stack: AsyncExitStack | None = None
+        self.bus = Bus(cfg, f"moemesh-kv_store-{self.id}", self.subjects, self._tasks)
+        self.transport = self.staging = self.heartbeat = self._http = None
 
+    @property
+    def nc(self):
+        return self.bus.nc
 
     async def start(self) -> None:
-        cfg, s = self.cfg, self.subjects
-        self.transport = UcxTransport(cfg.ucx_net_devices, cfg.ucx_tls)
-        await self.transport.start()
+        """Parts, entered in order (closed in reverse): transport, staging, bus, tasks,
+        heartbeats, metrics server."""
+        async with AsyncExitStack() as stack:
+            await self._enter(stack)
+            self._stack = stack.pop_all()
+
+    async def _enter(self, stack: AsyncExitStack) -> None:
+        cfg, s, bus = self.cfg, self.subjects, self.bus
+        self.transport = await stack.enter_async_context(opened(self._make_transport()))
         self.staging = StagingPool(cfg.staging_mb << 20)
-        self.nc = await connect(cfg, f"moemesh-kv_store-{self.id}")
-        await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat)
-        await subscribe(self.nc, s.kv_store_put, KVPut, self._on_put)
-        await subscribe(self.nc, s.kv_fetch(self.id), KVFetch, self._on_fetch)
-        await subscribe(self.nc, s.kv_snapshot(self.id), KVSnapshotRequest, self._on_snapshot)
-        self._spawn(self.events.run(), "kv-events")
-        self.heartbeat = Heartbeater(self.nc, s, self._beat, cfg.heartbeat_interval_s)
-        self.heartbeat.start()
+        await stack.enter_async_context(bus)
+        await stack.enter_async_context(self._tasks)
+        await bus.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
+        await bus.sub(s.kv_store_put, KVPut, self._on_put)
+        await bus.sub(s.kv_fetch(self.id), KVFetch, self._on_fetch)
+        await bus.sub(s.kv_snapshot(self.id), KVSnapshotRequest, self._on_snapshot)
+        self._tasks.spawn(self.events.run(), "kv-events")
+        self.heartbeat = await stack.enter_async_context(Heartbeater(self.nc, s, self._beat, cfg.heartbeat_interval_s))
         if cfg.metrics_port >= 0:
-            self._http = MetricsServer(self._render, lambda: {"status": "ok"}, cfg.metrics_host, cfg.metrics_port)
-            await self._http.start()
+            self._http = await stack.enter_async_context(
+                MetricsServer(self._render, lambda: {"status": "ok"}, cfg.metrics_host, cfg.metrics_port))
         # Blocks on disk from before a restart are announced again.
         self.events.add(self.disk.hashes() if self.disk else [])
         self.events.publish_soon()
@@ -89,19 +103,9 @@ class KVStoreService(AsyncService):
         pass  # nothing is owed to anyone: a restart only costs recomputation
 
     async def stop(self) -> None:
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._http is not None:
-            await self._http.close()
-        if self.nc is not None:
-            nc, self.nc = self.nc, None
-            await disconnect(nc)
-        if self.transport is not None:
-            await self.transport.close()
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
 
     def _beat(self) -> Heartbeat:
         load = WorkerLoad(num_free_blocks=0, num_blocks=len(self.mem) + (len(self.disk) if self.disk else 0))
@@ -117,13 +121,6 @@ class KVStoreService(AsyncService):
 
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         self.peers.observe(hb)
-
-    def _spawn(self, coro, name: str) -> asyncio.Task:
-        t = asyncio.create_task(coro, name=name)
-        self._tasks.add(t)
-        t.add_done_callback(_log_crash)
-        t.add_done_callback(self._tasks.discard)
-        return t
 
     # ---- holding ----------------------------------------------------------------------------
     def has(self, h: bytes) -> bool:
@@ -172,7 +169,7 @@ class KVStoreService(AsyncService):
         if rx.error:
             return KVPutReply(False, error="store staging memory is full")
         rx.post()
-        self._spawn(self._receive(p, wanted, rx), f"kv-receive-{p.holder_id}")
+        self._tasks.spawn(self._receive(p, wanted, rx), f"kv-receive-{rx.tag}")
         return KVPutReply(True, rx.tag, self.transport.address, wanted)
 
     async def _receive(self, p: KVPut, wanted, rx: StagedReceive) -> None:
@@ -231,8 +228,3 @@ class KVStoreService(AsyncService):
     async def _on_snapshot(self, r: KVSnapshotRequest, msg, ctx) -> KVEvents:
         hashes = self.mem.hashes() + (self.disk.hashes() if self.disk else [])
         return KVEvents(self.id, "kv_store", b"*", list(dict.fromkeys(hashes)), reset=True)
-
-
-def _log_crash(t: asyncio.Task) -> None:
-    if not t.cancelled() and t.exception() is not None:
-        log.error("background task %s crashed", t.get_name(), exc_info=t.exception())

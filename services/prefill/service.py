@@ -44,7 +44,7 @@ from moemesh.shared.protocol.messages import (
 from moemesh.shared.service.heartbeat import WorkerRegistry
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, request
-from moemesh.shared.service.runtime import WorkerRuntime, logprobs_wire
+from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime, logprobs_wire
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.transport.base import TransferError
 
@@ -76,21 +76,21 @@ class JobState:
 
 
 class PrefillService(AsyncService):
-    def __init__(self, cfg: PrefillConfig, engine=None):
+    def __init__(self, cfg: PrefillConfig, engine=None, transport: TransportFactory | None = None):
+        """engine: one built already (tests), else made from cfg. transport: makes the KV
+        transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
-        self.rt = WorkerRuntime(cfg, "prefill")
-        self._engine = engine
+        self.rt = WorkerRuntime(cfg, "prefill", self._on_outputs, engine, transport,
+                                lambda: {"num_held": len(self.leases)})
         self.jobs: dict[str, JobState] = {}
         self.leases = LeaseTable(cfg.lease_timeout_s)
         self.peers = WorkerRegistry()  # decode workers, to vet the UCX addresses we send to
         self._decode_beat = asyncio.Event()
         self._job_subs = []
 
-
     async def start(self) -> None:
         rt = self.rt
-        await rt.start(self._on_outputs, self._engine)
-        rt.extra_stats = lambda: {"num_held": len(self.leases)}
+        await rt.start()
         s = rt.subjects
         self._job_subs.append(await rt.sub(s.prefill_jobs, PrefillJob, self._on_job, queue=s.prefill_queue_group))
         self._job_subs.append(await rt.sub(s.prefill_direct(rt.worker_id), PrefillJob, self._on_job))

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from moemesh.shared.checkpoint.loader import load_model
+from moemesh.shared.config.common import WorkerConfig
 from moemesh.shared.engine.dp import DPGroup
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.load_tracker import LoadTracker
@@ -18,10 +19,14 @@ from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.model.expert_parallel import ExpertParallel, contiguous_phy2log
 from moemesh.shared.model.skew import apply_skew
 from moemesh.shared.protocol.messages import Ack, ErrorReply, ExpertLoad, Heartbeat, MoveAbort, MoveCommit, MoveDone, MovePlan, MoveStaged
+from moemesh.shared.service.engine_loop import EngineLoop
 from moemesh.shared.service.expert_moves import MoveAgent
 from moemesh.shared.service.heartbeat import WorkerRegistry
 from moemesh.shared.service.lockstep import Lockstep
-from moemesh.shared.service.nats_io import publish
+from moemesh.shared.service.nats_io import Spawn
+from moemesh.shared.service.parts import Bus
+from moemesh.shared.transport.base import KVTransport
+from moemesh.shared.transport.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +40,22 @@ def tensor_from(b: bytes, rows: int) -> torch.Tensor:
 
 
 class DepRuntime:
-    def __init__(self, rt):
-        self.rt = rt
-        self.cfg = rt.cfg
+    """Built from the worker's config; handed the transport and staging memory once they
+    are up (attach), then the bus, the engine loop and the worker's tasks (start)."""
+
+    def __init__(self, cfg: WorkerConfig, role: str):
+        self.cfg = cfg
+        self.role = role
         self.dp: DPGroup | None = None
         self.ep: ExpertParallel | None = None
         self.tracker: LoadTracker | None = None
         self.agent: MoveAgent | None = None
         self.lockstep: Lockstep | None = None
         self.peers = WorkerRegistry()
+        self._transport: KVTransport | None = None
+        self._bus: Bus | None = None
+        self._loop: EngineLoop | None = None
+        self._spawn: Spawn | None = None
 
     def build_engine(self, role: str) -> LLMEngine:
         """Blocking: joins the instance's process group (waits for every rank), then loads
@@ -64,29 +76,42 @@ class DepRuntime:
         self.ep = ExpertParallel(model, cfg.dp_rank, cfg.dp_size, phy2log)
         return LLMEngine(ecfg, model=model, lockstep=True)
 
-    def attach(self, engine: LLMEngine) -> None:
+    def attach(self, engine: LLMEngine, transport: KVTransport, staging: StagingPool) -> None:
         """Load tracking and skew apply to any engine, expert-parallel or not."""
         cfg = self.cfg
+        self._transport = transport
         self.tracker = LoadTracker(engine.model, cfg.load_window_steps)
         if cfg.skew or cfg.draft_skew:
             apply_skew(engine.model, cfg.skew, cfg.draft_skew, cfg.skew_seed)
             log.info("routing skew on: target %r, draft %r", cfg.skew, cfg.draft_skew)
         if self.ep is not None:
-            self.agent = MoveAgent(self.ep, self.rt.transport, self.rt.staging, self._peer_address,
+            self.agent = MoveAgent(self.ep, transport, staging, self._peer_address,
                                    cfg.move_timeout_s, cfg.debug_fail_move)
             self.lockstep = Lockstep(self.dp, lambda: self.agent.ready_move_id, self._switch)
 
-    async def start(self) -> None:
-        rt, s = self.rt, self.rt.subjects
-        rt.loop.after_step.append(self.tracker.end_step)
+    async def start(self, bus: Bus, loop: EngineLoop, spawn: Spawn) -> None:
+        self._bus, self._loop, self._spawn = bus, loop, spawn
+        loop.after_step.append(self.tracker.end_step)
         if self.ep is None:
             return
-        inst = self.cfg.instance
-        await rt.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
-        await rt.sub(s.eplb(inst, "plan"), MovePlan, self._on_plan)
-        await rt.sub(s.eplb(inst, "commit"), MoveCommit, self._on_commit)
-        await rt.sub(s.eplb(inst, "abort"), MoveAbort, self._on_abort)
-        rt.spawn(self._publish_loads(), "load-publisher")
+        inst, s = self.cfg.instance, bus.subjects
+        await bus.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
+        await bus.sub(s.eplb(inst, "plan"), MovePlan, self._on_plan)
+        await bus.sub(s.eplb(inst, "commit"), MoveCommit, self._on_commit)
+        await bus.sub(s.eplb(inst, "abort"), MoveAbort, self._on_abort)
+        spawn(self._publish_loads(), "load-publisher")
+
+    def comm_s(self) -> float:
+        """Time in expert collectives since last asked (0 unless expert-parallel)."""
+        return self.ep.take_comm_s() if self.ep is not None else 0.0
+
+    def agree_s(self) -> float:
+        """The last step's agreement time (0 unless a lockstep rank)."""
+        return self.lockstep.last_agree_s if self.lockstep is not None else 0.0
+
+    @property
+    def placement_version(self) -> int:
+        return self.agent.version if self.agent is not None else 0
 
     def close(self) -> None:
         if self.dp is not None:
@@ -104,11 +129,11 @@ class DepRuntime:
             placement_version=self.agent.version, phy2log=tensor_bytes(phy) if cfg.dp_rank == 0 else b"")
 
     async def _publish_loads(self) -> None:
-        subject = self.rt.subjects.eplb(self.cfg.instance, "load")
+        subject = self._bus.subjects.eplb(self.cfg.instance, "load")
         while True:
             await asyncio.sleep(self.cfg.load_publish_interval_s)
             try:
-                await publish(self.rt.nc, subject, self.load_message())
+                await self._bus.publish(subject, self.load_message())
             except Exception as e:  # NATS reconnecting; the next publish will do
                 log.debug("expert load not published: %s", e)
 
@@ -119,8 +144,8 @@ class DepRuntime:
 
     def _peer_address(self, rank: int) -> bytes | None:
         if rank == self.cfg.dp_rank:
-            return self.rt.transport.address
-        for hb in self.peers.live(self.rt.role):
+            return self._transport.address
+        for hb in self.peers.live(self.role):
             if hb.dp_rank == rank:
                 return hb.address
         return None
@@ -136,15 +161,15 @@ class DepRuntime:
             except ValueError as e:
                 error = f"bad placement bytes: {e}"
         if error:
-            await publish(self.rt.nc, self.rt.subjects.eplb(self.cfg.instance, "staged"),
-                          MoveStaged(self.cfg.instance, plan.move_id, self.cfg.dp_rank, False, error=error))
+            await self._bus.publish(self._bus.subjects.eplb(self.cfg.instance, "staged"),
+                                    MoveStaged(self.cfg.instance, plan.move_id, self.cfg.dp_rank, False, error=error))
             return ErrorReply(error, "conflict")
-        self.rt.spawn(self._stage(plan, new), f"move-{plan.move_id}")
+        self._spawn(self._stage(plan, new), f"move-{plan.move_id}")
         return Ack()
 
     async def _stage(self, plan: MovePlan, new: torch.Tensor) -> None:
         t0 = time.monotonic()
-        subj = self.rt.subjects.eplb(self.cfg.instance, "staged")
+        subj = self._bus.subjects.eplb(self.cfg.instance, "staged")
         try:
             move = await self.agent.stage(plan.move_id, new)
             staged = MoveStaged(self.cfg.instance, plan.move_id, self.cfg.dp_rank, True,
@@ -154,9 +179,9 @@ class DepRuntime:
             log.warning("expert move %d failed on this rank: %s", plan.move_id, e)
             await self.agent.abort(plan.move_id)
             staged = MoveStaged(self.cfg.instance, plan.move_id, self.cfg.dp_rank, False, error=str(e))
-        await publish(self.rt.nc, subj, staged)
+        await self._bus.publish(subj, staged)
         if staged.ok:
-            self.rt.spawn(self._expire(plan.move_id, plan.timeout_s), f"move-expiry-{plan.move_id}")
+            self._spawn(self._expire(plan.move_id, plan.timeout_s), f"move-expiry-{plan.move_id}")
 
     async def _expire(self, move_id: int, timeout_s: float) -> None:
         """No commit in time (the balancer died?): drop the staged move; nothing switched."""
@@ -167,7 +192,7 @@ class DepRuntime:
 
     async def _on_commit(self, c: MoveCommit, msg, ctx) -> None:
         self.agent.mark_ready(c.move_id)
-        self.rt.loop.wake()
+        self._loop.wake()
 
     async def _on_abort(self, a: MoveAbort, msg, ctx) -> None:
         await self.agent.abort(a.move_id)
@@ -179,5 +204,5 @@ class DepRuntime:
         done = MoveDone(self.cfg.instance, move_id, self.cfg.dp_rank, version, self.lockstep.step,
                         time.perf_counter() - t0)
         log.info("switched to expert placement %d (move %d) at step %d", version, move_id, self.lockstep.step)
-        asyncio.get_running_loop().create_task(
-            publish(self.rt.nc, self.rt.subjects.eplb(self.cfg.instance, "done"), done))
+        subject = self._bus.subjects.eplb(self.cfg.instance, "done")
+        self._spawn(self._bus.publish(subject, done), f"move-done-{move_id}")

@@ -52,6 +52,13 @@ class Heartbeater:
                 pass
             self._task = None
 
+    async def __aenter__(self) -> "Heartbeater":
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
 
 @dataclass
 class LiveWorker:

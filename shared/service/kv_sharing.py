@@ -15,23 +15,61 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 
+from moemesh.shared.config.common import WorkerConfig
 from moemesh.shared.engine import block_io
+from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.kv.events import KVEventPublisher, KVPeers
 from moemesh.shared.kv.receive import StagedReceive
-from moemesh.shared.kv.spec import compatible
+from moemesh.shared.kv.spec import KVSpec, compatible
 from moemesh.shared.protocol.messages import (
     Heartbeat, KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, KVSnapshotRequest, KVSource,
 )
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.service.engine_loop import EngineLoop
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request
-from moemesh.shared.transport.base import TransferError
+from moemesh.shared.service.parts import Bus
+from moemesh.shared.service.tasks import TaskSet
+from moemesh.shared.telemetry.metrics import Metrics
+from moemesh.shared.transport.base import KVTransport, TransferError
+from moemesh.shared.transport.staging import StagingPool
 
 log = logging.getLogger(__name__)
 _PUSHED_MEMORY = 65536  # hashes remembered as already offered to the store
 
 
+@dataclass(frozen=True)
+class KVParts:
+    """The parts of a worker that KV sharing works with, once they are up."""
+    cfg: WorkerConfig
+    role: str
+    engine: LLMEngine
+    kv_spec: KVSpec
+    loop: EngineLoop
+    bus: Bus
+    transport: KVTransport
+    staging: StagingPool
+    tasks: TaskSet
+
+    @property
+    def worker_id(self) -> str:
+        return self.cfg.worker_id
+
+    @property
+    def nc(self):
+        return self.bus.nc
+
+    @property
+    def subjects(self) -> Subjects:
+        return self.bus.subjects
+
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        return self.tasks.spawn(coro, name)
+
+
 class KVSharing:
-    def __init__(self, rt):
+    def __init__(self, rt: KVParts, metrics: Metrics):
         self.rt = rt
         self.spec = rt.kv_spec
         self.peers = KVPeers()
@@ -39,16 +77,16 @@ class KVSharing:
             rt.nc, rt.subjects.kv_events, KVEvents(rt.worker_id, rt.role, self.spec.identity, stored, removed)))
         self._pushed: OrderedDict[bytes, None] = OrderedDict()
         self.pulled_tokens = 0  # prompt tokens whose KV came from a peer or the store
-        m = rt.metrics
+        m = metrics
         self.c_hit = m.counter("kv_prefix_tokens_total", "prompt tokens by where their KV came from", ("source",))
         self.c_bytes = m.counter("kv_share_bytes_total", "KV block bytes moved", ("direction",))
 
     async def start(self) -> None:
         rt, s = self.rt, self.rt.subjects
         rt.loop.after_step.append(self._drain)
-        await rt.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
-        await rt.sub(s.kv_snapshot(rt.worker_id), KVSnapshotRequest, self._on_snapshot)
-        await rt.sub(s.kv_fetch(rt.worker_id), KVFetch, self._on_fetch)
+        await rt.bus.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
+        await rt.bus.sub(s.kv_snapshot(rt.worker_id), KVSnapshotRequest, self._on_snapshot)
+        await rt.bus.sub(s.kv_fetch(rt.worker_id), KVFetch, self._on_fetch)
         rt.spawn(self.events.run(), "kv-events")
 
     def _drain(self) -> None:

@@ -29,6 +29,13 @@ class MetricsServer:
             await self._server.wait_closed()
             self._server = None
 
+    async def __aenter__(self) -> "MetricsServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             line = await asyncio.wait_for(reader.readline(), 5)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 import msgpack
 import nats
@@ -25,6 +25,7 @@ from moemesh.shared.telemetry.propagation import extract_context
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Handler = Callable[[Any, Msg, Any], Awaitable[Any]]
+Spawn = Callable[[Coroutine, str], asyncio.Task]
 
 
 class RemoteError(RuntimeError):
@@ -70,13 +71,14 @@ async def disconnect(nc: NATS) -> None:
 
 
 async def subscribe(nc: NATS, subject: str, cls: type, handler: Handler, queue: str = "",
-                    concurrent: bool = False):
+                    spawn: Spawn | None = None):
     """Subscribe with validation. handler(obj, msg, trace_context) may return a reply
     message object, which is sent when the sender asked for one.
 
-    NATS hands a subscription's messages to its callback one at a time. concurrent=True
-    runs each handler in a task of its own, for handlers that wait on something else
-    (a transfer) and must not hold up the next message."""
+    NATS hands a subscription's messages to its callback one at a time. With `spawn`
+    (a TaskSet's spawn) each handler runs in a task of its own, for handlers that wait on
+    something else (a transfer) and must not hold up the next message; the owner of the
+    tasks cancels those still running when it closes."""
 
     async def cb(msg: Msg) -> None:
         try:
@@ -94,16 +96,13 @@ async def subscribe(nc: NATS, subject: str, cls: type, handler: Handler, queue: 
         if reply is not None:
             await _respond(msg, reply)
 
-    if not concurrent:
+    if spawn is None:
         return await nc.subscribe(subject, queue=queue, cb=cb)
-    tasks: set[asyncio.Task] = set()
 
-    async def spawn(msg: Msg) -> None:
-        t = asyncio.get_running_loop().create_task(cb(msg))
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
+    async def in_task(msg: Msg) -> None:
+        spawn(cb(msg), f"on {msg.subject}")
 
-    return await nc.subscribe(subject, queue=queue, cb=spawn)  # the subscription holds `tasks` through spawn
+    return await nc.subscribe(subject, queue=queue, cb=in_task)
 
 
 async def _respond(msg: Msg, obj: Any) -> None:

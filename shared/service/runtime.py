@@ -1,13 +1,30 @@
-"""What every engine worker (prefill or decode) holds, composed rather than inherited:
-a NATS connection, the engine and its loop, the UCX transport with its staging memory,
-tracing, metrics, heartbeats, and the per-step token publisher."""
+"""An engine worker (prefill or decode), composed of named parts.
+
+The parts, in the order they are entered on an AsyncExitStack (and closed in reverse):
+
+ 1. tracing: the worker's tracer provider (shut down last, after everything that traces);
+ 2. engine: given, the mock, or built (a DEP rank joins its process group here);
+ 3. transport: a KVTransport from the factory the service was given (UCX by default);
+ 4. staging: the transfer staging memory;
+ 5. bus: the NATS connection (drained when closing);
+ 6. dep: the expert-parallel side of a rank (closing it leaves the process group);
+ 7. tasks: the worker's background tasks (cancelled and awaited when closing);
+ 8. engine loop: running (a DEP rank stops it together with the other ranks);
+ 9. stats replies, DEP and KV sharing subscriptions;
+10. metrics server (/metrics, /health), when metrics_port >= 0;
+11. heartbeats (the first thing to stop: the mesh stops routing here).
+
+Each part is handed what it uses (the connection, the engine, the loop, a callback), not
+this object. The service built on top uses the parts through it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import deque
+from contextlib import AsyncExitStack
+from typing import Callable
 
 from nats.aio.client import Client as NATS
 
@@ -15,28 +32,28 @@ from moemesh.shared.config.common import WorkerConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.mock_model import MockModel
 from moemesh.shared.engine.outputs import Finished, StepOutputs
-from moemesh.shared.engine.step_account import StepAccount, account
+from moemesh.shared.engine.step_account import StepAccount
 from moemesh.shared.kv.spec import KVSpec, describe
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.protocol.messages import (
-    Heartbeat, StatsRequest, TokenBatch, TokenEnd, TokenLogprobWire, WorkerLoad, WorkerStats,
+    Heartbeat, StatsRequest, TokenBatch, TokenEnd, TokenLogprobWire, WorkerStats,
 )
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.protocol.wire import encode
 from moemesh.shared.service.dep_runtime import DepRuntime
 from moemesh.shared.service.engine_loop import EngineLoop, OutputSink
 from moemesh.shared.service.heartbeat import Heartbeater
-from moemesh.shared.service.kv_sharing import KVSharing
+from moemesh.shared.service.kv_sharing import KVParts, KVSharing
 from moemesh.shared.service.metrics_http import MetricsServer
-from moemesh.shared.service.nats_io import connect, disconnect, subscribe
+from moemesh.shared.service.parts import Bus, TransportFactory, opened, running, tracing, ucx_transport
+from moemesh.shared.service.step_accounting import StepAccounting
+from moemesh.shared.service.tasks import TaskSet
 from moemesh.shared.telemetry.metrics import Metrics
-from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing
-from moemesh.shared.telemetry.tracing import shutdown as shutdown_tracing
+from moemesh.shared.telemetry.tracing import get_tracer
+from moemesh.shared.transport.base import KVTransport
 from moemesh.shared.transport.staging import StagingPool
-from moemesh.shared.transport.ucx import UcxTransport
 
 log = logging.getLogger(__name__)
-LOAD_REFRESH_S = 0.05
 
 
 class TokenPublisher:
@@ -98,144 +115,136 @@ def logprobs_wire(lps) -> list[TokenLogprobWire] | None:
 
 
 class WorkerRuntime:
-    def __init__(self, cfg: WorkerConfig, role: str):
+    def __init__(self, cfg: WorkerConfig, role: str, on_outputs: OutputSink, engine: LLMEngine | None = None,
+                 transport: TransportFactory | None = None, extra_stats: Callable[[], dict] = dict):
+        """on_outputs: the service's handler of every step's outputs. engine: one built
+        already (tests), else made from cfg. transport: makes this worker's KVTransport
+        (default UCX). extra_stats: the service's fields of its stats replies."""
         self.cfg = cfg
         self.role = role
         self.worker_id = cfg.worker_id
         self.subjects = Subjects(cfg.subject_prefix)
-        self.nc: NATS | None = None
-        self.engine: LLMEngine | None = None
-        self.loop: EngineLoop | None = None
-        self.transport: UcxTransport | None = None
-        self.staging: StagingPool | None = None
-        self.tokens: TokenPublisher | None = None
-        self.heartbeat: Heartbeater | None = None
-        self.draining = False
         self.metrics = Metrics()
-        self.tracer_provider = None
-        self.tracer = None
-        self._tasks: set[asyncio.Task] = set()  # live ones only: a task per request must not accumulate
-        self._subs = []
-        self._load = WorkerLoad()
-        self._load_at = 0.0
-        self._closed = False
-        self.dep: DepRuntime | None = None
+        self.draining = False
+        self._on_outputs = on_outputs
+        self._given_engine = engine
+        self._make_transport = transport or ucx_transport(cfg)
+        self._extra_stats = extra_stats
+        self.tasks = TaskSet()
+        self.dep = DepRuntime(cfg, role)
+        self.bus = Bus(cfg, f"moemesh-{role}-{cfg.worker_id}", self.subjects, self.tasks)
+        self.tracer_provider = self.tracer = None
+        self.engine: LLMEngine | None = None
+        self.transport: KVTransport | None = None
+        self.staging: StagingPool | None = None
+        self.loop: EngineLoop | None = None
+        self.tokens: TokenPublisher | None = None
+        self.steps: StepAccounting | None = None
         self.kv_sharing: KVSharing | None = None
-        self._loop_task: asyncio.Task | None = None
+        self.heartbeat: Heartbeater | None = None
         self.metrics_server: MetricsServer | None = None
+        self._stack: AsyncExitStack | None = None
 
-    async def start(self, on_outputs: OutputSink, engine: LLMEngine | None = None) -> None:
+    @property
+    def nc(self) -> NATS | None:
+        return self.bus.nc
+
+    @property
+    def last_account(self) -> StepAccount | None:
+        return self.steps.last_account if self.steps is not None else None
+
+    async def start(self) -> None:
+        """Enter the parts in order; on a failure half-way, what was entered is closed."""
+        async with AsyncExitStack() as stack:
+            await self._enter(stack)
+            self._stack = stack.pop_all()
+
+    async def _enter(self, stack: AsyncExitStack) -> None:
         cfg = self.cfg
-        self.tracer_provider = setup_tracing(f"moemesh-{self.role}", cfg.trace_file or None, cfg.otlp_endpoint or None)
+        self.tracer_provider = await stack.enter_async_context(
+            tracing(f"moemesh-{self.role}", cfg.trace_file, cfg.otlp_endpoint))
         self.tracer = get_tracer(self.tracer_provider, f"moemesh.{self.role}")
-        self.dep = DepRuntime(self)
-        if engine is not None:
-            self.engine = engine
-        elif cfg.engine == "mock":
+        stack.callback(self.dep.close)  # a rank that joined its group and then failed leaves it
+        self.engine = await self._build_engine()
+        self.kv_spec: KVSpec = describe(self.engine)
+        self.transport = await stack.enter_async_context(opened(self._make_transport()))
+        self.staging = StagingPool(cfg.staging_mb << 20, "cpu")
+        self.dep.attach(self.engine, self.transport, self.staging)
+        await stack.enter_async_context(self.bus)
+        stack.callback(self.dep.close)  # after the tasks stop, before NATS goes (a no-op the second time)
+        await stack.enter_async_context(self.tasks)
+        self.tokens = TokenPublisher(self.nc, self.subjects, self.worker_id)
+        self.loop = loop = EngineLoop(self.engine, self._on_outputs, lockstep=self.dep.lockstep)
+        self.steps = StepAccounting(self.engine, self.metrics, lambda: loop.last_gap_s, self.dep.comm_s,
+                                    self.dep.agree_s)
+        loop.after_ops = self.steps.refresh_load
+        loop.after_step.append(self.steps.on_step)
+        self.steps.refresh_load()
+        await stack.enter_async_context(running(loop, cfg.dp_timeout_s + 5))
+        await self.bus.sub(self.subjects.stats(self.worker_id), StatsRequest, self._on_stats)
+        await self.dep.start(self.bus, loop, self.tasks.spawn)
+        self.kv_sharing = KVSharing(KVParts(cfg, self.role, self.engine, self.kv_spec, loop, self.bus,
+                                            self.transport, self.staging, self.tasks), self.metrics)
+        await self.kv_sharing.start()
+        if cfg.metrics_port >= 0:
+            self.metrics_server = await stack.enter_async_context(MetricsServer(
+                self.metrics.render, lambda: {"status": "ok", "role": self.role, "draining": self.draining},
+                cfg.metrics_host, cfg.metrics_port))
+        self.heartbeat = await stack.enter_async_context(
+            Heartbeater(self.nc, self.subjects, self._beat, cfg.heartbeat_interval_s))
+
+    async def _build_engine(self) -> LLMEngine:
+        cfg = self.cfg
+        if self._given_engine is not None:
+            return self._given_engine
+        if cfg.engine == "mock":
             log.warning("MOCK ENGINE: %s runs no model; tokens are fabricated every %.1f ms. For infrastructure "
                         "benchmarks only.", self.worker_id, cfg.mock_step_ms)
             mock = MockModel(ModelConfig.from_dir(cfg.model), cfg.mock_step_ms / 1e3)
-            self.engine = LLMEngine(cfg.engine_config(self.role), model=mock)
-        elif cfg.uses_ep:
-            self.engine = await asyncio.to_thread(self.dep.build_engine, self.role)
-        else:
-            self.engine = await asyncio.to_thread(LLMEngine, cfg.engine_config(self.role))
-        self.kv_spec: KVSpec = describe(self.engine)
-        self.transport = UcxTransport(cfg.ucx_net_devices, cfg.ucx_tls)
-        await self.transport.start()
-        self.staging = StagingPool(cfg.staging_mb << 20, "cpu")
-        self.dep.attach(self.engine)
-        self.nc = await connect(cfg, f"moemesh-{self.role}-{self.worker_id}")
-        self.tokens = TokenPublisher(self.nc, self.subjects, self.worker_id)
-        self.loop = EngineLoop(self.engine, on_outputs, lockstep=self.dep.lockstep)
-        self.loop.after_ops = self.refresh_load
-        self.loop.after_step.append(self._account_step)
-        self.h_phase = self.metrics.histogram("step_phase_seconds", "engine step time by phase", ("phase",))
-        self.c_steps = self.metrics.counter("steps_total", "engine steps (empty lockstep steps included)")
-        self.c_prompt = self.metrics.counter("prompt_tokens_total", "prompt tokens prefilled or reused")
-        self.c_cached = self.metrics.counter("prefix_cache_hit_tokens_total",
-                                             "prompt tokens whose KV came from the prefix cache")
-        self._seen_prompt = self._seen_cached = 0
-        self.last_account: StepAccount | None = None
-        self.recent_steps: deque[list[float]] = deque(maxlen=4096)
-        self.refresh_load()
-        self._loop_task = self.spawn(self.loop.run(), "engine-loop")
-        await self.sub(self.subjects.stats(self.worker_id), StatsRequest, self._on_stats)
-        await self.dep.start()
-        self.kv_sharing = KVSharing(self)
-        await self.kv_sharing.start()
-        if cfg.metrics_port >= 0:
-            self.metrics_server = MetricsServer(self.metrics.render, lambda: {"status": "ok", "role": self.role,
-                                                                              "draining": self.draining},
-                                                cfg.metrics_host, cfg.metrics_port)
-            await self.metrics_server.start()
-        self.heartbeat = Heartbeater(self.nc, self.subjects, self._beat, cfg.heartbeat_interval_s)
-        self.heartbeat.start()
+            return LLMEngine(cfg.engine_config(self.role), model=mock)
+        if cfg.uses_ep:
+            return await asyncio.to_thread(self.dep.build_engine, self.role)
+        return await asyncio.to_thread(LLMEngine, cfg.engine_config(self.role))
+
+    async def close(self) -> None:
+        """Leave the parts in reverse order; safe to call twice."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def __aenter__(self) -> "WorkerRuntime":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
 
     def spawn(self, coro, name: str) -> asyncio.Task:
-        t = asyncio.create_task(coro, name=name)
-        self._tasks.add(t)
-        t.add_done_callback(_log_crash)
-        t.add_done_callback(self._tasks.discard)
-        return t
+        return self.tasks.spawn(coro, name)
 
     async def sub(self, subject: str, cls, handler, queue: str = "", concurrent: bool = False):
-        s = await subscribe(self.nc, subject, cls, handler, queue, concurrent)
-        self._subs.append(s)
-        return s
-
-    def _account_step(self) -> None:
-        dep = self.dep
-        comm = dep.ep.take_comm_s() if dep is not None and dep.ep is not None else 0.0
-        agree = dep.lockstep.last_agree_s if dep is not None and dep.lockstep is not None else 0.0
-        a = self.last_account = account(self.engine.last_stats, comm, agree, self.loop.last_gap_s)
-        self.c_steps.inc()
-        e = self.engine
-        self.c_prompt.inc(e.num_prompt_tokens_total - self._seen_prompt)
-        self.c_cached.inc(e.num_cached_tokens_total - self._seen_cached)
-        self._seen_prompt, self._seen_cached = e.num_prompt_tokens_total, e.num_cached_tokens_total
-        if a.num_seqs:  # empty lockstep steps are waiting, not serving
-            self.recent_steps.append([time.time(), a.total_s, a.forward_s, a.host_s, a.rank_wait_s,
-                                      self.loop.last_gap_s, a.num_seqs, a.exposed_s])
-        for phase, v in (("forward", a.forward_s), ("host", a.host_s), ("host_exposed", a.exposed_s),
-                         ("rank_wait", a.rank_wait_s), ("total", a.total_s)):
-            self.h_phase.labels(phase).observe(v)
-
-    def refresh_load(self, force: bool = True) -> None:
-        """Snapshot the engine's load. Only from the engine loop: between steps or in an op.
-        Unforced, at most every LOAD_REFRESH_S: it walks every request, and heartbeats read
-        it once a second; an idle loop always refreshes it (forced)."""
-        now = time.monotonic()
-        if not force and now - self._load_at < LOAD_REFRESH_S:
-            return
-        self._load_at = now
-        r, w, free, total, out = self.engine.load()
-        self._load = WorkerLoad(r, w, free, total, out, self.engine.pending_prompt_tokens())
+        return await self.bus.sub(subject, cls, handler, queue, concurrent)
 
     def _beat(self) -> Heartbeat:
         return Heartbeat(
-            worker_id=self.worker_id, role=self.role, model=self.cfg.model_name, load=self._load,
+            worker_id=self.worker_id, role=self.role, model=self.cfg.model_name, load=self.steps.load,
             address=self.transport.address, draining=self.draining, instance_id=self.cfg.instance,
             dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size, engine=self.cfg.engine,
             kv_identity=self.kv_spec.identity if self.engine.blocks.enable_caching else b"",
             block_size=self.engine.cfg.block_size,
         )
 
-    def extra_stats(self) -> dict:
-        return {}
-
     async def _on_stats(self, req: StatsRequest, msg, ctx) -> WorkerStats:
         # The snapshot taken after every step and every op: exact when idle, and never
         # stuck behind a long step (a prefill of a long prompt can take seconds).
-        load = self._load
-        steps = list(self.recent_steps) if req.detail else []
-        version = self.dep.agent.version if self.dep is not None and self.dep.agent is not None else 0
+        steps = list(self.steps.recent_steps) if req.detail else []
         e = self.engine
         counters = {"prompt_tokens": float(e.num_prompt_tokens_total),
                     "prefix_cache_hit_tokens": float(e.num_cached_tokens_total),
                     "kv_pulled_tokens": float(self.kv_sharing.pulled_tokens if self.kv_sharing else 0)}
-        return WorkerStats(self.worker_id, self.role, load, staging_bytes_used=self.staging.bytes_used,
-                           recent_steps=steps, placement_version=version, counters=counters, **self.extra_stats())
+        return WorkerStats(self.worker_id, self.role, self.steps.load, staging_bytes_used=self.staging.bytes_used,
+                           recent_steps=steps, placement_version=self.dep.placement_version, counters=counters,
+                           **self._extra_stats())
 
     async def begin_drain(self, job_subs) -> None:
         """Stop taking new work and tell the mesh so, at once."""
@@ -246,38 +255,3 @@ class WorkerRuntime:
             except Exception:
                 pass
         await self.heartbeat.publish_now()
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self.heartbeat:
-            await self.heartbeat.stop()
-        if self.metrics_server is not None:
-            await self.metrics_server.close()
-        if self.loop:
-            self.loop.stop()
-            if self.loop.lockstep is not None:
-                # The ranks stop together (a collective decides); cancelling one would
-                # leave the others waiting on it until the group's timeout.
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._loop_task), self.cfg.dp_timeout_s + 5)
-                except (asyncio.TimeoutError, Exception):
-                    pass
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self.dep is not None:
-            self.dep.close()
-        if self.nc is not None:
-            await disconnect(self.nc)
-        if self.transport:
-            await self.transport.close()
-        if self.tracer_provider is not None:
-            shutdown_tracing(self.tracer_provider)
-
-
-def _log_crash(t: asyncio.Task) -> None:
-    if not t.cancelled() and t.exception() is not None:
-        log.error("background task %s crashed", t.get_name(), exc_info=t.exception())

@@ -3,6 +3,7 @@ prefill and decode services as separate processes, exactly as `moemesh up` runs 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -101,13 +102,17 @@ def mesh(tiny_model, tmp_path_factory):
     m.group.stop()
 
 
-@pytest.fixture(scope="session")
-def offline(tiny_model):
-    """The offline engine, for outputs the mesh must reproduce exactly."""
-    from moemesh.shared.engine.config import EngineConfig
-    from moemesh.shared.engine.llm import LLM
-
-    return LLM(EngineConfig(model=tiny_model, num_kv_blocks=512))
+def wait_free(mesh, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        pre = asyncio.run(worker_stats(mesh.nats_url, mesh.prefill_id))
+        dec = asyncio.run(worker_stats(mesh.nats_url, mesh.decode_id))
+        if (pre.load.num_free_blocks == pre.load.num_blocks and dec.load.num_free_blocks == dec.load.num_blocks
+                and pre.num_held == 0 and dec.num_transfers == 0 and pre.staging_bytes_used == 0
+                and dec.staging_bytes_used == 0):
+            return
+        assert time.monotonic() < deadline, (pre, dec)
+        time.sleep(0.2)
 
 
 async def worker_stats(nats_url: str, worker_id: str, prefix: str = "mm"):

@@ -37,9 +37,9 @@ def test_failed_transfer_takes_the_documented_path(fault_mesh, offline):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
     else:
         assert r.status_code == 500 and "KV transfer failed" in r.json()["error"]["message"]
-    from tests.mesh.test_mesh_behaviour import _wait_free
+    from tests.mesh.conftest import wait_free
 
-    _wait_free(fault_mesh)
+    wait_free(fault_mesh)
     metrics = httpx.get(fault_mesh.url + "/metrics").text
     assert "moemesh_requests_total" in metrics
 

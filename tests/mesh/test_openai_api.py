@@ -1,8 +1,12 @@
-"""The gateway through the official openai client, over real HTTP, NATS and UCX."""
+"""The gateway through the official openai client, over real HTTP, NATS and UCX, and one
+trace across the three service processes. (The request logic itself, disconnects and
+malformed messages are tested in one process: tests/services/test_in_process.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import httpx
 import openai
@@ -123,3 +127,39 @@ def test_models_health_metrics_openapi(mesh):
     assert "moemesh_ttft_seconds_bucket" in m and "moemesh_requests_total" in m
     spec = httpx.get(mesh.url + "/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"]
+
+
+def test_one_request_is_one_trace_across_all_services(mesh):
+    client_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    client_span = "00f067aa0ba902b7"
+    headers = {"traceparent": f"00-{client_trace}-{client_span}-01"}
+    r = httpx.post(mesh.url + "/v1/chat/completions", headers=headers, timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 4, "stream": True})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    deadline = time.monotonic() + 10
+    while True:
+        spans = [json.loads(l) for l in mesh.trace_file.read_text().splitlines() if l.strip()]
+        mine = [s for s in spans if s["trace_id"] == client_trace]
+        services = {s["resource"]["service.name"] for s in mine}
+        names = {s["name"] for s in mine}
+        if {"decode", "kv.transfer", "kv.send", "stream"} <= names or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert services == {"moemesh-gateway", "moemesh-prefill", "moemesh-decode"}, names
+    by_id = {s["span_id"]: s for s in mine}
+    roots = [s for s in mine if s["parent_span_id"] == client_span]
+    assert [s["name"] for s in roots] == ["POST /v1/chat/completions"]
+    for s in mine:
+        assert s["parent_span_id"] == client_span or s["parent_span_id"] in by_id, s["name"]
+
+    def parent(name):
+        return by_id[next(s for s in mine if s["name"] == name)["parent_span_id"]]["name"]
+
+    assert parent("prefill") == "POST /v1/chat/completions"
+    assert parent("decode") == "prefill"
+    assert parent("kv.transfer") == "decode"
+    assert parent("kv.send") == "kv.transfer"
+    assert parent("stream") == "POST /v1/chat/completions"
+    assert parent("queue.wait") == "prefill" and parent("prefill.batch") == "prefill"
+    dec = next(s for s in mine if s["name"] == "decode")
+    assert [e["name"] for e in dec["events"]].count("step") == dec["attributes"]["decode.steps"]

@@ -10,8 +10,7 @@ import openai
 import pytest
 
 from moemesh.shared.engine.sampling_params import SamplingParams
-from tests.mesh.conftest import start_mesh, worker_stats
-from tests.mesh.test_mesh_behaviour import _wait_free
+from tests.mesh.conftest import start_mesh, wait_free, worker_stats
 
 # Two running sequences per worker means four window rings (two more for held requests):
 # a hand-off that kept one would stall the requests after the first few.
@@ -78,7 +77,7 @@ def test_prefill_to_decode_handoff_matches_one_engine_and_frees_everything(v4_me
     assert [t for t, _ in one_by_one] == want
     assert [t for t, _ in together] == want
     assert all(n == MAX_TOKENS for _, n in one_by_one + list(together))
-    _wait_free(v4_mesh)
+    wait_free(v4_mesh)
     dec = asyncio.run(worker_stats(v4_mesh.nats_url, v4_mesh.decode_id))
     assert dec.load.num_running == 0 and dec.load.num_waiting == 0
     assert httpx.get(v4_mesh.url + "/health").json()["inflight"] == 0

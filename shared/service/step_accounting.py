@@ -1,0 +1,62 @@
+"""What a worker knows of its own engine between steps: the load snapshot that
+heartbeats and stats replies read, the step-phase metrics, and the recent steps that
+`moemesh profile` asks for."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.engine.step_account import StepAccount, account
+from moemesh.shared.protocol.messages import WorkerLoad
+from moemesh.shared.telemetry.metrics import Metrics
+
+LOAD_REFRESH_S = 0.05
+
+
+class StepAccounting:
+    """Called by the engine loop only: after every step (`on_step`) and after ops
+    (`refresh_load`). `comm_s` and `agree_s` report a DEP rank's time in expert
+    collectives and in the per-step agreement (0 elsewhere)."""
+
+    def __init__(self, engine: LLMEngine, metrics: Metrics, gap_s: Callable[[], float],
+                 comm_s: Callable[[], float], agree_s: Callable[[], float]):
+        self._engine, self._gap_s, self._comm_s, self._agree_s = engine, gap_s, comm_s, agree_s
+        self.h_phase = metrics.histogram("step_phase_seconds", "engine step time by phase", ("phase",))
+        self.c_steps = metrics.counter("steps_total", "engine steps (empty lockstep steps included)")
+        self.c_prompt = metrics.counter("prompt_tokens_total", "prompt tokens prefilled or reused")
+        self.c_cached = metrics.counter("prefix_cache_hit_tokens_total",
+                                        "prompt tokens whose KV came from the prefix cache")
+        self._seen_prompt = self._seen_cached = 0
+        self.last_account: StepAccount | None = None
+        self.recent_steps: deque[list[float]] = deque(maxlen=4096)
+        self.load = WorkerLoad()
+        self._load_at = 0.0
+
+    def on_step(self) -> None:
+        gap = self._gap_s()
+        a = self.last_account = account(self._engine.last_stats, self._comm_s(), self._agree_s(), gap)
+        self.c_steps.inc()
+        e = self._engine
+        self.c_prompt.inc(e.num_prompt_tokens_total - self._seen_prompt)
+        self.c_cached.inc(e.num_cached_tokens_total - self._seen_cached)
+        self._seen_prompt, self._seen_cached = e.num_prompt_tokens_total, e.num_cached_tokens_total
+        if a.num_seqs:  # empty lockstep steps are waiting, not serving
+            self.recent_steps.append([time.time(), a.total_s, a.forward_s, a.host_s, a.rank_wait_s,
+                                      gap, a.num_seqs, a.exposed_s])
+        for phase, v in (("forward", a.forward_s), ("host", a.host_s), ("host_exposed", a.exposed_s),
+                         ("rank_wait", a.rank_wait_s), ("total", a.total_s)):
+            self.h_phase.labels(phase).observe(v)
+
+    def refresh_load(self, force: bool = True) -> None:
+        """Snapshot the engine's load. Only from the engine loop: between steps or in an op.
+        Unforced, at most every LOAD_REFRESH_S: it walks every request, and heartbeats read
+        it once a second; an idle loop always refreshes it (forced)."""
+        now = time.monotonic()
+        if not force and now - self._load_at < LOAD_REFRESH_S:
+            return
+        self._load_at = now
+        r, w, free, total, out = self._engine.load()
+        self.load = WorkerLoad(r, w, free, total, out, self._engine.pending_prompt_tokens())

@@ -1,0 +1,279 @@
+"""The services' request logic in one process: a real nats-server, the loopback KV
+transport in place of UCX, and prefill, decode, the gateway, the KV store and the
+balancer as async context managers on one event loop. What only separate processes
+can show (UCX, signals, `moemesh up`, DEP over gloo) stays in tests/mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+
+from moemesh.services.balancer.config import BalancerConfig
+from moemesh.services.balancer.service import BalancerService
+from moemesh.services.decode.config import DecodeConfig
+from moemesh.services.decode.service import DecodeService
+from moemesh.services.gateway.config import GatewayConfig
+from moemesh.services.gateway.service import GatewayService
+from moemesh.services.kv_store.config import KVStoreConfig
+from moemesh.services.kv_store.service import KVStoreService
+from moemesh.services.prefill.config import PrefillConfig
+from moemesh.services.prefill.service import PrefillService
+from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.messages import (
+    ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPull, KVPullItem, KVPullReply, KVPut, KVPutReply,
+    RebalanceReply, RebalanceRequest, WorkerLoad,
+)
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.protocol.wire import decode
+from moemesh.shared.service.nats_io import publish, request
+from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
+
+_prefixes = iter(range(1_000_000))
+
+
+@dataclass
+class Mesh:
+    url: str
+    nats_url: str
+    prefix: str
+    prefill: PrefillService
+    decode: DecodeService
+    gateway: GatewayService
+    trace_file: Path
+
+
+async def _wait_ready(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5) as c:
+        while True:
+            h = (await c.get(url + "/health/ready")).json()
+            if h["ready"] and h["workers"]["decode"] >= 1 and h["workers"]["prefill"] >= 1:
+                return
+            assert time.monotonic() < deadline, h
+            await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def mesh(nats_url: str, model: str, tmp: Path, engines=None, **worker):
+    """Prefill, decode and a gateway on this event loop, the KV moving over loopback.
+    engines: (prefill engine, decode engine) built already; else from the config."""
+    prefix = f"t{next(_prefixes)}"
+    hub = LoopbackHub()
+    trace = tmp / f"{prefix}-trace.jsonl"
+    common = dict(nats_url=nats_url, model=model, subject_prefix=prefix, served_model_name="tiny",
+                  heartbeat_interval_s=0.2, staging_mb=16, num_kv_blocks=256, trace_file=str(trace), **worker)
+    pre_engine, dec_engine = engines or (None, None)
+    async with AsyncExitStack() as stack:
+        pre = await stack.enter_async_context(PrefillService(
+            PrefillConfig(worker_id="prefill-t", **common), pre_engine, lambda: LoopbackTransport(hub)))
+        dec = await stack.enter_async_context(DecodeService(
+            DecodeConfig(worker_id="decode-t", **common), dec_engine, lambda: LoopbackTransport(hub)))
+        gw = await stack.enter_async_context(GatewayService(GatewayConfig(
+            nats_url=nats_url, model=model, subject_prefix=prefix, served_model_name="tiny", port=0,
+            worker_id="gw-t", trace_file=str(trace))))
+        url = f"http://127.0.0.1:{gw.port}"
+        await _wait_ready(url)
+        yield Mesh(url, nats_url, prefix, pre, dec, gw, trace)
+
+
+def _all_free(m: Mesh) -> bool:
+    p, d = m.prefill.rt, m.decode.rt
+    return (p.engine.blocks.num_free_blocks == p.engine.blocks.num_blocks
+            and d.engine.blocks.num_free_blocks == d.engine.blocks.num_blocks
+            and not m.prefill.jobs and not len(m.prefill.leases) and not m.decode.pulls and not m.decode.active
+            and p.staging.bytes_used == 0 and d.staging.bytes_used == 0)
+
+
+async def _wait_free(m: Mesh, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not _all_free(m):
+        assert time.monotonic() < deadline, "KV blocks or staging memory still held"
+        await asyncio.sleep(0.02)
+
+
+def _sse_text(body: str) -> tuple[str, list[str]]:
+    text, reasons = "", []
+    for line in body.splitlines():
+        if line.startswith("data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice.get("text") or ""
+            if choice.get("finish_reason"):
+                reasons.append(choice["finish_reason"])
+    return text, reasons
+
+
+def test_a_request_streams_through_prefill_kv_handoff_and_decode(nats_url, tiny_model, tiny_engine_factory,
+                                                                  offline, tmp_path):
+    async def go():
+        engines = (tiny_engine_factory(role="prefill", num_kv_blocks=256),
+                   tiny_engine_factory(role="decode", num_kv_blocks=256))
+        async with mesh(nats_url, tiny_model, tmp_path, engines) as m:
+            body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await c.post(m.url + "/v1/completions", json=body)
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            await _wait_free(m)
+            return r.text, m.prefill.rt.metrics.render()[0], m.decode.rt.metrics.render()[0]
+
+    text, pre_metrics, dec_metrics = asyncio.run(go())
+    want = offline.generate(["Hello world"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert _sse_text(text) == (want.text, ["length"])
+    # The prompt's KV went prefill -> decode over the (loopback) transport, not recomputed.
+    assert _metric(pre_metrics, "moemesh_kv_bytes_sent_total") > 0
+    assert _metric(dec_metrics, "moemesh_kv_bytes_received_total") == _metric(pre_metrics, "moemesh_kv_bytes_sent_total")
+    assert "kv_pull_failures_total{" not in dec_metrics.decode()
+
+
+def _metric(render: bytes, name: str) -> float:
+    for line in render.decode().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in metrics")
+
+
+def test_client_disconnect_mid_stream_frees_kv_on_both_workers(nats_url, tiny_model, tmp_path):
+    async def go():
+        async with mesh(nats_url, tiny_model, tmp_path, engine="mock", mock_step_ms=2.0) as m:
+            body = {"model": "tiny", "prompt": "a long story " * 5, "max_tokens": 3900, "stream": True,
+                    "temperature": 0, "ignore_eos": True}
+            async with httpx.AsyncClient(timeout=30) as c:
+                async with c.stream("POST", m.url + "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    rid = r.headers["x-request-id"]
+                    lines = r.aiter_lines()
+                    while not (await anext(lines)).startswith("data: {"):
+                        pass
+                    # The first token comes from the prefill worker; wait until decode has taken over.
+                    deadline = time.monotonic() + 10
+                    while rid not in m.decode.active or m.decode.pulls:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.01)
+                    assert not _all_free(m)
+            await _wait_free(m)
+            assert m.gateway.state.inflight == 0
+            return rid, m.trace_file
+
+    rid, trace = asyncio.run(go())
+    # Stopped by the disconnect, not by running to the end (the services flushed their spans on close).
+    spans = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    dec = [s for s in spans if s["name"] == "decode" and s["attributes"].get("request.id") == rid]
+    events = [e["name"] for e in dec[0]["events"]]
+    assert events[-1] == "aborted" and set(events[:-1]) <= {"step"}
+
+
+@pytest.mark.parametrize("subject_of", [
+    lambda m: f"{m.prefix}.prefill.jobs",
+    lambda m: f"{m.prefix}.prefill.prefill-t.kv.pull",
+    lambda m: f"{m.prefix}.prefill.prefill-t.kv.release",
+    lambda m: f"{m.prefix}.decode.decode-t.kv_ready",
+    lambda m: f"{m.prefix}.worker.decode-t.stats",
+    lambda m: f"{m.prefix}.gateway.gw-t.tokens",
+], ids=["jobs", "kv_pull", "kv_release", "kv_ready", "stats", "tokens"])
+def test_malformed_nats_messages_get_an_error_and_services_keep_serving(nats_url, tiny_model, tmp_path, subject_of):
+    async def go():
+        async with mesh(nats_url, tiny_model, tmp_path, engine="mock", mock_step_ms=1.0) as m:
+            nc = await nats.connect(m.nats_url)
+            try:
+                for payload in (b"\xc1garbage", b"\x91\x01", b"", b"\x81\xa9sent_at\xa3bad"):
+                    err = decode((await nc.request(subject_of(m), payload, timeout=5)).data, ErrorReply)
+                    assert err.code == "bad_request" and err.error, payload
+            finally:
+                await nc.close()
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await c.post(m.url + "/v1/completions", json={"model": "tiny", "prompt": "still fine",
+                                                                  "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+    asyncio.run(go())
+
+
+def test_a_pull_naming_an_unknown_address_is_refused_not_fatal(nats_url, tiny_model, tmp_path):
+    """UCX aborts a process given a malformed worker address; the prefill worker must
+    never hand one to its transport, and must keep serving."""
+
+    async def go():
+        async with mesh(nats_url, tiny_model, tmp_path, engine="mock", mock_step_ms=1.0) as m:
+            nc = await nats.connect(m.nats_url)
+            try:
+                reply = await request(nc, Subjects(m.prefix).kv_pull("prefill-t"),
+                                      KVPull([KVPullItem("r-x", 1, 64)], b"\x00garbage-address", 5), KVPullReply, 10)
+            finally:
+                await nc.close()
+            assert not reply.ok and "no live decode worker" in reply.error
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await c.post(m.url + "/v1/completions", json={"model": "tiny", "prompt": "alive?", "max_tokens": 3})
+            assert r.status_code == 200
+
+    asyncio.run(go())
+
+
+def test_kv_store_takes_blocks_and_serves_them_back(nats_url):
+    """A worker offers blocks (KVPut), sends the ones the store lacks over the transport,
+    and fetches them again (KVFetch) with their checksums; an unknown address is refused."""
+    import zlib
+
+    async def go():
+        hub, s = LoopbackHub(), Subjects(f"t{next(_prefixes)}")
+        cfg = KVStoreConfig(nats_url=nats_url, subject_prefix=s.prefix, worker_id="kv-t", capacity_mb=1,
+                            staging_mb=1)
+        async with KVStoreService(cfg, lambda: LoopbackTransport(hub)) as store:
+            me = LoopbackTransport(hub)
+            await me.start()
+            nc = await nats.connect(nats_url)
+            try:
+                await publish(nc, s.heartbeat("prefill", "w-1"), Heartbeat("w-1", "prefill", "tiny", WorkerLoad(),
+                                                                           address=me.address, interval_s=5))
+                blocks = [bytes([i]) * 256 for i in range(3)]
+                hashes = [bytes([i]) * 16 for i in range(3)]
+                sums = [zlib.crc32(b) for b in blocks]
+                put = await request(nc, s.kv_store_put, KVPut("w-1", hashes, sums, 768, b"k"), KVPutReply, 5)
+                assert put.ok and put.wanted == [True, True, True]
+                await me.send(put.address, b"".join(blocks), put.tag, 5)
+                deadline = time.monotonic() + 5
+                while not all(store.has(h) for h in hashes):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                again = await request(nc, s.kv_store_put, KVPut("w-1", hashes, sums, 768, b"k"), KVPutReply, 5)
+                assert again.ok and again.wanted == [False, False, False]
+
+                buf = bytearray(512)
+                transfer = me.post_recv(buf, 7)
+                got = await request(nc, s.kv_fetch("kv-t"), KVFetch(hashes[1:], me.address, 7, 512), KVFetchReply, 5)
+                await transfer.wait(5)
+                assert got.ok and got.checksums == sums[1:] and bytes(buf) == b"".join(blocks[1:])
+                stranger = await request(nc, s.kv_fetch("kv-t"), KVFetch(hashes, b"loopback-x", 8, 768),
+                                         KVFetchReply, 5)
+                assert not stranger.ok and "no live worker" in stranger.error
+                assert store.staging.bytes_used == 0
+            finally:
+                await nc.close()
+                await me.close()
+
+    asyncio.run(go())
+
+
+def test_balancer_answers_a_rebalance_of_an_unknown_instance_plainly(nats_url):
+    async def go():
+        s = Subjects(f"t{next(_prefixes)}")
+        async with BalancerService(BalancerConfig(nats_url=nats_url, subject_prefix=s.prefix, auto=False)):
+            nc = await nats.connect(nats_url)
+            try:
+                reply = await request(nc, s.eplb("decode-i9", "rebalance"), RebalanceRequest("decode-i9"),
+                                      RebalanceReply, 5)
+                assert not reply.ok and "has not reported loads yet" in reply.error
+                bad = decode((await nc.request(s.eplb("decode-i9", "rebalance"), b"\xc1", timeout=5)).data,
+                             ErrorReply)
+                assert bad.code == "bad_request"
+            finally:
+                await nc.close()
+
+    asyncio.run(go())
