@@ -20,14 +20,14 @@ from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.kv_index import KVIndex
 from moemesh.services.gateway.router import pick_decode, pick_prefill
 from moemesh.services.gateway.stream import Handle, sweep_inactive
-from moemesh.shared.engine.prefix_hash import chain
+from moemesh.shared.protocol.prefix_hash import chain
 from moemesh.shared.protocol.messages import (
     Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, KVSource, PrefillJob, TokenBatch, WireSampling,
 )
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.heartbeat import WorkerRegistry
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, connect, disconnect, publish, request, subscribe
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

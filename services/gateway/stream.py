@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from moemesh.shared.protocol.messages import TokenEnd, TokenLogprobWire
+from moemesh.shared.protocol.messages import TokenEnd
+from moemesh.shared.protocol.tokens import TokenLogprob
 from moemesh.shared.tokenizer.detokenizer import IncrementalDetokenizer
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
@@ -34,7 +35,7 @@ class Handle:
         self.request_id = request_id
         self.decode_id = decode_id
         self.ids: list[int] = []
-        self.logprobs: list[TokenLogprobWire] = []
+        self.logprobs: list[TokenLogprob] = []
         self.finish: str | None = None
         self.error: str | None = None
         self.last_seen = now  # loop time of the last arrival
@@ -73,7 +74,7 @@ class Handle:
         self._waiter = asyncio.get_running_loop().create_future()
         return await self._waiter
 
-    def take(self) -> tuple[list[int], list[TokenLogprobWire], str | None, str | None]:
+    def take(self) -> tuple[list[int], list[TokenLogprob], str | None, str | None]:
         ids, lps = self.ids, self.logprobs
         self.ids, self.logprobs = [], []
         return ids, lps, self.finish, self.error
@@ -85,7 +86,7 @@ class Event:
     text: str = ""
     finish: str | None = None  # stop | length | abort | error
     error: str | None = None
-    logprob: TokenLogprobWire | None = None
+    logprob: TokenLogprob | None = None
     token: bool = True  # False: an end with no token of its own
 
 
@@ -100,7 +101,7 @@ class Reader:
     def __post_init__(self):
         self.detok = IncrementalDetokenizer(self.tok, self.stop)
 
-    def events(self, ids: list[int], lps: list[TokenLogprobWire], finish: str | None,
+    def events(self, ids: list[int], lps: list[TokenLogprob], finish: str | None,
                error: str | None) -> list[Event]:
         """One event per token, then, at the end, one that carries the finish (as OpenAI's
         API sends it: a chunk of its own). A stop string ends the stream at the token that

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
 from tests.mesh.conftest import start_mesh, worker_stats
 from tests.mesh.test_mesh_behaviour import _wait_free
 
