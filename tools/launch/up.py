@@ -212,7 +212,7 @@ def launch_plan(cfg: UpConfig, model: str, nats_url: str, port: int) -> list[Lau
                              ("decode", cfg.num_decode, cfg.decode_dp, cfg.decode_args)):
         for i in range(n):
             for argv, name in instance_argv(role, i, dp, cfg.eplb_redundant):
-                out.append(Launch(name, [f"services.{role}", *traced, *argv, *extra, *_sets(own)]))
+                out.append(Launch(name, [f"moemesh.services.{role}", *traced, *argv, *extra, *_sets(own)]))
     if cfg.balancer or (cfg.balancer is None and (cfg.decode_dp > 1 or cfg.prefill_dp > 1 or cfg.eplb_redundant)):
         out.append(Launch("balancer", ["moemesh.services.balancer", *common, *_sets(cfg.balancer_args)]))
     out.append(Launch("gateway", ["moemesh.services.gateway", *traced, "--host", cfg.host, "--port", str(port),
