@@ -44,12 +44,14 @@ class FakeMesh:
             await msg.respond(encode(Ack()))
 
         await self.nc.subscribe(subject, queue=queue, cb=cb)
+        await self.nc.flush()  # the server has the subscription before anything is sent to it
 
     async def watch_aborts(self) -> None:
         async def cb(msg):
             self.aborts.append(decode(msg.data, Abort))
 
         await self.nc.subscribe(S.abort, cb=cb)
+        await self.nc.flush()
 
     async def beat(self, wid: str, role: str) -> None:
         await self.nc.publish(S.heartbeat(role, wid), encode(Heartbeat(wid, role, "m", WorkerLoad())))
@@ -67,6 +69,7 @@ def _run(nats_url, body):
         nc = await nats.connect(nats_url)
         mesh = MeshClient(GatewayConfig(model="m", nats_url=nats_url, prefill_timeout_s=0.5), "gw-test")
         await mesh.start()
+        await mesh.nc.flush()  # its subscriptions are in place before the fake workers beat
         try:
             fake = FakeMesh(nc)
             await fake.watch_aborts()
