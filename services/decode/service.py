@@ -28,8 +28,8 @@ from moemesh.services.decode.config import DecodeConfig
 from moemesh.services.decode.kv_pull import Pull, PullBatch, finish, pull_kv
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats
-from moemesh.shared.engine.sampling_params import SamplingParamError
 from moemesh.shared.kv.spec import compatible
+from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish

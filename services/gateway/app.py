@@ -3,10 +3,13 @@
 Request lifecycle at the gateway:
 1. parsed and validated (400 naming the parameter), model checked (404), context
    length checked (400 with the numbers), admitted (429 with Retry-After when full);
-2. routed: a decode worker is chosen and the job handed to the prefill queue group
-   (503 when no worker is alive);
-3. streamed: token updates are detokenized into SSE chunks, or collected;
-4. finished, or aborted on the workers when the client goes away.
+2. routed (mesh_client.py with router.py): a decode worker and a KV-aware prefill
+   worker are chosen and the job sent to that prefill worker; when it does not answer,
+   to the prefill queue group (503 when no worker is alive or takes it);
+3. streamed: the request's Handle (stream.py) collects the token ids the mesh client
+   hands it, and the reader here detokenizes them into SSE chunks, or collects them;
+4. closed through the handle, exactly once: finished, or aborted on the workers (a
+   stop string, the inactivity timeout, the client gone).
 """
 
 from __future__ import annotations
@@ -212,7 +215,7 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
 async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: float, done):
     """Everything that arrived for the stream since the last write goes out in one write,
     one SSE event per token."""
-    n_out, finished, first = 0, False, True
+    n_out, first = 0, True
     fast = api.ChunkBytes(req)
     reader = Reader(st.tok, req.params.stop)
     add = reader.detok.add
@@ -224,7 +227,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
             if why is DISCONNECTED:
                 break
             if why is TIMED_OUT:
-                await st.mesh.abort(req.request_id, "timeout")
+                handle.close("timeout")
                 err = f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted"
                 stream_span.set_status(trace.StatusCode.ERROR, err)
                 yield _sse_data({"error": api.ApiError(500, err, type_="server_error").body()["error"]})
@@ -254,21 +257,17 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                 first = False
                 end = ev.finish is not None
             if end:
-                if reader.stopped_by_string:
-                    await st.mesh.abort(req.request_id, "stop_string")  # the workers keep going otherwise
-                else:
-                    st.mesh.finish(req.request_id)
+                handle.close("stop_string" if reader.stopped_by_string else None)
                 if req.include_usage:
                     parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out)))
                 parts.append(b"data: [DONE]\n\n")
                 yield b"".join(parts)
-                finished = True
                 break
             yield b"".join(parts)
     finally:
         st.m["tokens"].inc(n_out)  # once per request, not per token
-        if not finished:  # the client went away (or the stream broke): stop the work
-            st.mesh.abort_soon(req.request_id)
+        if not handle.closed:  # the client went away (or the stream broke): stop the work
+            handle.close("client")
             stream_span.add_event("client_disconnected")
         stream_span.set_attribute("completion.tokens", n_out)
         stream_span.end()
@@ -285,7 +284,7 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
         text, n_out, lps, first = [], 0, [], True
         while True:
             if await handle.wait() is TIMED_OUT:
-                await st.mesh.abort(req.request_id, "timeout")
+                handle.close("timeout")
                 return "".join(text), n_out, lps, "error", \
                     f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted"
             ids, wire_lps, finish, error = handle.take()
@@ -298,10 +297,7 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
                 if ev.logprob is not None:
                     lps.append(ev.logprob)
                 if ev.finish:
-                    if reader.stopped_by_string:
-                        await st.mesh.abort(req.request_id, "stop_string")
-                    else:
-                        st.mesh.finish(req.request_id)
+                    handle.close("stop_string" if reader.stopped_by_string else None)
                     return "".join(text), n_out, lps, ev.finish, ev.error
 
     async def disconnected():
@@ -314,12 +310,19 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-    if not work.done():
-        work.cancel()
-        await st.mesh.abort(req.request_id)
+        gone = not work.done()
+        if gone:  # the client went away (or this task was cancelled): stop the work
+            work.cancel()
+            handle.close("client")
+    if gone:
         done(499)
         return Response(status_code=499)
-    text, n_out, lps, finish, error = work.result()
+    try:
+        text, n_out, lps, finish, error = work.result()
+    except Exception:
+        handle.close("client")
+        done(500)
+        raise
     st.m["tokens"].inc(n_out)
     if error:
         done(500)

@@ -1,9 +1,21 @@
-"""The gateway's side of the control plane: who is alive, where a request goes, and
-the token streams coming back.
+"""The gateway's side of the control plane, and all of its NATS I/O: who is alive (heartbeats),
+which KV blocks they hold (KV events and snapshots), sending a request's job, the token
+streams coming back, and aborts.
 
-Each admitted request gets a Handle (stream.py). Token batches from workers (one per
-worker step) are decoded once, and each row's ids are appended to its handle, which
-wakes the request's reader if it waits.
+Routing policy is not here: router.py chooses the workers from what this client knows.
+
+A request's job goes to the prefill worker router.route_prefill chose, on that worker's
+own subject, with the holders its worker may pull cached blocks from. When nobody
+answers there (the worker just went away, or did not reply within prefill_timeout_s),
+the job goes once more, without KV sources, to the prefill queue group, where any
+prefill worker may take it. In decode-only bench mode it goes straight to the chosen
+decode worker, with no fallback.
+
+Each admitted request gets a Handle (stream.py), which owns its stream and its end.
+Token batches from workers (one per worker step) are decoded once, and each row's ids
+are appended to its handle, which wakes the request's reader if it waits. When the
+reader closes the handle, the request is forgotten here and, if it was aborted, the
+abort goes out to the workers from a tracked task.
 """
 
 from __future__ import annotations
@@ -18,16 +30,16 @@ from nats.aio.client import Client as NATS
 
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.kv_index import KVIndex
-from moemesh.services.gateway.router import pick_decode, pick_prefill
+from moemesh.services.gateway.router import pick_decode, route_prefill
 from moemesh.services.gateway.stream import Handle, sweep_inactive
-from moemesh.shared.engine.prefix_hash import chain
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, KVSource, PrefillJob, TokenBatch, WireSampling,
+    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, WireSampling,
 )
+from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.heartbeat import WorkerRegistry
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, connect, disconnect, publish, request, subscribe
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.service.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +65,7 @@ class MeshClient:
         self._snapshots: set[str] = set()
         self.nc: NATS | None = None
         self._subs = []
+        self._tasks = TaskSet()  # KV snapshots, aborts, the inactivity sweep
         self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -61,13 +74,15 @@ class MeshClient:
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
         self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id), TokenBatch, self._on_tokens))
         self._subs.append(await subscribe(self.nc, s.kv_events, KVEvents, self._on_kv_events))
-        self._sweeper = asyncio.create_task(sweep_inactive(self.handles, self.cfg.inactivity_timeout_s),
-                                            name="inactivity-sweep")
+        self._sweeper = self._tasks.spawn(sweep_inactive(self.handles, self.cfg.inactivity_timeout_s),
+                                          "inactivity-sweep")
 
     async def close(self) -> None:
+        """Safe to call twice. Aborts already on their way get a moment to go out."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        await self._tasks.close(grace_s=1.0)
         if self.nc is None:
             return
         nc, self.nc = self.nc, None
@@ -80,7 +95,7 @@ class MeshClient:
         self._assigned_prompt.pop(hb.worker_id, None)
         if hb.kv_identity and hb.worker_id not in self._snapshots and not hb.draining:
             self._snapshots.add(hb.worker_id)  # catch up on what it held before we listened
-            asyncio.get_running_loop().create_task(self._snapshot(hb.worker_id))
+            self._tasks.spawn(self._snapshot(hb.worker_id), f"kv-snapshot-{hb.worker_id}")
         for dead in self.registry.prune():
             self.kv.forget(dead)
             self._snapshots.discard(dead)
@@ -96,38 +111,6 @@ class MeshClient:
     async def _on_kv_events(self, ev: KVEvents, msg, ctx) -> None:
         self.kv.apply(ev)
 
-    def _route_prefill(self, prompt_ids: list[int]) -> tuple[Heartbeat | None, list[KVSource]]:
-        """KV-aware: the prefill worker by router.pick_prefill, plus the holders (peers, the
-        KV store) that have a longer prefix of this prompt than it, to pull from."""
-        workers = self.live("prefill")
-        if not workers:
-            return None, []
-        chains: dict[tuple[bytes, int], list[bytes]] = {}
-        overlap: dict[str, int] = {}
-        holders = [hb for hb in self.registry.live(None) if hb.kv_identity and self.kv.knows(hb.worker_id)]
-        workers_ = [hb for hb in holders if hb.role != "kv_store"]
-        for hb in workers_:
-            key = (hb.kv_identity, hb.block_size)
-            if key not in chains:
-                usable = (len(prompt_ids) - 1) // hb.block_size
-                chains[key] = chain(prompt_ids, hb.block_size, hb.kv_identity, usable)
-            overlap[hb.worker_id] = self.kv.overlap(hb.worker_id, chains[key])
-        block_size = workers[0].block_size or 16
-        chosen = pick_prefill(workers, overlap, block_size, self._assigned_prompt)
-        mine = overlap.get(chosen.worker_id, 0)
-        ident = (chosen.kv_identity, chosen.block_size)
-        mine_chain = chains.get(ident)
-        if mine_chain is None:
-            return chosen, []
-        for hb in holders:  # a store holds blocks of any model: the hashes themselves tell
-            if hb.role == "kv_store":
-                overlap[hb.worker_id] = self.kv.overlap(hb.worker_id, mine_chain)
-        sources = sorted((KVSource(hb.worker_id, overlap[hb.worker_id]) for hb in holders
-                          if overlap.get(hb.worker_id, 0) > mine and hb.worker_id != chosen.worker_id
-                          and (hb.role == "kv_store" or (hb.kv_identity, hb.block_size) == ident)),
-                         key=lambda s: -s.num_blocks)[:2]
-        return chosen, sources
-
     def live(self, role: str) -> list[Heartbeat]:
         return self.registry.live(role)
 
@@ -139,7 +122,7 @@ class MeshClient:
             raise NoWorkers("no decode worker is alive")
         if not self.cfg.decode_only_bench and not self.live("prefill"):
             raise NoWorkers("no prefill worker is alive")
-        h = Handle(request_id, decode.worker_id, asyncio.get_running_loop().time())
+        h = Handle(request_id, decode.worker_id, self._closed, asyncio.get_running_loop().time())
         self.handles[request_id] = h
         self._assigned[decode.worker_id] += params.max_tokens
         job = PrefillJob(request_id, list(prompt_ids), WireSampling.from_params(params), self.gateway_id,
@@ -147,7 +130,8 @@ class MeshClient:
         if self.cfg.decode_only_bench:
             subject = self.subjects.decode_bench_job(decode.worker_id)
         else:
-            prefill, job.kv_sources = self._route_prefill(prompt_ids)
+            prefill, job.kv_sources = route_prefill(prompt_ids, self.live("prefill"), self.registry.live(None),
+                                                    self.kv, self._assigned_prompt)
             subject = self.subjects.prefill_direct(prefill.worker_id)
             self._assigned_prompt[prefill.worker_id] += len(prompt_ids)
         try:
@@ -160,13 +144,16 @@ class MeshClient:
                 job.kv_sources = []
                 await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s, headers)
         except Unreachable as e:
-            self.handles.pop(request_id, None)
+            h.close()
             raise NoWorkers(f"no prefill worker took the request: {e}") from None
         except RemoteError as e:
-            self.handles.pop(request_id, None)
+            h.close()
             if e.reply.code == "unavailable":
                 raise NoWorkers(str(e)) from None
             raise Rejected(e.reply.error) from None
+        except asyncio.CancelledError:  # the client went away; the job may have been taken
+            h.close("client")
+            raise
         return h
 
     async def _on_tokens(self, batch: TokenBatch, msg, ctx) -> None:
@@ -194,17 +181,14 @@ class MeshClient:
                 h.last_seen = now
                 h.end(e)
 
-    def finish(self, request_id: str) -> None:
+    def _closed(self, request_id: str, abort: str | None) -> None:
+        """A handle's close(): forget the request, and send its abort if it has one."""
         self.handles.pop(request_id, None)
+        if abort is not None and self.nc is not None:
+            self._tasks.spawn(self._send_abort(self.nc, request_id, abort), f"abort-{request_id}")
 
-    async def abort(self, request_id: str, reason: str = "client") -> None:
-        self.handles.pop(request_id, None)
-        if self.nc is not None:
-            try:
-                await publish(self.nc, self.subjects.abort, Abort([request_id], reason))
-            except Exception as e:
-                log.warning("abort for %s not sent: %s", request_id, e)
-
-    def abort_soon(self, request_id: str, reason: str = "client") -> None:
-        """From a cancelled context (a client that went away), where awaiting is not possible."""
-        asyncio.get_running_loop().create_task(self.abort(request_id, reason))
+    async def _send_abort(self, nc: NATS, request_id: str, reason: str) -> None:
+        try:
+            await publish(nc, self.subjects.abort, Abort([request_id], reason))
+        except Exception as e:  # NATS down: the workers' own timeouts end the request
+            log.warning("abort for %s not sent: %s", request_id, e)

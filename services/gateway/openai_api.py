@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from moemesh.shared.engine.sampling_params import SamplingParamError, SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParamError, SamplingParams
 from moemesh.shared.tokenizer.tokenizer import Tokenizer, TokenizerError
 
 

@@ -1,15 +1,23 @@
-"""Which decode worker gets a new request.
+"""Where a new request goes: its decode worker, its prefill worker, and the holders its
+prefill worker may pull cached KV blocks from. Pure functions over heartbeats and the
+KV index; the mesh client owns the I/O and the counters passed in here.
 
-Rule: the live worker with the least outstanding token load, where load is what its
-last heartbeat reported plus what this gateway has sent it since. The second term
+Decode rule: the live worker with the least outstanding token load, where load is what
+its last heartbeat reported plus what this gateway has sent it since. The second term
 keeps a burst of requests from all landing on the worker that looked idle a moment
 ago. Ties go to the worker with more free KV blocks. Keeping DP ranks at equal token
 load keeps them in step.
+
+Prefill rule: see pick_prefill (KV-aware) and route_prefill (plus the KV sources).
 """
 
 from __future__ import annotations
 
-from moemesh.shared.protocol.messages import Heartbeat
+from moemesh.services.gateway.kv_index import KVIndex
+from moemesh.shared.protocol.messages import Heartbeat, KVSource
+from moemesh.shared.protocol.prefix_hash import chain
+
+MAX_KV_SOURCES = 2
 
 
 def pick_decode(workers: list[Heartbeat], assigned_since_beat: dict[str, int]) -> Heartbeat | None:
@@ -42,3 +50,46 @@ def pick_prefill(workers: list[Heartbeat], overlap: dict[str, int], block_size: 
         return (overlap.get(w.worker_id, 0) * block_size - load_weight * queued, -queued, w.worker_id)
 
     return max(workers, key=score)
+
+
+def route_prefill(prompt_ids: list[int], workers: list[Heartbeat], peers: list[Heartbeat], kv: KVIndex,
+                  assigned_since_beat: dict[str, int]) -> tuple[Heartbeat | None, list[KVSource]]:
+    """The prefill worker for a prompt (pick_prefill, over how much of the prompt each
+    worker holds), and up to MAX_KV_SOURCES holders that have a longer prefix of it than
+    that worker, longest first, to pull from.
+
+    Args:
+        workers: the live prefill workers.
+        peers: every live holder (any role); only those with a kv_identity whose blocks
+            the index knows count as holders.
+        assigned_since_beat: prompt tokens sent to each prefill worker since its last beat.
+    Returns:
+        (None, []) when no prefill worker is alive.
+    """
+    if not workers:
+        return None, []
+    chains: dict[tuple[bytes, int], list[bytes]] = {}  # one hash chain per (identity, block size)
+    overlap: dict[str, int] = {}
+    holders = [hb for hb in peers if hb.kv_identity and kv.knows(hb.worker_id)]
+    for hb in holders:
+        if hb.role == "kv_store":
+            continue
+        key = (hb.kv_identity, hb.block_size)
+        if key not in chains:
+            usable = (len(prompt_ids) - 1) // hb.block_size  # the last token is always computed
+            chains[key] = chain(prompt_ids, hb.block_size, hb.kv_identity, usable)
+        overlap[hb.worker_id] = kv.overlap(hb.worker_id, chains[key])
+    chosen = pick_prefill(workers, overlap, workers[0].block_size or 16, assigned_since_beat)
+    ident = (chosen.kv_identity, chosen.block_size)
+    mine_chain = chains.get(ident)
+    if mine_chain is None:
+        return chosen, []
+    mine = overlap.get(chosen.worker_id, 0)
+    for hb in holders:  # a store holds blocks of any model: the hashes themselves tell
+        if hb.role == "kv_store":
+            overlap[hb.worker_id] = kv.overlap(hb.worker_id, mine_chain)
+    sources = sorted((KVSource(hb.worker_id, overlap[hb.worker_id]) for hb in holders
+                      if overlap.get(hb.worker_id, 0) > mine and hb.worker_id != chosen.worker_id
+                      and (hb.role == "kv_store" or (hb.kv_identity, hb.block_size) == ident)),
+                     key=lambda s: -s.num_blocks)[:MAX_KV_SOURCES]
+    return chosen, sources

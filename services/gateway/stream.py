@@ -1,11 +1,12 @@
 """One request's token stream at the gateway, from the ids workers send to the bytes the
 client reads.
 
-Stream lifecycle: open (a Handle is registered) -> tokens arrive (the mesh client appends
-ids to the handle and wakes its reader) -> the reader takes everything that arrived,
-turns each token into one SSE event (incremental detokenization, stop strings) and
-writes them in one chunk -> finished (the worker's finish reason, a stop string, an
-error, or the inactivity timeout).
+Stream lifecycle: open (the mesh client registers a Handle and sends the job) -> tokens
+arrive (the mesh client appends ids to the handle and wakes its reader) -> the reader
+takes everything that arrived, turns each token into one SSE event (incremental
+detokenization, stop strings) and writes them in one chunk -> closed, exactly once, by
+the reader through its handle: finished (the worker's finish reason or error), or
+aborted on the workers (a stop string, the inactivity timeout, the client gone).
 
 Nothing here runs per token but the detokenizer and the event's bytes: no task, no
 queue and no timer per token. A stream that falls behind gets several events per write.
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Callable
 
-from moemesh.shared.protocol.messages import TokenEnd, TokenLogprobWire
+from moemesh.shared.protocol.messages import TokenEnd
+from moemesh.shared.protocol.tokens import TokenLogprob
 from moemesh.shared.tokenizer.detokenizer import IncrementalDetokenizer
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
@@ -25,21 +28,37 @@ DISCONNECTED = "disconnected"
 
 
 class Handle:
-    """What has arrived for one request and not been taken yet. Filled by the mesh
-    client (one batch per worker step), emptied by the request's reader."""
+    """One admitted request at the gateway: what has arrived for it and not been taken
+    yet, and the one place its end goes through. Filled by the mesh client (one batch per
+    worker step), emptied by the request's reader, which ends it with close()."""
 
-    __slots__ = ("request_id", "decode_id", "ids", "logprobs", "finish", "error", "last_seen", "gone", "_waiter")
+    __slots__ = ("request_id", "decode_id", "ids", "logprobs", "finish", "error", "last_seen", "gone", "closed",
+                 "_waiter", "_on_close")
 
-    def __init__(self, request_id: str, decode_id: str, now: float = 0.0):
+    def __init__(self, request_id: str, decode_id: str, on_close: Callable[[str, str | None], None],
+                 now: float = 0.0):
+        """on_close(request_id, abort_reason): the mesh client forgets the request and,
+        with a reason, tells the workers to stop it."""
         self.request_id = request_id
         self.decode_id = decode_id
         self.ids: list[int] = []
-        self.logprobs: list[TokenLogprobWire] = []
+        self.logprobs: list[TokenLogprob] = []
         self.finish: str | None = None
         self.error: str | None = None
         self.last_seen = now  # loop time of the last arrival
         self.gone = False  # the client went away
+        self.closed = False
         self._waiter: asyncio.Future | None = None
+        self._on_close = on_close
+
+    def close(self, abort: str | None = None) -> None:
+        """The request is over at the gateway. With a reason (stop_string, timeout,
+        client), the workers are told to abort it: they would keep generating otherwise.
+        Only the first call counts, so every exit path of a reader may call it."""
+        if self.closed:
+            return
+        self.closed = True
+        self._on_close(self.request_id, abort)
 
     def wake(self, why: object = None) -> None:
         w = self._waiter
@@ -73,7 +92,7 @@ class Handle:
         self._waiter = asyncio.get_running_loop().create_future()
         return await self._waiter
 
-    def take(self) -> tuple[list[int], list[TokenLogprobWire], str | None, str | None]:
+    def take(self) -> tuple[list[int], list[TokenLogprob], str | None, str | None]:
         ids, lps = self.ids, self.logprobs
         self.ids, self.logprobs = [], []
         return ids, lps, self.finish, self.error
@@ -85,7 +104,7 @@ class Event:
     text: str = ""
     finish: str | None = None  # stop | length | abort | error
     error: str | None = None
-    logprob: TokenLogprobWire | None = None
+    logprob: TokenLogprob | None = None
     token: bool = True  # False: an end with no token of its own
 
 
@@ -100,7 +119,7 @@ class Reader:
     def __post_init__(self):
         self.detok = IncrementalDetokenizer(self.tok, self.stop)
 
-    def events(self, ids: list[int], lps: list[TokenLogprobWire], finish: str | None,
+    def events(self, ids: list[int], lps: list[TokenLogprob], finish: str | None,
                error: str | None) -> list[Event]:
         """One event per token, then, at the end, one that carries the finish (as OpenAI's
         API sends it: a chunk of its own). A stop string ends the stream at the token that

@@ -26,8 +26,8 @@ from moemesh.services.prefill.leases import LeaseTable
 from moemesh.shared.engine import block_io
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats, request_outputs
-from moemesh.shared.engine.prefix_hash import chain
-from moemesh.shared.engine.sampling_params import SamplingParamError
+from moemesh.shared.protocol.prefix_hash import chain
+from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
     Abort,
     Ack,
@@ -44,7 +44,7 @@ from moemesh.shared.protocol.messages import (
 from moemesh.shared.service.heartbeat import WorkerRegistry
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, request
-from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime, logprobs_wire
+from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.transport.base import TransferError
 
@@ -198,7 +198,7 @@ class PrefillService(AsyncService):
             span.set_attribute("prefill.first_token", out.new_token_ids[0] if out.new_token_ids else -1)
             reason = out.finish_reason.value if out.finished else None
             rt.tokens.add(job.gateway_id, job.request_id, out.new_token_ids, reason,
-                          logprobs=logprobs_wire(out.logprobs))
+                          logprobs=out.logprobs or None)
             if out.prefill_done:
                 seq = rt.engine.held_sequence(job.request_id)
                 n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)

@@ -6,8 +6,6 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from moemesh.shared.engine.config import EngineConfig
-
 
 def default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname().split('.')[0]}-{os.getpid()}"
@@ -101,13 +99,3 @@ class WorkerConfig(ServiceConfig):
     @property
     def instance(self) -> str:
         return self.instance_id or self.worker_id
-
-    def engine_config(self, role: str) -> EngineConfig:
-        return EngineConfig(
-            model=self.model, role=role, dtype=self.dtype, device=self.device, block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks or None, kv_cache_memory_mb=self.kv_cache_memory_mb,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len or None,
-            num_speculative_tokens=None if self.num_speculative_tokens < 0 else self.num_speculative_tokens,
-            num_threads=self.num_threads or None, enable_prefix_caching=self.enable_prefix_caching,
-        )

@@ -4,7 +4,7 @@ Glossary:
 - block: `block_size` consecutive token positions of one sequence, in every cache layer.
 - reference: a sequence using a block. A block shared by several sequences (a common
   prefix) returns to the free list only when its last reference is dropped.
-- block hash: the content address of a full block (prefix_hash.py): equal prefixes
+- block hash: the content address of a full block (protocol/prefix_hash.py): equal prefixes
   have equal hashes on every worker.
 - cached block: a full block whose hash is registered. When its last reference goes,
   it stays on the free list with its contents and hash: a later request with the same

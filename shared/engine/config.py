@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from moemesh.shared.config.common import WorkerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROLES = ("both", "prefill", "decode")
@@ -26,6 +30,19 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes computed before
+
+    @classmethod
+    def for_worker(cls, cfg: WorkerConfig, role: str) -> EngineConfig:
+        """A worker's engine, from its service settings. Built here rather than in the
+        service config so that config stays importable without torch (the gateway)."""
+        return cls(
+            model=cfg.model, role=role, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
+            num_kv_blocks=cfg.num_kv_blocks or None, kv_cache_memory_mb=cfg.kv_cache_memory_mb,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len or None,
+            num_speculative_tokens=None if cfg.num_speculative_tokens < 0 else cfg.num_speculative_tokens,
+            num_threads=cfg.num_threads or None, enable_prefix_caching=cfg.enable_prefix_caching,
+        )
 
     def __post_init__(self):
         if self.role not in ROLES:

@@ -33,9 +33,9 @@ from moemesh.shared.engine.hybrid_cache import HybridKVCache
 from moemesh.shared.engine.kv_cache import KVCache
 from moemesh.shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
 from moemesh.shared.engine.planned_step import PlannedStep, run
-from moemesh.shared.engine.prefix_hash import chain, kv_identity
+from moemesh.shared.protocol.prefix_hash import chain, kv_identity
 from moemesh.shared.engine.runner import Chunk, build_batch
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from moemesh.shared.engine.speculative import speculative_step
 from moemesh.shared.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SeqStatus

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moemesh.shared.engine.sequence import FinishReason, TokenLogprob
+from moemesh.shared.engine.sequence import FinishReason
+from moemesh.shared.protocol.tokens import TokenLogprob
 
 
 @dataclass

@@ -26,9 +26,10 @@ import torch
 
 from moemesh.shared.engine import sampler
 from moemesh.shared.engine.runner import Chunk
-from moemesh.shared.engine.sampling_params import SamplingParams
-from moemesh.shared.engine.sequence import Sequence, TokenLogprob
+from moemesh.shared.engine.sequence import Sequence
 from moemesh.shared.model.batch import ForwardBatch
+from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.tokens import TokenLogprob
 
 _step_ids = itertools.count()
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from moemesh.shared.engine.sampling_params import SamplingParams
-from moemesh.shared.engine.sequence import TokenLogprob
+from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.tokens import TokenLogprob
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -87,6 +87,6 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int | 
             out.append(None)
             continue
         t = int(tokens[r])
-        top = [(int(top_i[r, j]), float(top_v[r, j])) for j in range(n)] if n else []
-        out.append(TokenLogprob(t, float(lp[r, t]), top))
+        out.append(TokenLogprob(t, float(lp[r, t]), top_i[r, :n].tolist() if n else [],
+                                top_v[r, :n].tolist() if n else []))
     return out

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.tokens import TokenLogprob
 
 _arrival = itertools.count()
 # Stands for a token that a step in flight is sampling; the step's landing overwrites it.
@@ -33,13 +34,6 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass

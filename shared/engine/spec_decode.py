@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from moemesh.shared.engine.sampler import processed_probs
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
 
 
 def verify(

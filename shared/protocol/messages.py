@@ -7,14 +7,13 @@ new token ids per request, once per engine step per gateway.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from dataclasses import dataclass, field
 
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.tokens import (
+    TokenLogprob, ids_from_wire, ids_to_wire, logprobs_from_plain, logprobs_to_plain,
+)
 from moemesh.shared.protocol.wire import ProtocolError, register_codec
-
-_SWAP = sys.byteorder != "little"  # token ids travel as little-endian int32
 
 
 @dataclass
@@ -142,20 +141,12 @@ class ErrorReply:
 
 
 @dataclass
-class TokenLogprobWire:
-    token_id: int
-    logprob: float
-    top_ids: list[int] = field(default_factory=list)  # the alternatives, most likely first
-    top_logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass
 class TokenEnd:
     """What a row of a TokenBatch carries besides its ids."""
     row: int
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
-    logprobs: list[TokenLogprobWire] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -175,29 +166,11 @@ class TokenBatch:
         return cls([request_id], [], [0], [TokenEnd(0, "error", error)], worker_id)
 
 
-def _ids_to_wire(ids: list[int]) -> bytes:
-    a = array("i", ids)
-    if _SWAP:
-        a.byteswap()
-    return a.tobytes()
-
-
-def _ids_from_wire(b: bytes, what: str) -> list[int]:
-    if not isinstance(b, bytes) or len(b) % 4:
-        raise TypeError(f"{what}: expected int32 bytes")
-    a = array("i")
-    a.frombytes(b)
-    if _SWAP:
-        a.byteswap()
-    return a.tolist()
-
-
 def _batch_to_plain(b: TokenBatch) -> list:
-    return [b.sent_at, b.worker_id, b.request_ids, _ids_to_wire(b.token_ids),
-            None if b.counts is None else _ids_to_wire(b.counts),
-            [[e.row, e.finish_reason, e.error,
-              None if e.logprobs is None else [[lp.token_id, lp.logprob, lp.top_ids, lp.top_logprobs]
-                                               for lp in e.logprobs]] for e in b.ends]]
+    return [b.sent_at, b.worker_id, b.request_ids, ids_to_wire(b.token_ids),
+            None if b.counts is None else ids_to_wire(b.counts),
+            [[e.row, e.finish_reason, e.error, None if e.logprobs is None else logprobs_to_plain(e.logprobs)]
+             for e in b.ends]]
 
 
 def _batch_from_plain(raw) -> TokenBatch:
@@ -207,12 +180,12 @@ def _batch_from_plain(raw) -> TokenBatch:
         if not (isinstance(sent_at, (int, float)) and isinstance(worker, str) and isinstance(rids, list)
                 and all(type(r) is str for r in rids) and isinstance(ends, list)):
             raise TypeError("header")
-        token_ids = _ids_from_wire(toks, "token_ids")
+        token_ids = ids_from_wire(toks, "token_ids")
         if counts is None:
             if len(token_ids) != len(rids):
                 raise ValueError(f"{len(rids)} rows but {len(token_ids)} token ids")
         else:
-            counts = _ids_from_wire(counts, "counts")
+            counts = ids_from_wire(counts, "counts")
             if len(counts) != len(rids) or sum(counts) != len(token_ids) or min(counts, default=0) < 0:
                 raise ValueError("counts do not match the rows and ids")
         out = []
@@ -220,11 +193,7 @@ def _batch_from_plain(raw) -> TokenBatch:
             if not (type(row) is int and 0 <= row < len(rids) and (finish is None or isinstance(finish, str))
                     and (error is None or isinstance(error, str))):
                 raise TypeError(f"end of row {row!r}")
-            wire_lps = None
-            if lps is not None:
-                wire_lps = [TokenLogprobWire(int(t), float(v), [int(x) for x in ids], [float(x) for x in vals])
-                            for t, v, ids, vals in lps]
-            out.append(TokenEnd(row, finish, error, wire_lps))
+            out.append(TokenEnd(row, finish, error, None if lps is None else logprobs_from_plain(lps)))
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"TokenBatch: malformed ({e})") from None
     return TokenBatch(rids, token_ids, counts, out, worker, float(sent_at))

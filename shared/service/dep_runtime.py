@@ -12,6 +12,7 @@ import torch
 
 from moemesh.shared.checkpoint.loader import load_model
 from moemesh.shared.config.common import WorkerConfig
+from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.dp import DPGroup
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.load_tracker import LoadTracker
@@ -69,7 +70,7 @@ class DepRuntime:
         row = contiguous_phy2log(mcfg.n_routed_experts, cfg.dp_size, cfg.eplb_redundant)
         phy2log = row.repeat(len(layer_ids), 1)
         S = row.numel() // cfg.dp_size
-        ecfg = cfg.engine_config(role)
+        ecfg = EngineConfig.for_worker(cfg, role)
         model = load_model(cfg.model, ecfg.torch_dtype, cfg.device,
                            expert_slots=ExpertParallel.local_slot_map(phy2log, layer_ids, cfg.dp_rank, cfg.dp_size),
                            num_slots=S)

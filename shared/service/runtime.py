@@ -29,6 +29,7 @@ from typing import Callable
 from nats.aio.client import Client as NATS
 
 from moemesh.shared.config.common import WorkerConfig
+from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.mock_model import MockModel
 from moemesh.shared.engine.outputs import Finished, StepOutputs
@@ -36,9 +37,10 @@ from moemesh.shared.engine.step_account import StepAccount
 from moemesh.shared.kv.spec import KVSpec, describe
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.protocol.messages import (
-    Heartbeat, StatsRequest, TokenBatch, TokenEnd, TokenLogprobWire, WorkerStats,
+    Heartbeat, StatsRequest, TokenBatch, TokenEnd, WorkerStats,
 )
 from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.protocol.tokens import TokenLogprob
 from moemesh.shared.protocol.wire import encode
 from moemesh.shared.service.dep_runtime import DepRuntime
 from moemesh.shared.service.engine_loop import EngineLoop, OutputSink
@@ -64,7 +66,7 @@ class TokenPublisher:
         self._pending: dict[str, TokenBatch] = {}
 
     def add(self, gateway_id: str, request_id: str, token_ids: list[int], finish_reason: str | None = None,
-            error: str | None = None, logprobs: list[TokenLogprobWire] | None = None) -> None:
+            error: str | None = None, logprobs: list[TokenLogprob] | None = None) -> None:
         b = self._pending.get(gateway_id)
         if b is None:
             b = self._pending[gateway_id] = TokenBatch([], [], [], worker_id=self._worker)
@@ -105,13 +107,7 @@ _NO_END = (None, None, None)
 
 def end_fields(e: Finished) -> tuple:
     """(finish reason, error, logprobs) of a row's extras, as TokenEnd takes them."""
-    return (e.finish_reason.value if e.finish_reason is not None else None, None, logprobs_wire(e.logprobs))
-
-
-def logprobs_wire(lps) -> list[TokenLogprobWire] | None:
-    if not lps:
-        return None
-    return [TokenLogprobWire(lp.token_id, lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top]) for lp in lps]
+    return (e.finish_reason.value if e.finish_reason is not None else None, None, e.logprobs or None)
 
 
 class WorkerRuntime:
@@ -201,10 +197,10 @@ class WorkerRuntime:
             log.warning("MOCK ENGINE: %s runs no model; tokens are fabricated every %.1f ms. For infrastructure "
                         "benchmarks only.", self.worker_id, cfg.mock_step_ms)
             mock = MockModel(ModelConfig.from_dir(cfg.model), cfg.mock_step_ms / 1e3)
-            return LLMEngine(cfg.engine_config(self.role), model=mock)
+            return LLMEngine(EngineConfig.for_worker(cfg, self.role), model=mock)
         if cfg.uses_ep:
             return await asyncio.to_thread(self.dep.build_engine, self.role)
-        return await asyncio.to_thread(LLMEngine, cfg.engine_config(self.role))
+        return await asyncio.to_thread(LLMEngine, EngineConfig.for_worker(cfg, self.role))
 
     async def close(self) -> None:
         """Leave the parts in reverse order; safe to call twice."""

@@ -106,3 +106,9 @@ def test_kv_reuse(tmp_path, tiny_model):
     assert res["with_reuse"]["errors"] == 0 and res["without_reuse"]["errors"] == 0
     assert res["with_reuse"]["prefix_hit_tokens"] > 0 and res["without_reuse"]["prefix_hit_tokens"] == 0
     assert res["turn2plus_ttft_speedup"] is not None
+
+
+def test_gateway_start_without_torch(tmp_path, tiny_model):
+    res, out = bench(tmp_path, tiny_model, "gateway-start", "--model", tiny_model, "--runs", "1")
+    assert res["torch_loaded"] is False and "torch loaded: no" in out
+    assert 0 < res["import_s"] < res["start_s"] and res["rss_mib"] > 0

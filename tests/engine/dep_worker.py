@@ -12,7 +12,7 @@ def run_rank(rank: int, world: int, init_method: str, model_dir: str, prompts: l
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.dp import DPGroup
     from moemesh.shared.engine.engine import LLMEngine
-    from moemesh.shared.engine.sampling_params import SamplingParams
+    from moemesh.shared.protocol.sampling import SamplingParams
     from moemesh.shared.model.config import ModelConfig
     from moemesh.shared.model.expert_parallel import ExpertParallel, contiguous_phy2log
 

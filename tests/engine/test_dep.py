@@ -44,7 +44,7 @@ def _dep(model_dir, world, redundant, prompts, max_tokens, num_spec):
 def test_dep_outputs_equal_dep1(tiny_engine_factory, tiny_model, world, redundant, num_spec):
     prompts = _prompts(6 if world == 4 else 5)
     max_tokens = 8
-    from moemesh.shared.engine.sampling_params import SamplingParams
+    from moemesh.shared.protocol.sampling import SamplingParams
 
     eng = tiny_engine_factory(num_speculative_tokens=num_spec)
     for i, p in enumerate(prompts):
@@ -62,7 +62,7 @@ def test_dep_v4_outputs_equal_dep1_hash_layers_included(tiny_v4_model):
     hash-routed, and all of them go through the all-to-all."""
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.engine import LLMEngine
-    from moemesh.shared.engine.sampling_params import SamplingParams
+    from moemesh.shared.protocol.sampling import SamplingParams
 
     prompts = _prompts(5, seed=3)
     eng = LLMEngine(EngineConfig(model=tiny_v4_model, num_kv_blocks=256, num_speculative_tokens=1))

@@ -4,7 +4,7 @@ import torch
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.llm import LLM
 from moemesh.shared.engine.config import EngineConfig
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
 
 
 def _drain(eng):
@@ -86,8 +86,8 @@ def test_logprobs_are_returned_per_token(tiny_engine_factory):
     out = _drain(eng)["a"]
     assert len(out["lp"]) == 5
     for tid, lp in zip(out["ids"], out["lp"]):
-        assert lp.token_id == tid and lp.logprob <= 0 and len(lp.top) == 3
-        assert lp.top[0][0] == tid  # greedy picks the most likely token
+        assert lp.token_id == tid and lp.logprob <= 0 and len(lp.top_ids) == len(lp.top_logprobs) == 3
+        assert lp.top_ids[0] == tid  # greedy picks the most likely token
 
 
 def test_acceptance_rate_is_tracked(tiny_engine_factory):

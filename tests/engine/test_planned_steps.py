@@ -10,7 +10,7 @@ from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import BLOCKED, LLMEngine
 from moemesh.shared.engine.outputs import request_outputs
 from moemesh.shared.engine.mock_model import MockModel
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.model.config import ModelConfig
 
 

@@ -1,8 +1,8 @@
 import random
 
 from moemesh.shared.engine.block_manager import BlockManager
-from moemesh.shared.engine.prefix_hash import ROOT, block_hash, chain
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.prefix_hash import ROOT, block_hash, chain
+from moemesh.shared.protocol.sampling import SamplingParams
 
 
 def test_hash_chain_is_content_addressed_and_prefix_sensitive():

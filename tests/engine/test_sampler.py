@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from moemesh.shared.engine import sampler
-from moemesh.shared.engine.sampling_params import SamplingParamError, SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParamError, SamplingParams
 
 
 def test_greedy_is_argmax():
@@ -41,7 +41,8 @@ def test_logprobs_report_chosen_and_top():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     lp = sampler.logprobs_of(logits, torch.tensor([1]), [2])[0]
     assert lp.token_id == 1 and lp.logprob == pytest.approx(torch.log(torch.tensor(0.2)).item(), abs=1e-5)
-    assert [t for t, _ in lp.top] == [0, 1]
+    assert lp.top_ids == [0, 1] and all(type(t) is int for t in lp.top_ids)
+    assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
 
 
 @pytest.mark.parametrize("kw,param", [

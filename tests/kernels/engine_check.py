@@ -17,7 +17,7 @@ import sys
 from moemesh.shared.checkpoint.loader import load_model
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.kernels import fused_moe, kv_pack, mla_decode, rmsnorm, rotary
 
 NEW_TOKENS = 6  # the interpreter is slow; a few steps of each path are enough

@@ -12,7 +12,7 @@ import nats
 import pytest
 import torch
 
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.tools.launch.procs import free_port
 from moemesh.shared.model.expert_parallel import contiguous_phy2log
 from moemesh.shared.protocol.messages import ExpertLoad, RebalanceReply, RebalanceRequest

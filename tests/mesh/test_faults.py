@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
 from tests.mesh.conftest import start_mesh
 
 

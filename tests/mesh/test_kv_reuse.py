@@ -13,7 +13,7 @@ import pytest
 
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.llm import LLM
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
 from tests.mesh.conftest import start_mesh, worker_stats
 
 TURNS = ["Plan a trip to the mesh of experts", "Add the tool output: rank 3 is hot",

@@ -14,8 +14,8 @@ from moemesh.shared.checkpoint.loader import load_model
 from moemesh.shared.engine import sampler as sampler_mod
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.engine.sampling_params import SamplingParams
 from moemesh.shared.kv.spec import describe
+from moemesh.shared.protocol.sampling import SamplingParams
 from tests.oracle.conftest import Reference
 from tests.oracle.v4_reference import mtp_reference_logits, reference
 

@@ -2,8 +2,9 @@ import msgpack
 import pytest
 
 from moemesh.shared.protocol.messages import (
-    Heartbeat, KVReady, KVReadyItem, KVLayout, PrefillJob, TokenBatch, TokenEnd, TokenLogprobWire, WireSampling, WorkerLoad,
+    Heartbeat, KVReady, KVReadyItem, KVLayout, PrefillJob, TokenBatch, TokenEnd, WireSampling, WorkerLoad,
 )
+from moemesh.shared.protocol.tokens import TokenLogprob
 from moemesh.shared.protocol.wire import ProtocolError, decode, encode
 
 
@@ -14,7 +15,7 @@ def test_round_trip_keeps_every_field():
                     [KVReadyItem("r1", [1, 2], [3], WireSampling(), "gw", 9, 2, 4096, "00-ab-cd-01")])
     assert decode(encode(ready), KVReady) == ready
     batch = TokenBatch(["a", "b", "c"], [1, 2, 70000], [2, 0, 1],
-                       [TokenEnd(1, "error", "boom"), TokenEnd(2, "stop", None, [TokenLogprobWire(5, -0.5, [5], [-0.5])])],
+                       [TokenEnd(1, "error", "boom"), TokenEnd(2, "stop", None, [TokenLogprob(5, -0.5, [5], [-0.5])])],
                        "w", 1.0)
     assert decode(encode(batch), TokenBatch) == batch
     one_each = TokenBatch(["a", "b"], [7, 8], worker_id="w")
@@ -58,7 +59,7 @@ def test_optional_and_nested_defaults():
 
 
 def test_wire_sampling_validates_through_sampling_params():
-    from moemesh.shared.engine.sampling_params import SamplingParamError
+    from moemesh.shared.protocol.sampling import SamplingParamError
 
     with pytest.raises(SamplingParamError):
         WireSampling(max_tokens=0).to_params()

@@ -1,0 +1,23 @@
+import subprocess
+import sys
+
+# What `python -m moemesh.services.gateway` loads before it serves.
+_GATEWAY = ("moemesh.services.gateway.__main__", "moemesh.services.gateway.service", "moemesh.services.gateway.app")
+
+
+def test_the_gateway_loads_neither_torch_nor_the_engine():
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in _GATEWAY)
+            + "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', "
+              "'moemesh.shared.engine', 'moemesh.shared.model.deepseek', 'moemesh.shared.kernels'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_protocol_loads_neither_torch_nor_the_engine():
+    code = ("import sys, moemesh.shared.protocol.messages, moemesh.shared.protocol.prefix_hash, "
+            "moemesh.shared.protocol.sampling, moemesh.shared.config.common\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('moemesh.shared.engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

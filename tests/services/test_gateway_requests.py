@@ -1,0 +1,122 @@
+"""The gateway's mesh client against a real nats-server, with the workers played by
+hand: where a job goes, how tokens reach the request's handle, and that a request's
+end goes through its handle once."""
+
+import asyncio
+
+import nats
+import pytest
+
+from moemesh.services.gateway.config import GatewayConfig
+from moemesh.services.gateway.mesh_client import MeshClient
+from moemesh.shared.protocol.messages import Abort, Ack, Heartbeat, PrefillJob, TokenBatch, TokenEnd, WorkerLoad
+from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.protocol.wire import decode, encode
+
+S = Subjects()
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory):
+    from moemesh.tools.launch.nats_server import NatsServerNotFound, start_nats
+    from moemesh.tools.launch.procs import ProcessGroup, free_port
+
+    group = ProcessGroup(tmp_path_factory.mktemp("nats"))
+    port = free_port()
+    try:
+        start_nats(group, port)
+    except NatsServerNotFound:
+        pytest.skip("no nats-server binary")
+    yield f"nats://127.0.0.1:{port}"
+    group.stop()
+
+
+class FakeMesh:
+    """Workers as NATS subscriptions: each records what it got and acks jobs."""
+
+    def __init__(self, nc):
+        self.nc, self.jobs, self.aborts = nc, [], []
+
+    async def ack_jobs_on(self, subject: str, who: str, queue: str = "") -> None:
+        async def cb(msg):
+            self.jobs.append((who, decode(msg.data, PrefillJob)))
+            await msg.respond(encode(Ack()))
+
+        await self.nc.subscribe(subject, queue=queue, cb=cb)
+        await self.nc.flush()  # the server has the subscription before anything is sent to it
+
+    async def watch_aborts(self) -> None:
+        async def cb(msg):
+            self.aborts.append(decode(msg.data, Abort))
+
+        await self.nc.subscribe(S.abort, cb=cb)
+        await self.nc.flush()
+
+    async def beat(self, wid: str, role: str) -> None:
+        await self.nc.publish(S.heartbeat(role, wid), encode(Heartbeat(wid, role, "m", WorkerLoad())))
+
+
+async def _until(cond, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def _run(nats_url, body):
+    async def main():
+        nc = await nats.connect(nats_url)
+        mesh = MeshClient(GatewayConfig(model="m", nats_url=nats_url, prefill_timeout_s=0.5), "gw-test")
+        await mesh.start()
+        await mesh.nc.flush()  # its subscriptions are in place before the fake workers beat
+        try:
+            fake = FakeMesh(nc)
+            await fake.watch_aborts()
+            await body(mesh, fake)
+        finally:
+            await mesh.close()
+            await nc.close()
+        assert len(mesh._tasks) == 0  # nothing left running behind it
+
+    asyncio.run(main())
+
+
+def test_a_request_streams_to_its_handle_and_ends_once(nats_url):
+    async def body(mesh, fake):
+        await fake.ack_jobs_on(S.prefill_direct("p1"), "p1")
+        await fake.beat("d1", "decode")
+        await fake.beat("p1", "prefill")
+        await _until(lambda: mesh.live("decode") and mesh.live("prefill"))
+        h = await mesh.submit("r1", [1, 2, 3], SamplingParams(max_tokens=4), None)
+        (who, job), = fake.jobs
+        assert who == "p1" and job.decode_id == "d1" and job.gateway_id == "gw-test" and job.prompt_ids == [1, 2, 3]
+        await fake.nc.publish(S.gateway_tokens("gw-test"), encode(TokenBatch(["r1", "zz"], [7, 8])))
+        await fake.nc.publish(S.gateway_tokens("gw-test"),
+                              encode(TokenBatch(["r1"], [9, 10], [2], [TokenEnd(0, "length")])))
+        await _until(lambda: h.finish is not None)
+        assert h.take() == ([7, 9, 10], [], "length", None)
+        h.close()
+        assert "r1" not in mesh.handles
+
+        h2 = await mesh.submit("r2", [1, 2], SamplingParams(max_tokens=4), None)
+        h2.close("stop_string")
+        h2.close("client")  # every exit path may close: only the first counts
+        await _until(lambda: fake.aborts)
+        await asyncio.sleep(0.05)
+        assert fake.aborts == [Abort(["r2"], "stop_string")] and not mesh.handles
+
+    _run(nats_url, body)
+
+
+def test_a_job_the_chosen_worker_does_not_answer_goes_to_the_queue_group(nats_url):
+    async def body(mesh, fake):
+        await fake.ack_jobs_on(S.prefill_jobs, "any", queue=S.prefill_queue_group)
+        await fake.beat("d1", "decode")
+        await fake.beat("p-gone", "prefill")  # alive by its heartbeat, but nobody serves its subject
+        await _until(lambda: mesh.live("decode") and mesh.live("prefill"))
+        await mesh.submit("r1", [1, 2, 3], SamplingParams(max_tokens=4), None)
+        (who, job), = fake.jobs
+        assert who == "any" and job.kv_sources == []
+
+    _run(nats_url, body)
