@@ -26,7 +26,7 @@ from moemesh.services.kv_store.config import KVStoreConfig
 from moemesh.services.kv_store.service import KVStoreService
 from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
-from moemesh.shared.engine.sampling_params import SamplingParams
+from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.messages import (
     ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPull, KVPullItem, KVPullReply, KVPut, KVPutReply,
     RebalanceReply, RebalanceRequest, WorkerLoad,
