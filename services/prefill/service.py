@@ -41,7 +41,7 @@ from moemesh.shared.protocol.messages import (
     KVRelease,
     PrefillJob,
 )
-from moemesh.shared.service.heartbeat import WorkerRegistry
+from moemesh.shared.kv.events import KVPeers
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, request
 from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime
@@ -84,8 +84,7 @@ class PrefillService(AsyncService):
                                 lambda: {"num_held": len(self.leases)})
         self.jobs: dict[str, JobState] = {}
         self.leases = LeaseTable(cfg.lease_timeout_s)
-        self.peers = WorkerRegistry()  # decode workers, to vet the UCX addresses we send to
-        self._decode_beat = asyncio.Event()
+        self.peers = KVPeers("decode")  # decode workers, to vet the UCX addresses we send to
         self._job_subs = []
 
     async def start(self) -> None:
@@ -252,32 +251,14 @@ class PrefillService(AsyncService):
 
     # ---- KV pulls -----------------------------------------------------------------
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
-        if hb.role == "decode":
-            self.peers.observe(hb)
-            self._decode_beat.set()  # wakes every waiter, then waits for the next beat
-            self._decode_beat.clear()
-
-    async def _known_decode_address(self, address: bytes) -> bool:
-        """UCX aborts the whole process on a malformed worker address, so we only ever
-        connect to addresses that live decode workers announced themselves. A worker
-        that just started may not have beaten yet: wait for its first beat, a while."""
-        deadline = time.monotonic() + 2 * self.cfg.heartbeat_interval_s + 0.5
-        while not any(hb.address == address for hb in self.peers.live("decode")):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._decode_beat.wait(), left)
-            except asyncio.TimeoutError:
-                return False
-        return True
+        self.peers.observe(hb)
 
     async def _on_pull(self, p: KVPull, msg, ctx) -> KVPullReply:
         """Gather the requests' KV end to end into staging memory and send it as one
         message. A request without a live lease keeps its range empty and is named in the
         reply; the others still go."""
         rt = self.rt
-        if not await self._known_decode_address(p.decode_address):
+        if not await self.peers.known_within(p.decode_address, 2 * self.cfg.heartbeat_interval_s + 0.5):
             return KVPullReply(False, error="the pulling address belongs to no live decode worker")
         if self.cfg.debug_kv_fault == "error":
             return KVPullReply(False, error="injected fault")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable, Iterable
 
 from moemesh.shared.service.heartbeat import WorkerRegistry
@@ -51,6 +52,33 @@ class KVEventPublisher:
 
 
 class KVPeers(WorkerRegistry):
+    def __init__(self, role: str | None = None):
+        """role: the only role whose addresses count (None: any)."""
+        super().__init__()
+        self._role = role
+        self._beat = asyncio.Event()
+
+    def observe(self, hb, now: float | None = None) -> None:
+        if self._role is not None and hb.role != self._role:
+            return
+        super().observe(hb, now)
+        self._beat.set()  # wakes every waiter, then waits for the next beat
+        self._beat.clear()
+
     def knows(self, address: bytes) -> bool:
         """Whether a live worker announced this UCX address."""
-        return bool(address) and any(lw.beat.address == address for lw in self.workers.values())
+        return bool(address) and any(hb.address == address for hb in self.live(None))
+
+    async def known_within(self, address: bytes, timeout_s: float) -> bool:
+        """knows(address), waiting up to timeout_s for it: a worker that just started may
+        not have beaten yet when its first message arrives."""
+        deadline = time.monotonic() + timeout_s
+        while not self.knows(address):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._beat.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return True
