@@ -30,6 +30,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes computed before
+    num_prefix_snapshots: int | None = None  # DeepSeek-V4: boundary snapshots kept (None: 2 * max_num_seqs)
 
     @classmethod
     def for_worker(cls, cfg: WorkerConfig, role: str) -> EngineConfig:
@@ -57,6 +58,8 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens must be in [0, 8]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_prefix_snapshots is not None and self.num_prefix_snapshots < 0:
+            raise ValueError("num_prefix_snapshots must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

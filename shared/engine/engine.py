@@ -37,6 +37,7 @@ from moemesh.shared.protocol.prefix_hash import chain, kv_identity
 from moemesh.shared.engine.runner import Chunk, build_batch
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from moemesh.shared.engine.snapshots import SnapshotCache, boundary
 from moemesh.shared.engine.speculative import speculative_step
 from moemesh.shared.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SeqStatus
 from moemesh.shared.model.deepseek import DeepseekForCausalLM
@@ -87,20 +88,25 @@ class LLMEngine:
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
         self.batcher = self.draft_batcher = None
         num_rings = 0
+        self.snapshots: SnapshotCache | None = None
         if self.hybrid:
-            # A ring per running sequence, and as many again for requests held for a pull.
+            # A ring per running sequence, and as many again for requests held for a pull;
+            # with prefix caching, the boundary snapshots' rings after them.
             num_rings = 2 * cfg.max_num_seqs
+            num_snaps = self._num_snapshots(cfg)
             self.kv = HybridKVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device, num_rings,
-                                    self.num_spec)
+                                    self.num_spec, num_snaps)
             self.batcher = HybridBatcher(mcfg, cfg.block_size)
             self.draft_batcher = partial(self.batcher, sliding_only=True)
+            if num_snaps:
+                self.snapshots = SnapshotCache(num_rings, num_snaps)
         else:
             self.kv = KVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                                    num_rings=num_rings)
         self.kv_identity = kv_identity(mcfg.identity(), cfg.block_size, cfg.dtype)
         sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_spec)
-        self.scheduler = Scheduler(sched_cfg, self.blocks)
+        self.scheduler = Scheduler(sched_cfg, self.blocks, self.snapshots)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
         self.eos_ids = set(mcfg.eos_token_ids)
@@ -125,14 +131,19 @@ class LLMEngine:
 
     @staticmethod
     def _v4_settings(cfg: EngineConfig, mcfg) -> EngineConfig:
-        """A V4 block holds whole compression groups; prefix reuse needs the window state
-        at a block boundary, which this engine does not keep yet."""
+        """A V4 block holds whole compression groups, so a block boundary is a boundary of
+        every group: what a cached block holds is complete, and a boundary snapshot
+        (engine/snapshots.py) is the rest of the state there."""
         bs = math.lcm(cfg.block_size, mcfg.block_multiple)
         if bs != cfg.block_size:
             log.info("block_size %d -> %d: a DeepSeek-V4 block holds whole compression groups", cfg.block_size, bs)
-        if cfg.enable_prefix_caching:
-            log.info("prefix caching is off for DeepSeek-V4 (not supported yet)")
-        return replace(cfg, block_size=bs, enable_prefix_caching=False)
+        return replace(cfg, block_size=bs)
+
+    @staticmethod
+    def _num_snapshots(cfg: EngineConfig) -> int:
+        if not cfg.enable_prefix_caching:
+            return 0
+        return cfg.num_prefix_snapshots if cfg.num_prefix_snapshots is not None else 2 * cfg.max_num_seqs
 
     def _blocks_from_memory(self) -> int:
         kind = HybridKVCache if self.hybrid else KVCache
@@ -176,10 +187,17 @@ class LLMEngine:
             bs = self.cfg.block_size
             if len(cached_blocks) * bs >= len(seq.token_ids):
                 raise RequestError("cached blocks must leave at least one prompt token to compute")
+            if self.hybrid:  # V4: usable only as deep as a boundary snapshot
+                d = self.snapshots.usable(seq.block_hashes[: len(cached_blocks)]) if self.snapshots else 0
+                self.blocks.free(list(cached_blocks[d:]))
+                cached_blocks = cached_blocks[:d]
+        if cached_blocks:
             seq.block_ids = list(cached_blocks)
             seq.num_computed = len(cached_blocks) * bs
             seq.num_registered = len(cached_blocks)
             seq.num_cached_tokens = seq.num_computed
+            if self.snapshots is not None:
+                self.scheduler.pin_snapshot(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -344,6 +362,9 @@ class LLMEngine:
             step.logprobs = [p.logprobs for p in params]
         step.prev = inflight
         step.register = register
+        if self.snapshots is not None:
+            step.restores = self._restores(chunks)
+            step.snapshots = self._snapshot_plan(chunks, [(c.start + c.q_len,) * 2 for c in chunks])
         st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
         st.scheduled = [c.seq.request_id for c in chunks]
         t2 = time.perf_counter()
@@ -379,6 +400,8 @@ class LLMEngine:
         for seq, end in step.register:
             if seq.status is SeqStatus.RUNNING:
                 self._register(seq, end)
+        if step.snapshots:
+            self._file_snapshots(step.snapshots)
         out = StepOutputs([s.request_id for s in seqs], toks)
         live = [s.status is SeqStatus.RUNNING for s in seqs]
         ends = self._ends(step, toks)
@@ -480,6 +503,49 @@ class LLMEngine:
         for i in range(seq.num_registered, n_full):
             self.blocks.register(seq.block_ids[i], seq.block_hashes[i])
         seq.num_registered = n_full
+
+    # ---- V4 boundary snapshots (snapshots.py) ---------------------------------------------
+    def _restores(self, chunks: list[Chunk]) -> list[tuple[int, int]]:
+        """(snapshot, ring) copies that must precede this step's forward: sequences that
+        start on a cached prefix. Their pins go: later snapshots are written after this copy."""
+        out = []
+        for c in chunks:
+            seq = c.seq
+            if seq.restore_ring >= 0:
+                out.append((seq.restore_ring, seq.ring))
+                self.snapshots.unpin(seq.restore_hash)
+                seq.restore_ring, seq.restore_hash = -1, b""
+        return out
+
+    def _snapshot_plan(self, chunks: list[Chunk], ends: list[tuple[int, int]],
+                       rings: list[int] | None = None) -> list[tuple[int, int, Sequence, int]]:
+        """(ring, snapshot ring, sequence, boundary) copies to make after this step.
+        ends: per chunk, positions computed and ring rows written up to (drafts included)."""
+        out, bs, ahead = [], self.cfg.block_size, self.kv.layout.ahead
+        for i, (c, (end, write_end)) in enumerate(zip(chunks, ends)):
+            b = boundary(c.start, end, write_end, bs, ahead)
+            if b and (dst := self.snapshots.take()) is not None:
+                out.append((c.seq.ring if rings is None else rings[i], dst, c.seq, b))
+        return out
+
+    def _file_snapshots(self, snaps: list[tuple[int, int, Sequence, int]]) -> None:
+        """Snapshots taken: kept under the hash of the block ending at their boundary when
+        that block is cached, else given back."""
+        bs = self.cfg.block_size
+        for _, dst, seq, b in snaps:
+            i = b // bs - 1
+            h = seq.block_hashes[i] if i < len(seq.block_hashes) else b""
+            if not h or not self.blocks.lookup([h]):
+                self.snapshots.give(dst)
+                continue
+            if not self.snapshots.put(h, dst):
+                continue
+            if b in seq.snap_targets:
+                seq.snap_targets.remove(b)
+            else:  # the newest boundary of its decode: it supersedes the one before
+                if seq.latest_snap:
+                    self.snapshots.demote(seq.latest_snap)
+                seq.latest_snap = h
 
     def _gen(self, seq: Sequence) -> torch.Generator | None:
         # Keyed by output position, so a seeded request draws the same numbers whether it

@@ -24,11 +24,13 @@ from moemesh.shared.model.v4.layout import V4Layout
 
 class HybridKVCache:
     def __init__(self, cfg: V4Config, num_blocks: int, block_size: int, dtype: torch.dtype, device,
-                 num_rings: int, num_spec: int):
+                 num_rings: int, num_spec: int, num_snapshots: int = 0):
+        """num_snapshots: rings after the sequences' ones, for the prefix cache's boundary
+        snapshots (shared/engine/snapshots.py)."""
         self.layout = V4Layout(cfg, block_size, num_spec)
         self.num_blocks, self.block_size, self.num_rings = num_blocks, block_size, num_rings
         self.main = torch.zeros(num_blocks, self.layout.main_width, dtype=dtype, device=device)
-        self.rings = torch.zeros(num_rings, self.layout.ring_width, dtype=dtype, device=device)
+        self.rings = torch.zeros(num_rings + num_snapshots, self.layout.ring_width, dtype=dtype, device=device)
 
     @property
     def forward_arg(self) -> "HybridKVCache":
@@ -41,6 +43,12 @@ class HybridKVCache:
     @staticmethod
     def bytes_per_block(cfg: V4Config, block_size: int, dtype: torch.dtype) -> int:
         return V4Layout(cfg, block_size).main_width * dtype.itemsize
+
+    def copy_rings(self, pairs: list[tuple[int, int]]) -> None:
+        """(source, destination) rings: take or restore boundary snapshots. A whole ring
+        moves: slot q % span means the same position in both."""
+        src, dst = (torch.tensor(x, dtype=torch.long, device=self.rings.device) for x in zip(*pairs))
+        self.rings[dst] = self.rings[src]
 
     # ---- a request's state as one buffer --------------------------------------------
     def export_numel(self, n_blocks: int) -> int:

@@ -49,6 +49,9 @@ class PlannedStep:
     logprobs: list[int | None] | None = None  # per row: alternatives wanted, None: off
     special: list[int] = field(default_factory=list)  # rows that may end or carry more than an id
     register: list = field(default_factory=list)  # (sequence, positions computed): blocks to cache
+    # DeepSeek-V4 prefix reuse: ring copies (source, destination, ...) before and after the forward.
+    restores: list = field(default_factory=list)  # snapshots into the rings of sequences starting on them
+    snapshots: list = field(default_factory=list)  # (ring, snapshot ring, sequence, boundary)
     stats: object = None  # the engine's StepStats for this step
     step_id: int = field(default_factory=lambda: next(_step_ids))
     # Set by run():
@@ -80,7 +83,11 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> 
     if step.fill_rows is not None:
         ids = prev.sampled.to(batch.input_ids.device)
         batch.input_ids[step.fill_rows] = ids[step.fill_from]
+    if step.restores:
+        kv_caches.copy_rings(step.restores)
     hidden = model(batch, kv_caches)
+    if step.snapshots:
+        kv_caches.copy_rings([s[:2] for s in step.snapshots])
     t1 = time.perf_counter()
     if step.seqs:
         rows = hidden[: step.num_rows] if step.sample_rows is None else hidden[step.sample_rows]

@@ -9,6 +9,10 @@ than for the whole of it. When a running sequence cannot get the blocks it needs
 the newest running sequence is preempted: its blocks are freed and it will be
 recomputed from its tokens. This keeps the oldest requests moving.
 
+DeepSeek-V4 (with `snapshots`): a cached prefix is taken only as deep as its deepest
+boundary snapshot, whose copy into the sequence's ring goes with its first step, and a
+prefill chunk ends at each boundary the sequence is to snapshot (engine/snapshots.py).
+
 While a step is in flight (the engine plans step N+1 during step N), a sequence that N
 samples for already ends in a placeholder token, and the scheduler plans N+1 as if N had
 landed. A sequence whose placeholder is its last token by length (past `last_slot`) is
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.sequence import FinishReason, SeqStatus, Sequence
+from moemesh.shared.engine.snapshots import SnapshotCache, targets
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,10 @@ def _arrival(seq: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, snapshots: SnapshotCache | None = None):
         self.cfg = cfg
         self.blocks = blocks
+        self.snapshots = snapshots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -133,7 +139,7 @@ class Scheduler:
                 num_new += drafts
             elif not seq.in_decode and num_new > budget - reserve:
                 num_new = max(budget - reserve, 1)  # a prefill chunk: the reserve goes to short prompts
-            num_new = min(num_new, budget)
+            num_new = self._cut(seq, min(num_new, budget))
             if not can_preempt and not self.blocks.can_allocate(
                     self.blocks.blocks_for(seq.num_computed + num_new + max(k - 1, 0)) - len(seq.block_ids)):
                 out.blocked = True
@@ -149,7 +155,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             cached = self._reuse_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            num_new = self._cut(seq, min(seq.num_tokens - seq.num_computed, budget))
             need = self.blocks.blocks_for(seq.num_computed + num_new + max(k - 1, 0)) - len(seq.block_ids)
             no_ring = self.blocks.uses_rings and seq.ring < 0 and not self.blocks.num_free_rings
             if no_ring or not self.blocks.can_allocate(need):
@@ -172,7 +178,7 @@ class Scheduler:
         their cached prefix), counted while each has at most `limit` and up to `limit` in all."""
         total = 0
         for seq in self.waiting:
-            left = seq.num_tokens - seq.num_computed - len(self._cached_prefix(seq)) * self.blocks.block_size
+            left = seq.num_tokens - seq.num_computed - len(self._cached_prefix(seq)[0]) * self.blocks.block_size
             if left > limit:
                 break
             total += left
@@ -183,23 +189,45 @@ class Scheduler:
     def _reuse_prefix(self, seq: Sequence) -> int:
         """Start a fresh sequence on the cached blocks of its longest known prefix. At least
         one token is left to compute, since sampling needs its logits."""
-        blocks = self._cached_prefix(seq)
-        if not blocks:
-            return 0
-        self.blocks.acquire(blocks)
-        seq.block_ids = list(blocks)
-        seq.num_computed = len(blocks) * self.blocks.block_size
-        seq.num_registered = len(blocks)
-        seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
+        fresh = not seq.block_ids and not seq.num_computed
+        blocks, num_cached = self._cached_prefix(seq)
+        if blocks:
+            self.blocks.acquire(blocks)
+            seq.block_ids = list(blocks)
+            seq.num_computed = len(blocks) * self.blocks.block_size
+            seq.num_registered = len(blocks)
+            seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
+            if self.snapshots is not None:
+                self.pin_snapshot(seq)
+        if self.snapshots is not None and (fresh or seq.restore_ring >= 0):
+            seq.snap_targets = targets(seq.num_computed, num_cached, seq.num_tokens, self.blocks.block_size)
         return len(blocks)
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks a fresh sequence could start on (no references taken); at least
-        one token is left to compute, since sampling needs its logits."""
+    def pin_snapshot(self, seq: Sequence) -> None:
+        """A V4 sequence that starts on cached blocks: its ring is restored from the
+        snapshot at their end before its first step."""
+        h = seq.block_hashes[len(seq.block_ids) - 1]
+        seq.restore_ring, seq.restore_hash = self.snapshots.pin(h), h
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], int]:
+        """Cached blocks a fresh sequence could start on (no references taken), and how
+        many are cached (V4: more than it can start on where snapshots are missing); at
+        least one token is left to compute, since sampling needs its logits."""
         if seq.block_ids or seq.num_computed or not self.blocks.enable_caching:
-            return []
+            return [], 0
         usable = (seq.num_tokens - 1) // self.blocks.block_size
-        return self.blocks.lookup(seq.block_hashes[:usable])
+        blocks = self.blocks.lookup(seq.block_hashes[:usable])
+        if self.snapshots is None:
+            return blocks, len(blocks)
+        return blocks[: self.snapshots.usable(seq.block_hashes[: len(blocks)])], len(blocks)
+
+    @staticmethod
+    def _cut(seq: Sequence, num_new: int) -> int:
+        """End a prefill chunk at the next boundary the sequence snapshots."""
+        for t in seq.snap_targets:
+            if t > seq.num_computed:
+                return min(num_new, t - seq.num_computed)
+        return num_new
 
     def _ensure_blocks(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
         need = self.blocks.blocks_for(num_slots) - len(seq.block_ids)
@@ -224,6 +252,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _free(self, seq: Sequence) -> None:
+        if seq.restore_ring >= 0:  # it never ran: the snapshot it was to start from is not needed
+            self.snapshots.unpin(seq.restore_hash)
+            seq.restore_ring, seq.restore_hash = -1, b""
         if seq.block_ids:
             self.blocks.free(seq.block_ids)
             seq.block_ids = []

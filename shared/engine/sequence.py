@@ -45,6 +45,13 @@ class Sequence:
     num_computed: int = 0  # positions whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
     ring: int = -1  # DeepSeek-V4: the ring of recent positions, held with the blocks
+    # DeepSeek-V4 prefix reuse (engine/snapshots.py): the pinned snapshot to copy into the
+    # ring before the first step, the boundaries to snapshot during prefill, and the hash of
+    # the newest boundary snapshot taken during decode.
+    restore_ring: int = -1
+    restore_hash: bytes = b""
+    snap_targets: list[int] = field(default_factory=list)
+    latest_snap: bytes = b""
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     draft_ids: list[int] = field(default_factory=list)

@@ -39,6 +39,11 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
     st.scheduled = [c.seq.request_id for c in chunks]
     t2 = time.perf_counter()
     st.prepare_s = t2 - t1
+    snaps = eng.snapshots is not None
+    if snaps:
+        restores, rings = eng._restores(chunks), [c.seq.ring for c in chunks]  # a finished one gives its ring back
+        if restores:
+            eng.kv.copy_rings(restores)
     hidden = eng.model(batch, eng.kv.forward_arg)
     t3 = time.perf_counter()
     st.forward_s = t3 - t2
@@ -50,6 +55,12 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
     if eng.use_mtp and (mtp_work or eng.lockstep):
         eng.drafter.propose(mtp_work, hidden)
         st.draft_s = time.perf_counter() - t4
+    if snaps:  # after the drafts: the MTP layer's rows are part of a snapshot
+        ends = [(c.seq.num_computed, max(c.start + c.q_len, c.seq.num_computed + eng.num_spec)) for c in chunks]
+        taken = eng._snapshot_plan(chunks, ends, rings)
+        if taken:
+            eng.kv.copy_rings([s[:2] for s in taken])
+            eng._file_snapshots(taken)
     st.total_s = time.perf_counter() - t0
     eng.last_stats = st
     eng.num_drafted_total += st.num_drafted

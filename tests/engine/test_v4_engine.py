@@ -17,9 +17,9 @@ def _engine(model_dir, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, **kw))
 
 
-def test_block_size_holds_whole_groups_and_prefix_caching_is_off(tiny_v4_model):
+def test_block_size_holds_whole_groups(tiny_v4_model):
     eng = _engine(tiny_v4_model, block_size=4)  # groups of 16 (HCA) do not fit: raised to 16
-    assert eng.cfg.block_size == 16 and not eng.cfg.enable_prefix_caching
+    assert eng.cfg.block_size == 16 and eng.cfg.enable_prefix_caching
     assert eng.blocks.uses_rings and eng.blocks.num_rings == 2 * eng.cfg.max_num_seqs
 
 

@@ -63,7 +63,7 @@ class V4Layout:
                              f"(lcm {cfg.block_multiple})")
         self.block_size = bs = block_size
         hd, ihd = cfg.head_dim, cfg.index_head_dim
-        ahead = 2 * num_spec + 2  # drafts write past the last verified position
+        self.ahead = ahead = 2 * num_spec + 2  # drafts write past the last verified position
         main = ring = 0
 
         def ring_region(lookback: int, width: int) -> Region:
