@@ -9,8 +9,10 @@ On the wire, blocks travel block-major (KVSpec.block_shape in shared/kv/spec.py)
 block's bytes are contiguous, so a holder can keep, checksum and serve them one by one.
 
 Only the V2/V3 paged cache moves this way. A DeepSeek-V4 block is not self-contained:
-the window rows a sequence needs to go on live in its ring, not in its blocks, so V4
-engines keep no prefix cache and refuse to move blocks (KVSpec.why_no_blocks).
+the window rows a sequence needs to go on live in its ring, not in its blocks, and a V4
+engine reuses a cached prefix only with a boundary snapshot of them (snapshots.py),
+which does not travel with blocks yet; so V4 engines refuse to move blocks
+(KVSpec.why_no_blocks) and reuse only their own cache.
 """
 
 from __future__ import annotations

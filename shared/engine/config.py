@@ -30,7 +30,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes computed before
-    num_prefix_snapshots: int | None = None  # DeepSeek-V4: boundary snapshots kept (None: 2 * max_num_seqs)
+    num_prefix_snapshots: int | None = None  # DeepSeek-V4: boundary snapshots kept (None: max_num_seqs)
 
     @classmethod
     def for_worker(cls, cfg: WorkerConfig, role: str) -> EngineConfig:

@@ -143,7 +143,7 @@ class LLMEngine:
     def _num_snapshots(cfg: EngineConfig) -> int:
         if not cfg.enable_prefix_caching:
             return 0
-        return cfg.num_prefix_snapshots if cfg.num_prefix_snapshots is not None else 2 * cfg.max_num_seqs
+        return cfg.num_prefix_snapshots if cfg.num_prefix_snapshots is not None else cfg.max_num_seqs
 
     def _blocks_from_memory(self) -> int:
         kind = HybridKVCache if self.hybrid else KVCache

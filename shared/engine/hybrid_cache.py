@@ -12,6 +12,10 @@ A request's state travels (prefill -> decode, one flat buffer) as its main rows
 followed by, per ring region, the `lookback` positions before its first position to
 compute, oldest first (zeros before position 0); the receiver files them into its own
 ring. That is everything a step needs to go on from there.
+
+With prefix caching, `num_snapshots` more rings follow the sequences' ones: the prefix
+cache's boundary snapshots (shared/engine/snapshots.py), copied whole from and into
+sequences' rings (`copy_rings`).
 """
 
 from __future__ import annotations

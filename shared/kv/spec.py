@@ -23,7 +23,8 @@ import torch
 
 from moemesh.shared.protocol.messages import KVLayout
 
-V4_NO_BLOCKS = "DeepSeek-V4 KV blocks are not shared (no prefix reuse for V4 yet)"
+V4_NO_BLOCKS = ("DeepSeek-V4 KV blocks do not move between workers: a V4 prefix is usable only with its "
+                "boundary snapshot, which block moves do not carry yet")
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class KVSpec:
     @property
     def why_no_blocks(self) -> str:
         """Why these blocks cannot move one by one, or "" when they can. A V4 block is not
-        self-contained: the window rows a sequence needs live in its ring."""
+        self-contained: the window rows a sequence needs live in its ring (and in the
+        prefix cache's boundary snapshots, which stay on their worker)."""
         return V4_NO_BLOCKS if self.hybrid else ""
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:

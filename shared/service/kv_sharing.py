@@ -106,8 +106,8 @@ class KVSharing:
     # ---- serving peers --------------------------------------------------------------------
     async def _on_fetch(self, f: KVFetch, msg, ctx) -> KVFetchReply:
         rt, spec = self.rt, self.spec
-        # A V4 worker refuses here: no gateway routes to it (no kv_identity in its
-        # heartbeat), but a peer might ask.
+        # A V4 worker refuses here (its blocks are usable only with a boundary snapshot,
+        # which does not travel); its own V4 peers never ask (acquire_prompt_prefix).
         why = spec.why_not_blocks(len(f.hashes), f.nbytes)
         if not why and f.layout is not None and not (c := compatible(spec, f.layout)):
             why = f"incompatible KV layout: {c.reason}"
