@@ -137,7 +137,9 @@ class LLMEngine:
         bs = math.lcm(cfg.block_size, mcfg.block_multiple)
         if bs != cfg.block_size:
             log.info("block_size %d -> %d: a DeepSeek-V4 block holds whole compression groups", cfg.block_size, bs)
-        return replace(cfg, block_size=bs)
+        # Without snapshots no cached V4 prefix is usable: cache nothing.
+        return replace(cfg, block_size=bs, enable_prefix_caching=cfg.enable_prefix_caching and
+                       cfg.num_prefix_snapshots != 0)
 
     @staticmethod
     def _num_snapshots(cfg: EngineConfig) -> int:

@@ -20,6 +20,7 @@ def _engine(model_dir, **kw) -> LLMEngine:
 def test_block_size_holds_whole_groups(tiny_v4_model):
     eng = _engine(tiny_v4_model, block_size=4)  # groups of 16 (HCA) do not fit: raised to 16
     assert eng.cfg.block_size == 16 and eng.cfg.enable_prefix_caching
+    assert not _engine(tiny_v4_model, num_prefix_snapshots=0).blocks.enable_caching  # no usable prefix without them
     assert eng.blocks.uses_rings and eng.blocks.num_rings == 2 * eng.cfg.max_num_seqs
 
 
