@@ -91,13 +91,31 @@ def test_next_turn_continues_from_the_last_boundary_of_the_first(v4, num_spec):
     p1 = [0] + _toks(rng, 41)
     eng = v4(num_speculative_tokens=num_spec)
     out1 = _run(eng, {"t1": p1}, max_tokens=12)["t1"]  # 42 + 12 tokens: boundaries 16, 32, 48
-    p2 = p1 + out1 + _toks(rng, 9)
+    p2 = p1 + out1 + _toks(rng, 1)  # its first chunk (48..54) is shorter than the window: it reads 47
     before = eng.num_cached_tokens_total
+    drafts = _record_drafts(eng)
     out2 = _run(eng, {"t2": p2}, max_tokens=8)["t2"]
     assert eng.num_cached_tokens_total - before == 48
-    cold = _cold(v4, {"t1": p1, "t2": p2}, {"t1": 12, "t2": 8}, num_speculative_tokens=num_spec)
+    cold_eng = v4(enable_prefix_caching=False, num_speculative_tokens=num_spec)
+    cold_drafts = _record_drafts(cold_eng)
+    cold = _cold(v4, {"t1": p1}, 12, num_speculative_tokens=num_spec) | _run(cold_eng, {"t2": p2}, 8)
     assert {"t1": out1, "t2": out2} == cold
+    # Drafts read the MTP layer's window rows: restored from the snapshot, they are the same.
+    assert drafts == cold_drafts and (len(drafts) > 0) == (num_spec > 0)
     _idle(eng)
+
+
+def _record_drafts(eng: LLMEngine) -> list[list[int]]:
+    """Every draft the engine proposes, per step (outputs alone cannot show them: the
+    target verifies whatever the MTP layer drafts)."""
+    seen, propose = [], eng.drafter.propose
+
+    def wrapped(work, hidden):
+        propose(work, hidden)
+        seen.extend(list(c.seq.draft_ids) for c, _ in work if c.seq.draft_ids)
+
+    eng.drafter.propose = wrapped
+    return seen
 
 
 def test_a_repeated_prompt_ending_on_a_boundary_reuses_all_but_its_last_block(v4):
@@ -162,3 +180,32 @@ def test_random_traffic_reuse_equals_cold(v4, seed):
         got |= _run(eng, {r: prompts[r] for r in wave}, {r: max_tokens[r] for r in wave})
     assert got == _cold(v4, prompts, max_tokens, num_speculative_tokens=num_spec)
     _idle(eng)
+
+
+@pytest.mark.parametrize("num_spec", [0, 1])
+def test_a_snapshot_holds_the_state_a_cold_run_has_at_its_boundary(v4, num_spec):
+    """The main rows of the cached blocks plus the snapshot's look-back rows (every layer's,
+    the MTP layer's included) equal a cold prefill's state at the boundary, as the P/D
+    hand-off buffer would carry them."""
+    rng = random.Random(6)
+    p1 = [0] + _toks(rng, 41)
+    eng = v4(num_speculative_tokens=num_spec)
+    out1 = _run(eng, {"t1": p1}, max_tokens=12)["t1"]  # its decode passes 48
+    seq = p1 + out1
+    from moemesh.shared.protocol.prefix_hash import chain
+
+    hashes = chain(seq, BS, eng.kv_identity, 3)
+    blocks = eng.blocks.lookup(hashes)
+    assert len(blocks) == 3 and eng.snapshots.usable(hashes) == 3
+    warm = eng.kv.export(blocks, eng.snapshots.pin(hashes[-1]), 48)
+    eng.snapshots.unpin(hashes[-1])
+
+    cold = v4(enable_prefix_caching=False, num_speculative_tokens=num_spec, role="prefill")
+    cold.add_request("c", seq[:48], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    while cold.has_unfinished():
+        cold.step()
+    held = cold.held_sequence("c")
+    assert held.num_computed == 48
+    want = cold.kv.export(held.block_ids[:3], held.ring, 48)
+    assert warm.shape == want.shape
+    assert (warm - want).abs().max().item() < 1e-4
