@@ -8,11 +8,13 @@ pressure never touches a block in use.
 On the wire, blocks travel block-major (KVSpec.block_shape in shared/kv/spec.py): each
 block's bytes are contiguous, so a holder can keep, checksum and serve them one by one.
 
-Only the V2/V3 paged cache moves this way. A DeepSeek-V4 block is not self-contained:
-the window rows a sequence needs to go on live in its ring, not in its blocks, and a V4
-engine reuses a cached prefix only with a boundary snapshot of them (snapshots.py),
-which does not travel with blocks yet; so V4 engines refuse to move blocks
-(KVSpec.why_no_blocks) and reuse only their own cache.
+A DeepSeek-V4 block is not self-contained: a sequence going on from its end also needs
+the window rows of the positions before it, which live in a ring, and a V4 engine uses
+a cached prefix only as deep as a boundary snapshot of them (snapshots.py). So a V4
+prefix moves with the snapshot at its end: the holder serves blocks only when it has
+that snapshot (pinned while it is read), the buffer carries it after the blocks (the
+hand-off layout: n main rows, then each ring region's look-back, by position), and the
+receiver files it into a snapshot ring of its own. One more checksum covers it.
 """
 
 from __future__ import annotations
@@ -22,29 +24,37 @@ import zlib
 import torch
 
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.kv.spec import V4_NO_BLOCKS
-
-
-def _paged(engine: LLMEngine) -> torch.Tensor:
-    if engine.hybrid:
-        raise ValueError(V4_NO_BLOCKS)
-    return engine.kv.tensor
 
 
 def acquire_prefix(engine: LLMEngine, hashes: list[bytes]) -> list[int]:
-    """Blocks of the longest locally cached prefix of `hashes`, with a reference taken."""
+    """Blocks of the longest locally cached prefix of `hashes` that can be started on (V4:
+    up to its deepest boundary snapshot), with a reference taken."""
     blocks = engine.blocks.lookup(hashes)
+    if engine.hybrid:
+        blocks = blocks[: engine.snapshots.usable(hashes[: len(blocks)])] if engine.snapshots else []
     engine.blocks.acquire(blocks)
     return blocks
 
 
 def acquire_exact(engine: LLMEngine, hashes: list[bytes]) -> list[int] | None:
-    """All of `hashes` with references taken, or None if any is missing."""
+    """All of `hashes` with references taken (V4: and the snapshot at their end, pinned),
+    or None if any is missing. Give them back with release_exact."""
     blocks = engine.blocks.lookup(hashes)
     if len(blocks) != len(hashes):
         return None
+    if engine.hybrid:
+        if not engine.snapshots or not engine.snapshots.has(hashes[-1]):
+            return None
+        engine.snapshots.pin(hashes[-1])
     engine.blocks.acquire(blocks)
     return blocks
+
+
+def release_exact(engine: LLMEngine, blocks: list[int], hashes: list[bytes]) -> None:
+    if blocks:
+        engine.blocks.free(blocks)
+        if engine.hybrid:
+            engine.snapshots.unpin(hashes[-1])
 
 
 def allocate(engine: LLMEngine, n: int) -> list[int] | None:
@@ -56,22 +66,42 @@ def release(engine: LLMEngine, blocks: list[int]) -> None:
         engine.blocks.free(blocks)
 
 
-def gather(engine: LLMEngine, blocks: list[int], out: torch.Tensor) -> list[int]:
-    """Copy blocks into `out` (block-major); returns each block's crc32."""
-    _paged(engine)
+def gather(engine: LLMEngine, blocks: list[int], out: torch.Tensor, hashes: list[bytes] = ()) -> list[int]:
+    """Copy blocks into `out` (block-major; V4: then the snapshot at the end of hashes[-1],
+    which acquire_exact pinned); returns each block's crc32 (V4: and the snapshot's)."""
+    if engine.hybrid:
+        h = hashes[-1]
+        engine.kv.export(blocks, engine.snapshots.ring(h), engine.snapshots.boundary(h), out)
+        return checksums(out, engine.kv.layout.main_width, len(blocks))
     out.copy_(engine.kv.export_blocks(blocks).transpose(0, 1))
     return checksums(out)
 
 
-def scatter_and_register(engine: LLMEngine, blocks: list[int], hashes: list[bytes], buf: torch.Tensor) -> None:
-    """buf: block-major blocks, written into `blocks` and put into the prefix cache."""
-    _paged(engine)
-    engine.kv.import_blocks(blocks, buf.transpose(0, 1))
+def scatter_and_register(engine: LLMEngine, blocks: list[int], hashes: list[bytes], buf: torch.Tensor,
+                         first_block: int = 0) -> None:
+    """buf: block-major blocks, written into `blocks` and put into the prefix cache. V4:
+    the snapshot after them goes into a snapshot ring of this engine, filed at the end of
+    block first_block + len(blocks) - 1 of the prompt (its position is what files it)."""
+    if engine.hybrid:
+        n = len(blocks)
+        main = engine.kv.main
+        main[torch.tensor(blocks, device=main.device)] = buf[: n * engine.kv.layout.main_width].view(n, -1).to(main)
+    else:
+        engine.kv.import_blocks(blocks, buf.transpose(0, 1))
     for b, h in zip(blocks, hashes):
         engine.blocks.register(b, h)
+    if engine.hybrid and engine.snapshots and (ring := engine.snapshots.take()) is not None:
+        at = (first_block + len(blocks)) * engine.cfg.block_size
+        engine.kv.import_carry(ring, at, buf[len(blocks) * engine.kv.layout.main_width :])
+        engine.snapshots.put(hashes[-1], ring, at)
 
 
-def checksums(buf: torch.Tensor) -> list[int]:
-    """crc32 of each block of a block-major buffer."""
-    raw = buf.contiguous().view(buf.shape[0], -1).view(torch.uint8).numpy()
-    return [zlib.crc32(row) for row in raw]
+def checksums(buf: torch.Tensor, block_numel: int = 0, num_blocks: int = 0) -> list[int]:
+    """crc32 of each block of a block-major buffer; of a flat V4 buffer (block_numel > 0),
+    of each of its num_blocks main rows, then of the snapshot after them."""
+    if not block_numel:
+        raw = buf.contiguous().view(buf.shape[0], -1).view(torch.uint8).numpy()
+        return [zlib.crc32(row) for row in raw]
+    raw = buf.contiguous().view(torch.uint8).numpy()
+    per = block_numel * buf.element_size()
+    return [zlib.crc32(raw[i * per : (i + 1) * per]) for i in range(num_blocks)] + [zlib.crc32(raw[num_blocks * per :])]

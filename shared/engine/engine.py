@@ -402,6 +402,8 @@ class LLMEngine:
         for seq, end in step.register:
             if seq.status is SeqStatus.RUNNING:
                 self._register(seq, end)
+        if step.restores:
+            self._unpin(step.restores)
         if step.snapshots:
             self._file_snapshots(step.snapshots)
         out = StepOutputs([s.request_id for s in seqs], toks)
@@ -507,17 +509,21 @@ class LLMEngine:
         seq.num_registered = n_full
 
     # ---- V4 boundary snapshots (snapshots.py) ---------------------------------------------
-    def _restores(self, chunks: list[Chunk]) -> list[tuple[int, int]]:
-        """(snapshot, ring) copies that must precede this step's forward: sequences that
-        start on a cached prefix. Their pins go: later snapshots are written after this copy."""
+    def _restores(self, chunks: list[Chunk]) -> list[tuple[int, int, bytes]]:
+        """(snapshot, ring, hash) copies that must precede this step's forward: sequences
+        that start on a cached prefix. The snapshots stay pinned until the step has run
+        (`_unpin`): an operation between steps may take any unpinned snapshot ring."""
         out = []
         for c in chunks:
             seq = c.seq
             if seq.restore_ring >= 0:
-                out.append((seq.restore_ring, seq.ring))
-                self.snapshots.unpin(seq.restore_hash)
+                out.append((seq.restore_ring, seq.ring, seq.restore_hash))
                 seq.restore_ring, seq.restore_hash = -1, b""
         return out
+
+    def _unpin(self, restores: list[tuple[int, int, bytes]]) -> None:
+        for _, _, h in restores:
+            self.snapshots.unpin(h)
 
     def _snapshot_plan(self, chunks: list[Chunk], ends: list[tuple[int, int]],
                        rings: list[int] | None = None) -> list[tuple[int, int, Sequence, int]]:
@@ -540,7 +546,7 @@ class LLMEngine:
             if not h or not self.blocks.lookup([h]):
                 self.snapshots.give(dst)
                 continue
-            if not self.snapshots.put(h, dst):
+            if not self.snapshots.put(h, dst, b):
                 continue
             if b in seq.snap_targets:
                 seq.snap_targets.remove(b)

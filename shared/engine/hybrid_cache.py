@@ -73,16 +73,22 @@ class HybridKVCache:
         if out is None:
             out = torch.empty(self.export_numel(n), dtype=self.dtype, device=self.main.device)
         mw = n * lay.main_width
-        out[:mw].view(n, -1).copy_(self.main[torch.tensor(block_ids, device=self.main.device)])
-        off = mw
-        for r in lay.rings:
+        if n:
+            out[:mw].view(n, -1).copy_(self.main[torch.tensor(block_ids, device=self.main.device)])
+        self.export_carry(ring, num_computed, out[mw:])
+        return out
+
+    def export_carry(self, ring: int, num_computed: int, out: torch.Tensor) -> None:
+        """Each ring region's look-back before position num_computed, oldest first, into
+        `out` (carry_width elements)."""
+        off = 0
+        for r in self.layout.rings:
             part = out[off : off + r.lookback * r.width].view(r.lookback, r.width)
             off += r.lookback * r.width
             rows, q = self._carried(r, num_computed)
             part.zero_()
             if len(q):
                 part[rows.to(part.device)] = r.view(self.rings)[ring, (q % r.count).to(self.rings.device)].to(part)
-        return out
 
     def import_(self, block_ids: list[int], ring: int, num_computed: int, buf: torch.Tensor) -> None:
         n, lay = len(block_ids), self.layout
@@ -90,9 +96,14 @@ class HybridKVCache:
             raise ValueError(f"V4 state buffer has shape {tuple(buf.shape)}, expected ({self.export_numel(n)},) "
                              f"for {n} blocks")
         mw = n * lay.main_width
-        self.main[torch.tensor(block_ids, device=self.main.device)] = buf[:mw].view(n, -1).to(self.main)
-        off = mw
-        for r in lay.rings:
+        if n:
+            self.main[torch.tensor(block_ids, device=self.main.device)] = buf[:mw].view(n, -1).to(self.main)
+        self.import_carry(ring, num_computed, buf[mw:])
+
+    def import_carry(self, ring: int, num_computed: int, buf: torch.Tensor) -> None:
+        """File a carry (export_carry's layout) into `ring` at the slots of its positions."""
+        off = 0
+        for r in self.layout.rings:
             part = buf[off : off + r.lookback * r.width].view(r.lookback, r.width)
             off += r.lookback * r.width
             rows, q = self._carried(r, num_computed)

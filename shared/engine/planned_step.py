@@ -84,7 +84,7 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> 
         ids = prev.sampled.to(batch.input_ids.device)
         batch.input_ids[step.fill_rows] = ids[step.fill_from]
     if step.restores:
-        kv_caches.copy_rings(step.restores)
+        kv_caches.copy_rings([r[:2] for r in step.restores])
     hidden = model(batch, kv_caches)
     if step.snapshots:
         kv_caches.copy_rings([s[:2] for s in step.snapshots])

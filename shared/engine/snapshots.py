@@ -37,6 +37,7 @@ class SnapshotCache:
         self._free: deque[int] = deque(range(first_ring, first_ring + num_snapshots))
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # unpinned, least recently used first
         self._pinned: dict[bytes, list[int]] = {}  # hash -> [ring, pins]
+        self._at: dict[bytes, int] = {}  # hash -> its boundary (position), for moving it by position
         self.num_evicted = 0
 
     @property
@@ -77,15 +78,26 @@ class SnapshotCache:
         if not self._lru:
             return None
         self.num_evicted += 1
-        return self._lru.popitem(last=False)[1]
+        h, ring = self._lru.popitem(last=False)
+        del self._at[h]
+        return ring
 
-    def put(self, h: bytes, ring: int) -> bool:
-        """File a written snapshot under h; a second copy of the same prefix is given back."""
+    def put(self, h: bytes, ring: int, boundary: int) -> bool:
+        """File a written snapshot of the state at position `boundary` under h; a second
+        copy of the same prefix is given back."""
         if self.has(h):
             self._free.append(ring)
             return False
         self._lru[h] = ring
+        self._at[h] = boundary
         return True
+
+    def boundary(self, h: bytes) -> int:
+        return self._at[h]
+
+    def ring(self, h: bytes) -> int:
+        """The ring of a pinned snapshot."""
+        return self._pinned[h][0]
 
     def give(self, ring: int) -> None:
         self._free.append(ring)
@@ -99,6 +111,7 @@ class SnapshotCache:
         rings = list(self._free) + list(self._lru.values()) + [r for r, _ in self._pinned.values()]
         assert len(rings) == len(set(rings)) == self.num_snapshots, "a snapshot ring is lost or owned twice"
         assert all(n > 0 for _, n in self._pinned.values())
+        assert self._at.keys() == self._lru.keys() | self._pinned.keys()
 
 
 def targets(num_computed: int, num_cached_blocks: int, num_tokens: int, block_size: int) -> list[int]:

@@ -43,7 +43,8 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
     if snaps:
         restores, rings = eng._restores(chunks), [c.seq.ring for c in chunks]  # a finished one gives its ring back
         if restores:
-            eng.kv.copy_rings(restores)
+            eng.kv.copy_rings([r[:2] for r in restores])
+            eng._unpin(restores)
     hidden = eng.model(batch, eng.kv.forward_arg)
     t3 = time.perf_counter()
     st.forward_s = t3 - t2

@@ -7,7 +7,11 @@ Glossary:
   DeepSeek-V4 hybrid cache one flat buffer of n blocks' main rows plus the ring window
   the request carries (`carry`), whatever its length.
 - block-major buffer: whole cached blocks as they travel between caches and the store,
-  [n, layers, block_size, D], each block's bytes contiguous. Only MLA caches move so.
+  [n, layers, block_size, D], each block's bytes contiguous. A DeepSeek-V4 move is a
+  prefix's blocks and the boundary snapshot at its end, as one flat buffer laid out like
+  a hand-off (n main rows, then the carry): a V4 prefix is usable only with it. Such
+  moves go between workers; the KV store keeps blocks of one size only, so V4 blocks are
+  not offered to it (`why_not_stored`).
 - wire form: `KVLayout`, the protocol message that carries a description between
   workers. Its values are those workers of older builds compare against.
 - identity: `prefix_hash.kv_identity`, the part of every block hash that says whose
@@ -23,8 +27,8 @@ import torch
 
 from moemesh.shared.protocol.messages import KVLayout
 
-V4_NO_BLOCKS = ("DeepSeek-V4 KV blocks do not move between workers: a V4 prefix is usable only with its "
-                "boundary snapshot, which block moves do not carry yet")
+V4_NO_STORE = ("the KV store keeps blocks of one size; a DeepSeek-V4 prefix travels with its boundary "
+               "snapshot, which the store cannot keep yet")
 
 
 @dataclass(frozen=True)
@@ -55,27 +59,24 @@ class KVSpec:
 
     # ---- whole blocks ---------------------------------------------------------------------
     @property
-    def why_no_blocks(self) -> str:
-        """Why these blocks cannot move one by one, or "" when they can. A V4 block is not
-        self-contained: the window rows a sequence needs live in its ring (and in the
-        prefix cache's boundary snapshots, which stay on their worker)."""
-        return V4_NO_BLOCKS if self.hybrid else ""
+    def why_not_stored(self) -> str:
+        """Why these blocks are not offered to (or pulled from) the KV store, or ""."""
+        return V4_NO_STORE if self.hybrid else ""
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of a block-major buffer of num_blocks blocks. Raises ValueError for V4."""
+        """Shape of a block-major buffer of num_blocks blocks (V4: flat, the boundary
+        snapshot after the blocks)."""
         if self.hybrid:
-            raise ValueError(V4_NO_BLOCKS)
+            return self.shape(num_blocks)
         return (num_blocks, self.num_layers, self.block_size, self.dim)
 
     def blocks_nbytes(self, num_blocks: int) -> int:
         if self.hybrid:
-            raise ValueError(V4_NO_BLOCKS)
+            return self.nbytes(num_blocks)
         return num_blocks * self.bytes_per_block
 
     def why_not_blocks(self, num_blocks: int, nbytes: int) -> str:
         """Why a request to move num_blocks blocks in nbytes bytes cannot be served, or ""."""
-        if self.hybrid:
-            return V4_NO_BLOCKS
         want = self.blocks_nbytes(num_blocks)
         return "" if nbytes == want else f"size mismatch: {num_blocks} blocks are {want} bytes"
 

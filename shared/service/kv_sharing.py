@@ -4,10 +4,11 @@
   are published (KVEvents), so the gateway knows which worker holds which prefix;
 - snapshot: the full list on request (a gateway that starts late catches up);
 - fetch: a peer asks for blocks by hash and gets them over UCX (all or nothing), with
-  a crc32 per block;
+  a crc32 per block (DeepSeek-V4: with the boundary snapshot at their end, block_io.py);
 - pull: the other direction, for a prefill worker that was told a peer or the KV store
   holds more of a prompt than it does;
-- push: finished requests' blocks are offered to the KV store in the background.
+- push: finished requests' blocks are offered to the KV store in the background (not
+  V4's: KVSpec.why_not_stored).
 """
 
 from __future__ import annotations
@@ -106,8 +107,6 @@ class KVSharing:
     # ---- serving peers --------------------------------------------------------------------
     async def _on_fetch(self, f: KVFetch, msg, ctx) -> KVFetchReply:
         rt, spec = self.rt, self.spec
-        # A V4 worker refuses here (its blocks are usable only with a boundary snapshot,
-        # which does not travel); its own V4 peers never ask (acquire_prompt_prefix).
         why = spec.why_not_blocks(len(f.hashes), f.nbytes)
         if not why and f.layout is not None and not (c := compatible(spec, f.layout)):
             why = f"incompatible KV layout: {c.reason}"
@@ -117,16 +116,17 @@ class KVSharing:
             return KVFetchReply(False, "the fetching address belongs to no live worker")
         blocks = await rt.loop.call(lambda e: block_io.acquire_exact(e, f.hashes))
         if blocks is None:
-            return KVFetchReply(False, "not all blocks are cached here any more")
+            return KVFetchReply(False, "not all blocks (V4: and the snapshot at their end) are cached here any more")
         slot = rt.staging.alloc(f.nbytes)
         if slot is None:
-            await rt.loop.call(lambda e: block_io.release(e, blocks))
+            await rt.loop.call(lambda e: block_io.release_exact(e, blocks, f.hashes))
             return KVFetchReply(False, "staging memory is full")
         try:
             out = slot.typed(spec.dtype, spec.block_shape(len(blocks)))
-            # Referenced blocks are not written by steps: copy beside the engine, not between steps.
-            sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, out)
-            await rt.loop.call(lambda e: block_io.release(e, blocks))
+            # Referenced blocks and pinned snapshots are not written by steps: copy beside the
+            # engine, not between steps.
+            sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, out, f.hashes)
+            await rt.loop.call(lambda e: block_io.release_exact(e, blocks, f.hashes))
             blocks = []
             await rt.transport.send(f.address, slot.buffer(), f.tag, rt.cfg.transfer_timeout_s)
             self.c_bytes.labels("sent").inc(f.nbytes)
@@ -135,7 +135,7 @@ class KVSharing:
             return KVFetchReply(False, str(e))
         finally:
             if blocks:
-                await rt.loop.call(lambda e: block_io.release(e, blocks))
+                await rt.loop.call(lambda e: block_io.release_exact(e, blocks, f.hashes))
             rt.staging.free(slot)
 
     # ---- pulling ----------------------------------------------------------------------------
@@ -143,22 +143,21 @@ class KVSharing:
         """Blocks holding the longest prefix of `hashes` we can get: our own cache first,
         then the best source. References are held; they go to the request."""
         rt = self.rt
-        if self.spec.why_no_blocks:
-            return []
         local = await rt.loop.call(lambda e: block_io.acquire_prefix(e, hashes))
         self.c_hit.labels("local").inc(len(local) * rt.engine.cfg.block_size)
-        best = max((s for s in sources if s.num_blocks > len(local) and s.holder_id != rt.worker_id),
-                   key=lambda s: s.num_blocks, default=None)
+        stores = {p.worker_id for p in self.peers.live("kv_store")} if self.spec.why_not_stored else set()
+        best = max((s for s in sources if s.num_blocks > len(local) and s.holder_id != rt.worker_id
+                    and s.holder_id not in stores), key=lambda s: s.num_blocks, default=None)
         if best is None:
             return local
         missing = hashes[len(local) : min(best.num_blocks, len(hashes))]
-        pulled = await self._pull(best.holder_id, missing)
+        pulled = await self._pull(best.holder_id, missing, len(local))
         if pulled:
             self.pulled_tokens += len(pulled) * rt.engine.cfg.block_size
             self.c_hit.labels("remote").inc(len(pulled) * rt.engine.cfg.block_size)
         return local + pulled
 
-    async def _pull(self, holder: str, hashes: list[bytes]) -> list[int]:
+    async def _pull(self, holder: str, hashes: list[bytes], first_block: int) -> list[int]:
         rt, spec = self.rt, self.spec
         new = await rt.loop.call(lambda e: block_io.allocate(e, len(hashes)))
         if not new:
@@ -176,9 +175,9 @@ class KVSharing:
 
             reply = await rx.run(ask, rt.cfg.transfer_timeout_s)
             buf = rx.slot.typed(spec.dtype, spec.block_shape(len(hashes)))
-            if block_io.checksums(buf) != reply.checksums:
+            if block_io.checksums(buf, spec.block_numel if spec.hybrid else 0, len(hashes)) != reply.checksums:
                 raise TransferError("checksum mismatch: treating the blocks as a miss")
-            await rt.loop.call(lambda e: block_io.scatter_and_register(e, new, hashes, buf))
+            await rt.loop.call(lambda e: block_io.scatter_and_register(e, new, hashes, buf, first_block))
             self.c_bytes.labels("received").inc(rx.nbytes)
             ok = True
             return new
@@ -198,7 +197,7 @@ class KVSharing:
     def push_soon(self, hashes: list[bytes]) -> None:
         """Offer these full blocks to the KV store, in the background."""
         fresh = [h for h in hashes if h not in self._pushed]
-        if fresh and self.store_id() is not None and not self.spec.why_no_blocks:
+        if fresh and self.store_id() is not None and not self.spec.why_not_stored:
             self.rt.spawn(self._push(fresh), "kv-push")
 
     async def _push(self, hashes: list[bytes]) -> None:

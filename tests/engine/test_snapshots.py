@@ -12,7 +12,7 @@ def test_pinned_snapshots_are_never_evicted_and_lru_goes_first():
     rings = [c.take() for _ in range(3)]
     assert rings == [4, 5, 6] and c.take() is None  # nothing free, nothing filed yet
     for h, r in zip((b"a", b"b", b"c"), rings):
-        assert c.put(h, r)
+        assert c.put(h, r, 16)
     assert c.usable([b"x", b"a", b"y", b"c", b"z"]) == 4  # the deepest with a snapshot
     assert c.pin(b"a") == 4 and c.pin(b"a") == 4
     assert c.take() == 5 and not c.has(b"b")  # b is the least recently used unpinned one
@@ -30,7 +30,7 @@ def test_pinned_snapshots_are_never_evicted_and_lru_goes_first():
 def test_a_second_copy_of_a_prefix_is_given_back():
     c = SnapshotCache(0, 2)
     r0, r1 = c.take(), c.take()
-    assert c.put(b"h", r0) and not c.put(b"h", r1)
+    assert c.put(b"h", r0, 16) and not c.put(b"h", r1, 16)
     assert c.take() == r1
     c.give(r1)
     c.check()
@@ -45,7 +45,7 @@ def test_random_pins_and_takes_never_lose_a_ring():
         if op < 0.4:
             r = c.take()
             if r is not None:
-                c.put(str(rng.randrange(12)).encode(), r)
+                c.put(str(rng.randrange(12)).encode(), r, 16)
         elif op < 0.7 and c.num_cached:
             hs = [h for h in (str(k).encode() for k in range(12)) if c.has(h)]
             h = rng.choice(hs)

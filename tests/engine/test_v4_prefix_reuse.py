@@ -209,3 +209,43 @@ def test_a_snapshot_holds_the_state_a_cold_run_has_at_its_boundary(v4, num_spec)
     want = cold.kv.export(held.block_ids[:3], held.ring, 48)
     assert warm.shape == want.shape
     assert (warm - want).abs().max().item() < 1e-4
+
+
+def test_a_prefix_moved_to_another_engine_with_its_snapshot_is_reused_exactly(v4):
+    """What a block fetch does (shared/engine/block_io.py): the holder serves blocks 1..2
+    and the snapshot at their end, the receiver (with block 0 and its snapshot of its own,
+    and other draft settings, so rings of another span) files them and starts there."""
+    import torch
+
+    from moemesh.shared.engine import block_io
+    from moemesh.shared.kv.spec import describe
+    from moemesh.shared.protocol.prefix_hash import chain
+
+    rng = random.Random(7)
+    p1 = [0] + _toks(rng, 47)  # 48 tokens: the prompt snapshots 32, its decode passes 48
+    holder = v4(num_speculative_tokens=1)
+    out1 = _run(holder, {"t1": p1}, max_tokens=6)["t1"]
+    p2 = p1 + out1 + _toks(rng, 5)
+    hashes = chain(p2, BS, holder.kv_identity, 3)
+    assert block_io.acquire_exact(holder, hashes[:1]) is None  # block 0 is cached, but no snapshot at 16
+    got = block_io.acquire_exact(holder, hashes[1:3])
+    assert got is not None
+    spec = describe(holder)
+    buf = torch.empty(spec.block_shape(2), dtype=spec.dtype)
+    sums = block_io.gather(holder, got, buf, hashes[1:3])
+    block_io.release_exact(holder, got, hashes[1:3])
+    assert len(sums) == 3 and sums == block_io.checksums(buf, spec.block_numel, 2)
+
+    recv = v4(num_speculative_tokens=2)
+    _run(recv, {"t0": p1[:20]}, max_tokens=1)  # block 0 and its snapshot (16), computed here
+    local = block_io.acquire_prefix(recv, hashes)
+    assert len(local) == 1
+    new = block_io.allocate(recv, 2)
+    block_io.scatter_and_register(recv, new, hashes[1:3], buf, first_block=len(local))
+    block_io.release(recv, local + new)  # they stay cached
+    before = recv.num_cached_tokens_total
+    out2 = _run(recv, {"t2": p2}, max_tokens=6)["t2"]
+    assert recv.num_cached_tokens_total - before == 48
+    assert out2 == _cold(v4, {"t2": p2}, 6)["t2"]
+    _idle(holder)
+    _idle(recv)

@@ -51,7 +51,11 @@ def test_v4_blocks_are_the_main_rows_and_the_ring_window_travels_once(v4):
     lay = v4.kv.layout
     assert spec.hybrid and spec.bytes_per_block == lay.main_width * v4.kv_dtype.itemsize
     assert spec.carry_numel == lay.carry_width > 0
-    assert "DeepSeek-V4" in spec.why_not_blocks(1, spec.bytes_per_block)
+    # A V4 move is a prefix's blocks and the boundary snapshot after them, in one flat buffer.
+    assert spec.block_shape(3) == spec.shape(3) == (3 * lay.main_width + lay.carry_width,)
+    assert spec.why_not_blocks(3, spec.blocks_nbytes(3)) == ""
+    assert "size mismatch" in spec.why_not_blocks(1, spec.bytes_per_block)
+    assert "DeepSeek-V4" in spec.why_not_stored
 
 
 def test_compatible_names_what_differs(tiny_model, tiny_v2_model, v3):
