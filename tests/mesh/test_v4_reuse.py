@@ -6,6 +6,7 @@ are those of one engine without any cache."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import httpx
@@ -41,24 +42,24 @@ def _message(turn: str) -> dict:
     return {"role": "user", "content": turn + " " + "with context " * 10}
 
 
-def _want(llm) -> list[str]:
+def _want(llm, turns=TURNS, max_tokens=MAX_TOKENS) -> list[str]:
     msgs, answers = [], []
-    for t in TURNS:
+    for t in turns:
         msgs.append(_message(t))
         ids = llm.tokenizer.encode_chat(msgs)
-        a = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0].text
+        a = llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0].text
         answers.append(a)
         msgs.append({"role": "assistant", "content": a})
     return answers
 
 
-def _chat(url: str) -> list[str]:
+def _chat(url: str, turns=TURNS, max_tokens=MAX_TOKENS) -> list[str]:
     msgs, answers = [], []
     with httpx.Client(timeout=120) as c:
-        for t in TURNS:
+        for t in turns:
             msgs.append(_message(t))
             r = c.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": msgs,
-                                                          "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                          "max_tokens": max_tokens, "temperature": 0,
                                                           "ignore_eos": True})
             assert r.status_code == 200, r.text
             a = r.json()["choices"][0]["message"]["content"]
@@ -86,3 +87,24 @@ def test_later_turns_reuse_the_prefix_on_the_worker_that_holds_it(v4_reuse_mesh,
     assert stats[holder]["prefix_cache_hit_tokens"] >= 2 * (first // 16 - 1) * 16 > 0
     v4_reuse_mesh.prefill_id = holder
     wait_free(v4_reuse_mesh)  # blocks cached, not held; rings and staging given back
+
+
+def test_a_new_prefill_worker_pulls_the_prefix_and_its_snapshot_from_a_peer(v4_reuse_mesh, no_reuse):
+    """The prefill worker holding a conversation dies; the next turn goes to the other one,
+    which pulls the blocks and the boundary snapshot at their end from the decode worker
+    (it holds the first turn with its answer, and a snapshot where its decode passed the
+    last boundary)."""
+    turns = ["A second conversation about a different router", TURNS[1]]
+    want = _want(no_reuse, turns, max_tokens=20)  # 20 tokens: the decode passes a boundary
+    start = {w: _counters(v4_reuse_mesh, w)["prompt_tokens"] for w in PREFILL}
+    assert _chat(v4_reuse_mesh.url, turns[:1], max_tokens=20) == want[:1]
+    holder = next(w for w in PREFILL if _counters(v4_reuse_mesh, w)["prompt_tokens"] > start[w])
+    victim = next(c for c in v4_reuse_mesh.group.children if c.name == ("prefill" if holder == "prefill-t" else "prefill1"))
+    victim.popen.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    while httpx.get(v4_reuse_mesh.url + "/health").json()["workers"]["prefill"] != 1:
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.2)
+    assert _chat(v4_reuse_mesh.url, turns, max_tokens=20) == want
+    other = next(w for w in PREFILL if w != holder)
+    assert _counters(v4_reuse_mesh, other)["kv_pulled_tokens"] > 0
