@@ -94,7 +94,8 @@ class ExpertParallel:
     """This rank's view of an instance's expert placement, one EPLayer per MoE layer."""
 
     def __init__(self, model, rank: int, world: int, phy2log: torch.Tensor, group=None):
-        """phy2log: [num MoE layers (target, then MTP), P], in model.moe_layers() order."""
+        """phy2log: [num MoE layers (target, then MTP), P], in model.moe_layers() order:
+        the layers of the model as loaded, so the MTP layer only where its weights were."""
         self.rank, self.world = rank, world
         self.layer_ids = sorted(model.moe_layers())
         E = model.cfg.n_routed_experts
@@ -106,6 +107,14 @@ class ExpertParallel:
             self.layers[lid] = EPLayer(moe.experts, row, E, rank, world, group)
             moe.runner = self.layers[lid]
 
+    @classmethod
+    def naive(cls, model, rank: int, world: int, redundant: int, group=None) -> "ExpertParallel":
+        """The start-up placement, one naive row per MoE layer the model has. Sized from the
+        model, not its config: a config may declare an MTP layer whose weights the
+        checkpoint lacks, and the loader then builds the model without it."""
+        row = contiguous_phy2log(model.cfg.n_routed_experts, world, redundant)
+        return cls(model, rank, world, row.repeat(len(model.moe_layers()), 1), group)
+
     def take_comm_s(self) -> float:
         """Seconds spent in all-to-all since the last call (read between steps)."""
         total = sum(l.comm_s for l in self.layers.values())
@@ -115,6 +124,16 @@ class ExpertParallel:
 
     def phy2log(self) -> torch.Tensor:
         return torch.stack([self.layers[l].phy2log for l in self.layer_ids])
+
+    @staticmethod
+    def naive_slot_map(num_experts: int, rank: int, world: int, redundant: int):
+        """For the checkpoint loader, before the model exists: under the naive placement
+        every MoE layer holds the same experts, so the map needs no list of layers.
+        Returns (MoE layer id -> logical expert of each local slot, slots per rank)."""
+        row = contiguous_phy2log(num_experts, world, redundant)
+        S = row.numel() // world
+        mine = row[rank * S : (rank + 1) * S].tolist()
+        return (lambda layer: mine), S
 
     @staticmethod
     def local_slot_map(phy2log: torch.Tensor, layer_ids: list[int], rank: int, world: int):

@@ -16,12 +16,13 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[0] + [rng.randrange(4, 970) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
 
 
-def _dep(model_dir, world, redundant, prompts, max_tokens, num_spec):
+def _dep(model_dir, world, redundant, prompts, max_tokens, num_spec, phy2log=None, info=None):
+    """Outputs by request id of a DEP instance; `info` (a list) gets each rank's facts."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=run_rank, args=(r, world, init, model_dir, prompts, redundant, max_tokens,
-                                                  num_spec, q)) for r in range(world)]
+                                                  num_spec, q, phy2log)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -32,7 +33,9 @@ def _dep(model_dir, world, redundant, prompts, max_tokens, num_spec):
             if p.is_alive():
                 p.kill()
     outs, steps = {}, set()
-    for rank, o, n, freed in results:
+    for rank, o, n, freed, facts in sorted(results, key=lambda r: r[0]):
+        if info is not None:
+            info.append(facts)
         outs.update(o)
         steps.add(n)
         assert freed, f"rank {rank} leaked KV blocks"
@@ -73,3 +76,45 @@ def test_dep_v4_outputs_equal_dep1_hash_layers_included(tiny_v4_model):
         for o in eng.step():
             want[o.request_id] += o.new_token_ids
     assert _dep(tiny_v4_model, 2, 1, prompts, 8, 1) == want
+
+
+def _greedy(eng, prompts, max_tokens) -> dict[str, list[int]]:
+    from moemesh.shared.protocol.sampling import SamplingParams
+
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+    return out
+
+
+def test_dep2_starts_on_a_checkpoint_whose_config_declares_an_mtp_layer_it_lacks(tiny_model, tmp_path):
+    """The config says one MTP layer; the weights have none. One engine starts with MTP
+    off, and so must a DEP instance: its placement is sized from the model as loaded
+    (two MoE layers), not from the config (three)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.engine import LLMEngine
+    from moemesh.shared.model.config import ModelConfig
+
+    d = tmp_path / "no-mtp"
+    shutil.copytree(tiny_model, d)
+    f = d / "model.safetensors"
+    tensors = load_file(str(f))
+    mtp = f"model.layers.{ModelConfig.from_dir(d).num_hidden_layers}."
+    assert any(k.startswith(mtp) for k in tensors)
+    save_file({k: t for k, t in tensors.items() if not k.startswith(mtp)}, str(f))
+    assert ModelConfig.from_dir(d).has_mtp  # the config still declares it
+
+    prompts = _prompts(4, seed=5)
+    eng = LLMEngine(EngineConfig(model=str(d), num_kv_blocks=256, num_speculative_tokens=1))
+    assert not eng.use_mtp
+    want = _greedy(eng, prompts, 6)
+    info: list[dict] = []
+    assert _dep(str(d), 2, 1, prompts, 6, 1, info=info) == want
+    assert [(i["num_moe_layers"], i["has_mtp"]) for i in info] == [(2, False), (2, False)]
