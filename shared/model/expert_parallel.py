@@ -40,6 +40,36 @@ def log2phy_of(phy2log: torch.Tensor, num_experts: int, num_ranks: int) -> tuple
     return p.log2phy()[0], p.replica_counts()[0]
 
 
+def to_replicas(flat: torch.Tensor, log2phy: torch.Tensor, counts: torch.Tensor,
+                turn: torch.Tensor) -> torch.Tensor:
+    """Global slots for routed pairs, each expert's pairs dealt round-robin over its replicas.
+
+    The n-th pair routed to expert e goes to replica (turn[e] + n) mod replicas(e), and
+    turn[e] then advances by e's pairs, so the deal carries on across calls. Dealing by
+    the pair's place among e's own pairs, not its place in the batch, matters for
+    hash-routed layers: there a token id fixes the experts and their order, so a hot
+    expert sits in the same top-k column for all its tokens, and a position-based pick
+    (pair index mod replicas) would send them all to one replica.
+
+    Args:
+        flat: [T*K] logical experts of the routed pairs.
+        log2phy: [E, X] slots of each expert, -1 padded.
+        counts: [E] replicas of each expert.
+        turn: [E] int64, updated in place: the replica each expert's next pair takes.
+    Returns:
+        [T*K] global slots.
+    """
+    n = flat.numel()
+    by_expert = torch.argsort(flat, stable=True)
+    per_expert = torch.bincount(flat, minlength=counts.numel())  # [E]
+    first = torch.cumsum(per_expert, 0) - per_expert
+    nth = torch.empty_like(flat)
+    nth[by_expert] = torch.arange(n, device=flat.device) - first[flat[by_expert]]  # place among its expert's pairs
+    phy = log2phy[flat, (turn[flat] + nth) % counts[flat]]
+    turn.add_(per_expert).remainder_(counts)
+    return phy
+
+
 class EPLayer:
     """Routes one MoE layer's tokens to expert slots across the instance and back."""
 
@@ -49,6 +79,9 @@ class EPLayer:
         self.num_experts = num_experts
         self.comm_s = 0.0  # time inside collectives, mostly waiting for the slowest rank
         self.slots_per_rank = experts.gate_up_proj.shape[0]
+        self.slot_tokens = torch.zeros(self.slots_per_rank, dtype=torch.long)  # pairs each local slot ran
+        # Ranks start their deals on different replicas, so single-token steps spread too.
+        self.turn = torch.full((num_experts,), rank, dtype=torch.long)
         self.set_placement(phy2log)
 
     def set_placement(self, phy2log: torch.Tensor) -> None:
@@ -61,9 +94,7 @@ class EPLayer:
         T, K = ids.shape
         S, N = self.slots_per_rank, self.world
         flat = ids.reshape(-1)  # [T*K] logical experts
-        # Pair i of expert e goes to replica i mod replicas(e): replicas share tokens evenly.
-        pair = torch.arange(T * K)
-        phy = self.log2phy[flat, pair % self.counts[flat]]  # [T*K] global slots
+        phy = to_replicas(flat, self.log2phy, self.counts, self.turn)  # [T*K] global slots
         order = torch.argsort(phy, stable=True)  # by slot, hence by rank, as the local path sums
         dst = phy[order]
         send_counts = torch.bincount(dst // S, minlength=N)
@@ -77,6 +108,7 @@ class EPLayer:
         slot_in = torch.empty(n_in, dtype=torch.long)
         dist.all_to_all_single(slot_in, (dst % S).contiguous(), recv, send, group=self.group)
         t1 = time.perf_counter()
+        self.slot_tokens += torch.bincount(slot_in, minlength=S)
         ones = torch.ones(n_in, 1, dtype=weights.dtype)
         y = fused_moe(x_in, self.experts.gate_up_proj, self.experts.down_proj, slot_in[:, None], ones,
                       self.experts.swiglu_limit)

@@ -40,6 +40,7 @@ def run_rank(rank: int, world: int, init_method: str, model_dir: str, prompts: l
                 outs[o.request_id] += o.new_token_ids
             steps += 1
         out_q.put((rank, outs, steps, eng.blocks.num_free_blocks == eng.blocks.num_blocks,
-                   {"num_moe_layers": len(ep.layer_ids), "has_mtp": model.cfg.has_mtp}))
+                   {"num_moe_layers": len(ep.layer_ids), "has_mtp": model.cfg.has_mtp,
+                    "slot_tokens": {lid: layer.slot_tokens.tolist() for lid, layer in ep.layers.items()}}))
     finally:
         dp.close()
