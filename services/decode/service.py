@@ -33,6 +33,7 @@ from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
+from moemesh.shared.service.tombstones import Tombstones
 from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime, end_fields
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.telemetry.tracing import exports_spans
@@ -61,6 +62,7 @@ class DecodeService(AsyncService):
         self.rt = WorkerRuntime(cfg, "decode", self._on_outputs, engine, transport,
                                 lambda: {"num_transfers": len(self.pulls)})
         self.pulls: dict[str, Pull] = {}
+        self.aborted = Tombstones()
         self.active: dict[str, Active] = {}
         self._gateways: Counter[str] = Counter()  # gateways of the active requests
         self._step_events = False
@@ -131,6 +133,8 @@ class DecodeService(AsyncService):
             return "KVReady must carry the first sampled token"
         if item.request_id in self.pulls or item.request_id in self.active:
             return f"duplicate request {item.request_id}"
+        if item.request_id in self.aborted:
+            return "aborted"
         return ""
 
     async def _pull_and_import(self, batch: PullBatch) -> None:
@@ -323,6 +327,7 @@ class DecodeService(AsyncService):
 
     async def _on_abort(self, a: Abort, msg, ctx) -> None:
         for rid in a.request_ids:
+            self.aborted.add(rid)  # its hand-off may still be on the way
             pull = self.pulls.get(rid)
             if pull is not None:
                 pull.aborted = True

@@ -35,6 +35,7 @@ from moemesh.services.gateway.auth import ApiKeyMiddleware, load_api_keys
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
 from moemesh.services.gateway.openapi import OPENAPI
+from moemesh.services.gateway.slow_clients import read_body
 from moemesh.services.gateway.sse import EventStream
 from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
 from moemesh.shared.model.config import ModelConfig
@@ -141,6 +142,8 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _generate(request: Request, kind: str) -> Response:
+    """Every way out of a request, bad input and bugs included, is counted once and gives
+    back its in-flight slot: `done` runs on each path, at most once."""
     st = _state(request)
     route = request.scope["path"]
     ctx = extract_context(request.headers)
@@ -148,12 +151,13 @@ async def _generate(request: Request, kind: str) -> Response:
     t0 = time.perf_counter()
     try:
         req = await _admit(request, st, kind, span)
-    except api.ApiError as e:
-        span.set_status(trace.StatusCode.ERROR, e.message)
-        span.set_attribute("http.status_code", e.status)
+    except Exception as e:
+        err = e if isinstance(e, api.ApiError) else _internal(e, "admitting a request")
+        span.set_status(trace.StatusCode.ERROR, err.message)
+        span.set_attribute("http.status_code", err.status)
         span.end()
-        st.m["requests"].labels(route, str(e.status)).inc()
-        raise
+        st.m["requests"].labels(route, str(err.status)).inc()
+        raise err from None
     st.inflight += 1
     st.m["inflight"].set(st.inflight)
     handle_done = asyncio.Event()
@@ -169,9 +173,15 @@ async def _generate(request: Request, kind: str) -> Response:
         span.set_attribute("http.status_code", status)
         span.end()
 
+    handle = None
     try:
         headers = inject_headers(context=trace.set_span_in_context(span))
         handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
+        span.set_attribute("decode.id", handle.decode_id)
+        if req.stream:
+            return EventStream(_sse(st, req, handle, span, t0, done), handle,
+                               {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id})
+        return await _collect(request, st, req, handle, span, t0, done)
     except NoWorkers as e:
         done(503)
         raise api.ApiError(503, str(e), type_="service_unavailable", code="no_workers",
@@ -179,23 +189,34 @@ async def _generate(request: Request, kind: str) -> Response:
     except Rejected as e:
         done(400)
         raise api.ApiError(400, str(e)) from None
-    span.set_attribute("decode.id", handle.decode_id)
-    if req.stream:
-        return EventStream(_sse(st, req, handle, span, t0, done), handle,
-                           {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id})
-    return await _collect(request, st, req, handle, span, t0, done)
+    except BaseException as e:
+        gone = isinstance(e, asyncio.CancelledError)
+        if handle is not None:
+            handle.close("client" if gone else "error")
+        done(499 if gone else 500)
+        if isinstance(e, Exception):
+            raise _internal(e, "serving a request") from None
+        raise
+
+
+def _internal(e: Exception, doing: str) -> api.ApiError:
+    """A bug, not the client's fault: logged in full here, and a 500 that names nothing
+    internal to the client."""
+    log.exception("internal error %s", doing)
+    return api.ApiError(500, "internal server error", type_="server_error", code="internal_error")
 
 
 async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.GenerateRequest:
     if st.draining:
         raise api.ApiError(503, "gateway is shutting down", type_="service_unavailable",
                            headers={"Retry-After": str(st.cfg.retry_after_s)})
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as e:
-        raise api.ApiError(400, f"request body is not valid JSON: {e}") from None
-    parse = api.parse_chat if kind == "chat" else api.parse_completion
-    req = parse(body, st.tok, st.cfg.default_max_tokens)
+    if st.inflight >= st.cfg.max_inflight:  # before reading and tokenizing what would be refused anyway
+        raise _at_capacity(st)
+    raw = await read_body(request, st.cfg.max_body_bytes, st.cfg.body_timeout_s)
+    if len(raw) > st.cfg.inline_parse_bytes:
+        req = await asyncio.to_thread(_parse, raw, st, kind)
+    else:
+        req = _parse(raw, st, kind)
     if req.model != st.cfg.model_name:
         raise api.ApiError(404, f"model {req.model!r} does not exist; this server serves {st.cfg.model_name!r}",
                            "model", code="model_not_found")
@@ -204,18 +225,30 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
         raise api.ApiError(400, f"This model's maximum context length is {st.max_model_len} tokens. However, you "
                                 f"requested {n + m} tokens ({n} in the prompt, {m} for the completion).",
                            "messages" if kind == "chat" else "prompt", code="context_length_exceeded")
-    if st.inflight >= st.cfg.max_inflight:
-        raise api.ApiError(429, f"server is at capacity ({st.cfg.max_inflight} requests in flight)",
-                           type_="rate_limit_error", code="capacity",
-                           headers={"Retry-After": str(st.cfg.retry_after_s)})
+    if st.inflight >= st.cfg.max_inflight:  # others were admitted while this one was parsed
+        raise _at_capacity(st)
     span.set_attributes({"request.id": req.request_id, "prompt.tokens": n, "max_tokens": m, "stream": req.stream})
     return req
+
+
+def _parse(raw: bytes, st: GatewayState, kind: str) -> api.GenerateRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise api.ApiError(400, f"request body is not valid JSON: {e}") from None
+    parse = api.parse_chat if kind == "chat" else api.parse_completion
+    return parse(body, st.tok, st.cfg.default_max_tokens)
+
+
+def _at_capacity(st: GatewayState) -> api.ApiError:
+    return api.ApiError(429, f"server is at capacity ({st.cfg.max_inflight} requests in flight)",
+                        type_="rate_limit_error", code="capacity", headers={"Retry-After": str(st.cfg.retry_after_s)})
 
 
 async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: float, done):
     """Everything that arrived for the stream since the last write goes out in one write,
     one SSE event per token."""
-    n_out, first = 0, True
+    n_out, first, status = 0, True, 499  # 499 until the stream ends (the client left first)
     fast = api.ChunkBytes(req)
     reader = Reader(st.tok, req.params.stop)
     add = reader.detok.add
@@ -230,6 +263,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                 handle.close("timeout")
                 err = f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted"
                 stream_span.set_status(trace.StatusCode.ERROR, err)
+                status = 500
                 yield _sse_data({"error": api.ApiError(500, err, type_="server_error").body()["error"]})
                 break
             ids, lps, finish, error = handle.take()
@@ -246,6 +280,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
             for ev in reader.events(ids, lps, finish, error):
                 if ev.error:
                     stream_span.set_status(trace.StatusCode.ERROR, ev.error)
+                    status = 500
                     parts.append(_sse_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]}))
                     end = True
                     break
@@ -257,6 +292,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                 first = False
                 end = ev.finish is not None
             if end:
+                status = 200 if status == 499 else status
                 handle.close("stop_string" if reader.stopped_by_string else None)
                 if req.include_usage:
                     parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out)))
@@ -271,7 +307,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
             stream_span.add_event("client_disconnected")
         stream_span.set_attribute("completion.tokens", n_out)
         stream_span.end()
-        done(200)
+        done(status)
 
 
 def _sse_data(obj: dict) -> bytes:

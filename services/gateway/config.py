@@ -14,6 +14,12 @@ class GatewayConfig(ServiceConfig):
     prefill_timeout_s: float = 5.0  # for a prefill worker to accept a job
     inactivity_timeout_s: float = 60.0  # no token for this long: the request fails
     default_max_tokens: int = 256
+    max_body_bytes: int = 8 << 20  # a larger request body is refused with 413
+    body_timeout_s: float = 30.0  # a client that has not sent its whole body by then gets 408
+    header_timeout_s: float = 10.0  # a connection whose request headers take longer is closed
+    # Bodies larger than this are parsed and tokenized on a thread: a long prompt must not
+    # hold up every other request (and /health) on the event loop.
+    inline_parse_bytes: int = 16 << 10
     max_model_len: int = 0  # 0: the model's own
     # Decode-only benchmarking: send requests straight to decode workers started with
     # bench_dummy_kv, skipping prefill and KV transfer. Logged loudly, shown in /v1/models.
@@ -32,3 +38,7 @@ class GatewayConfig(ServiceConfig):
             raise ValueError("port must be in [0, 65535]")
         if self.max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be >= 1024")
+        if self.body_timeout_s <= 0 or self.header_timeout_s <= 0:
+            raise ValueError("body_timeout_s and header_timeout_s must be > 0")

@@ -145,7 +145,8 @@ class MeshClient:
                 await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s, headers)
         except Unreachable as e:
             h.close()
-            raise NoWorkers(f"no prefill worker took the request: {e}") from None
+            log.warning("request %s: no prefill worker took it (%s)", request_id, e)
+            raise NoWorkers("no prefill worker took the request") from None
         except RemoteError as e:
             h.close()
             if e.reply.code == "unavailable":

@@ -76,6 +76,8 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
     if not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "'stop' must be a string or an array of non-empty strings", "stop")
     stream_opts = _get(body, "stream_options", (dict,), {})
+    if not isinstance(stream_opts.get("include_usage", False), bool):
+        raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options")
     max_tokens = _get(body, max_key, (int,), None)
     if max_tokens is None and max_key != "max_tokens":
         max_tokens = _get(body, "max_tokens", (int,), None)
@@ -92,8 +94,10 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
             min_tokens=_get(body, "min_tokens", (int,), 0),
         )
     except SamplingParamError as e:
-        param = max_key if e.param == "max_tokens" else e.param
-        raise ApiError(400, str(e).replace("max_tokens", param, 1), param) from None
+        param, message = e.param, str(e)
+        if param == "max_tokens":  # the client may have spelled it max_completion_tokens
+            param, message = max_key, message.replace("max_tokens", max_key, 1)
+        raise ApiError(400, message, param) from None
     return params, {"stream": _get(body, "stream", (bool,), False),
                     "include_usage": bool(stream_opts.get("include_usage", False))}
 

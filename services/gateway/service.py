@@ -10,6 +10,7 @@ import uvicorn
 
 from moemesh.services.gateway.app import build_app
 from moemesh.services.gateway.config import GatewayConfig
+from moemesh.services.gateway.slow_clients import header_deadline_protocol
 from moemesh.shared.service.lifecycle import AsyncService
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,10 @@ class GatewayService(AsyncService):
         self.cfg = cfg
         self.app = build_app(cfg, gateway_id)
         self._server = _Server(uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning",
-                                              lifespan="on", access_log=False, timeout_graceful_shutdown=5))
+                                              lifespan="on", access_log=False, timeout_graceful_shutdown=5,
+                                              http=header_deadline_protocol(cfg.header_timeout_s)))
         self._task: asyncio.Task | None = None
         self.port = cfg.port
-
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._server.serve(), name="uvicorn")

@@ -44,6 +44,7 @@ from moemesh.shared.protocol.messages import (
 from moemesh.shared.kv.events import KVPeers
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, request
+from moemesh.shared.service.tombstones import Tombstones
 from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.transport.base import TransferError
@@ -83,6 +84,7 @@ class PrefillService(AsyncService):
         self.rt = WorkerRuntime(cfg, "prefill", self._on_outputs, engine, transport,
                                 lambda: {"num_held": len(self.leases)})
         self.jobs: dict[str, JobState] = {}
+        self.aborted = Tombstones()
         self.leases = LeaseTable(cfg.lease_timeout_s)
         self.peers = KVPeers("decode")  # decode workers, to vet the UCX addresses we send to
         self._job_subs = []
@@ -128,6 +130,8 @@ class PrefillService(AsyncService):
             return ErrorReply(str(e), "bad_request")
         if job.request_id in self.jobs:
             return ErrorReply(f"duplicate request id {job.request_id!r}", "bad_request")
+        if job.request_id in self.aborted:  # the client left while its job was on the way
+            return ErrorReply("request was aborted", "bad_request")
         span = self.rt.tracer.start_span("prefill", context=ctx, attributes={
             "request.id": job.request_id, "prompt.tokens": len(job.prompt_ids), "worker.id": self.rt.worker_id})
         queued_ns = time.time_ns()
@@ -342,6 +346,7 @@ class PrefillService(AsyncService):
 
     async def _on_abort(self, a: Abort, msg, ctx) -> None:
         for rid in a.request_ids:
+            self.aborted.add(rid)  # its job may still be on the way
             if rid in self.leases.by_request and not self.leases.by_request[rid].pulling:
                 await self._free_lease(rid)
             st = self.jobs.pop(rid, None)

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Integers travel as MessagePack int64 and token ids as int32 (tokens.py): a value beyond
+# them would fail far from the request that sent it, so it is refused here.
+INT64 = (-(1 << 63), (1 << 63) - 1)
+INT32_MAX = (1 << 31) - 1
+
+
 class SamplingParamError(ValueError):
     """A bad sampling parameter; `param` names it the way the OpenAI API spells it."""
 
@@ -32,12 +38,17 @@ class SamplingParams:
             if not cond:
                 raise SamplingParamError(param, msg)
 
-        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        need(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX, "max_tokens",
+             f"must be an integer in [1, {INT32_MAX}]")
         need(_is_num(self.temperature) and 0 <= self.temperature <= 100, "temperature", "must be in [0, 100]")
         need(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 disables it)")
-        need(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
-        need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
+        need(_is_int(self.top_k) and 0 <= self.top_k <= INT32_MAX, "top_k",
+             f"must be an integer in [0, {INT32_MAX}] (0 disables it)")
+        need(self.seed is None or (_is_int(self.seed) and INT64[0] <= self.seed <= INT64[1]), "seed",
+             "must be a 64-bit signed integer")
+        need(all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids",
+             f"must be token ids in [0, {INT32_MAX}]")
+        need(len(self.stop_token_ids) <= 1024, "stop_token_ids", "at most 1024 stop token ids")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
         need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",

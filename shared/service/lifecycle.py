@@ -16,7 +16,10 @@ from typing import Any, Callable
 
 
 def configure_logging(level: str) -> None:
+    """The service's own level wins: `moemesh <service>` has set up logging already, and
+    basicConfig alone would keep that level."""
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level.upper())
     for noisy in ("nats", "ucx", "ucxx"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 

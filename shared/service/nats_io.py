@@ -63,11 +63,18 @@ async def connect(cfg: ServiceConfig, name: str) -> NATS:
 
 
 async def disconnect(nc: NATS) -> None:
-    """Drain (in-flight handlers finish, pending publishes go out), or close when that fails."""
+    """Drain (in-flight handlers finish, pending publishes go out), or close when that fails.
+    With the server gone (reconnecting), closing flushes into a dead socket and raises:
+    the connection is over either way, and a service stopping then must still exit cleanly."""
     try:
         await nc.drain()
-    except Exception:
+        return
+    except Exception as e:
+        log.info("NATS drain failed (%s); closing", type(e).__name__)
+    try:
         await nc.close()
+    except Exception as e:
+        log.warning("NATS connection closed uncleanly: %s", e)
 
 
 async def subscribe(nc: NATS, subject: str, cls: type, handler: Handler, queue: str = "",

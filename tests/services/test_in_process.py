@@ -28,8 +28,8 @@ from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.messages import (
-    ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPull, KVPullItem, KVPullReply, KVPut, KVPutReply,
-    RebalanceReply, RebalanceRequest, WorkerLoad,
+    Abort, ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPull, KVPullItem, KVPullReply, KVPut, KVPutReply,
+    KVReady, KVReadyItem, KVReadyReply, PrefillJob, RebalanceReply, RebalanceRequest, WireSampling, WorkerLoad,
 )
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.protocol.wire import decode
@@ -273,6 +273,33 @@ def test_balancer_answers_a_rebalance_of_an_unknown_instance_plainly(nats_url):
                 bad = decode((await nc.request(s.eplb("decode-i9", "rebalance"), b"\xc1", timeout=5)).data,
                              ErrorReply)
                 assert bad.code == "bad_request"
+            finally:
+                await nc.close()
+
+    asyncio.run(go())
+
+
+def test_an_abort_that_overtakes_its_job_or_hand_off_is_remembered(nats_url, tiny_model, tmp_path):
+    """The gateway broadcasts an abort at once, while the job (to prefill) or the KV
+    hand-off (to decode) may still be on its way: neither worker may then run it."""
+    async def go():
+        async with mesh(nats_url, tiny_model, tmp_path) as m:
+            s = Subjects(m.prefix)
+            nc = await nats.connect(nats_url)
+            try:
+                await publish(nc, s.abort, Abort(["late-job", "late-kv"]))
+                await nc.flush()
+                await asyncio.sleep(0.2)  # the workers have it before what it cancels arrives
+                wire = WireSampling.from_params(SamplingParams(max_tokens=4))
+                err = await request(nc, s.prefill_direct("prefill-t"),
+                                    PrefillJob("late-job", [1, 2, 3], wire, "gw-t", "decode-t"), ErrorReply, 5)
+                assert "aborted" in err.error
+                item = KVReadyItem("late-kv", [1, 2, 3], [4], wire, "gw-t", 1, 1, 1)
+                reply = await request(nc, s.decode_kv_ready("decode-t"),
+                                      KVReady("prefill-t", b"loopback-x", m.decode.rt.kv_spec.wire, [item]),
+                                      KVReadyReply, 5)
+                assert reply.refused == {"late-kv": "aborted"}
+                await _wait_free(m)
             finally:
                 await nc.close()
 

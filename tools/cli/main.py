@@ -23,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A service subcommand's own --log-level (None unless given) shadows this one; the
+    # service then sets its level from its config (shared/service/lifecycle.py).
+    logging.basicConfig(level=args.log_level or "INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns a benchmark's output
     try:
         return int(args.func(args) or 0)
