@@ -29,9 +29,8 @@ def _procs_mentioning(needle: str) -> list[int]:
 
 def _up(tmp_path, *args) -> subprocess.Popen:
     env = dict(os.environ, MOEMESH_HOME=str(tmp_path / "home"))
-    return subprocess.Popen([sys.executable, "-m", "moemesh.tools.cli.main", "up", "--port", "0", "--log-dir",
-                             str(tmp_path / "logs"), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    argv = [sys.executable, "-m", "moemesh.tools.cli.main", "up", "--port", "0", "--log-dir", str(tmp_path / "logs")]
+    return subprocess.Popen([*argv, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def _wait_up(p: subprocess.Popen) -> tuple[str, int, list[str]]:

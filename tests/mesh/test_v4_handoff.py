@@ -95,8 +95,10 @@ def test_v4_handoff_matches_one_engine_at_group_and_window_edges(nats_url, tiny_
     # prefill side's `kv.send` span report it, is exactly that size.
     spans = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
     prompt_len = {s["trace_id"]: s["attributes"]["prompt.tokens"] for s in spans if s["name"] == "decode"}
-    pulled = sorted((prompt_len[s["trace_id"]], s["attributes"]["kv.bytes"]) for s in spans if s["name"] == "kv.transfer")
-    pushed = sorted((prompt_len[s["trace_id"]], s["attributes"]["kv.bytes"]) for s in spans if s["name"] == "kv.send")
+    def sizes_of(name: str) -> list[tuple[int, int]]:
+        return sorted((prompt_len[s["trace_id"]], s["attributes"]["kv.bytes"]) for s in spans if s["name"] == name)
+
+    pulled, pushed = sizes_of("kv.transfer"), sizes_of("kv.send")
     expected = sorted((n, size[n]) for n in LENGTHS for _ in range(2))
     assert pulled == expected and pushed == expected
     # The workers' counters add up to the same: every byte that left prefill reached decode.

@@ -201,8 +201,8 @@ def table(result: dict) -> str:
     lines = [f"machine copy bandwidth (256 MiB memcpy): {result['machine_copy_GBps']:.2f} GB/s",
              f"{'size':>8} {'one GB/s':>9} {'ratio':>6} {'concurrent':>11} {'ratio':>6} {'memcpy same size':>17}"]
     for r in result["results"]:
-        lines.append(f"{_size(r['bytes']):>8} {r['ucx_one_GBps']:>9.2f} {r['ratio_one']:>6.2f} {r['ucx_concurrent_GBps']:>11.2f} "
-                     f"{r['ratio_concurrent']:>6.2f} {r['memcpy_same_size_GBps']:>17.2f}")
+        lines.append(f"{_size(r['bytes']):>8} {r['ucx_one_GBps']:>9.2f} {r['ratio_one']:>6.2f} "
+                     f"{r['ucx_concurrent_GBps']:>11.2f} {r['ratio_concurrent']:>6.2f} {r['memcpy_same_size_GBps']:>17.2f}")
     if "per_request" in result:
         lines.append(f"{'one request, context':<40} {'bytes':>12} {'ms one':>8} {'ms concurrent':>14}")
         for r in result["per_request"]:
