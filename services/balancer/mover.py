@@ -30,6 +30,7 @@ class MoveResult:
     seconds: float = 0.0
     staged_seconds: float = 0.0
     bytes_moved: int = 0
+    version: int = -1  # the placement version the ranks switched to
 
 
 class MoveCoordinator:
@@ -86,8 +87,9 @@ class MoveCoordinator:
                 # Ranks switch together or not at all (lockstep); an abort now is safe either way.
                 return await self._abort(instance, move_id, "not every rank switched in time")
             moved = sum(s.bytes_received for s in self._staged[key].values())
+            version = max(d.placement_version for d in self._done[key].values())
             return MoveResult(True, move_id, seconds=time.monotonic() - t0, staged_seconds=staged_s,
-                              bytes_moved=moved)
+                              bytes_moved=moved, version=version)
         finally:
             for table in (self._staged, self._done, self._events):
                 table.pop(key, None)

@@ -159,7 +159,9 @@ class BalancerService(AsyncService):
         if res.ok:
             self.h_move.observe(res.seconds)
             self.c_bytes.inc(res.bytes_moved)
-            view.phy2log, view.version = new.clone(), view.version + 1
+            # The ranks' own count, not ours + 1: a load report sent after the switch may
+            # already have told us the new version.
+            view.phy2log, view.version = new.clone(), res.version
             view.last_move_at = time.monotonic()
             log.info("instance %s: move %d done in %.3fs, %d slots, %d bytes", view.instance_id, res.move_id,
                      res.seconds, changed, res.bytes_moved)

@@ -36,7 +36,9 @@ class InstanceView:
     def observe(self, m: ExpertLoad) -> None:
         self.loads_by_rank[m.rank] = tensor_from(m.counts, len(m.layer_ids))
         self.seen_at[m.rank] = time.monotonic()
-        if m.rank == 0 and m.phy2log:
+        # During a move the move's outcome sets the placement: a report from before the
+        # switch would roll it back, one from after it would count the switch twice.
+        if m.rank == 0 and m.phy2log and not self.moving:
             self.phy2log = tensor_from(m.phy2log, len(m.layer_ids))
             self.version = m.placement_version
 

@@ -34,7 +34,7 @@ from moemesh.services.gateway import openai_api as api
 from moemesh.services.gateway.auth import ApiKeyMiddleware, load_api_keys
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
-from moemesh.services.gateway.openapi import OPENAPI
+from moemesh.services.gateway.openapi import openapi_document
 from moemesh.services.gateway.slow_clients import read_body
 from moemesh.services.gateway.sse import EventStream
 from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
@@ -56,6 +56,8 @@ class GatewayState:
     max_model_len: int
     tracer: Any
     metrics: Metrics
+    vocab_size: int = 0
+    openapi: dict = field(default_factory=dict)
     inflight: int = 0
     draining: bool = False
     m: dict = field(default_factory=dict)
@@ -74,9 +76,9 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         mesh = MeshClient(cfg, gateway_id)
         await mesh.start()
         metrics = Metrics()
-        st = GatewayState(cfg, mesh, tok, min(cfg.max_model_len or mcfg.max_position_embeddings,
-                                              mcfg.max_position_embeddings),
-                          get_tracer(provider, "moemesh.gateway", root=True), metrics)
+        max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        st = GatewayState(cfg, mesh, tok, max_model_len, get_tracer(provider, "moemesh.gateway", root=True), metrics,
+                          mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len))
         st.m = {
             "requests": metrics.counter("requests_total", "HTTP requests by route and status",
                                         ("route", "status")),
@@ -126,7 +128,7 @@ def _state(request: Request) -> GatewayState:
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     err = api.ApiError(exc.status_code, exc.detail or "error", type_="invalid_request_error")
-    return JSONResponse(err.body(), status_code=exc.status_code)
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)  # 405 keeps its Allow
 
 
 async def _api_error(request: Request, exc: api.ApiError) -> JSONResponse:
@@ -237,7 +239,7 @@ def _parse(raw: bytes, st: GatewayState, kind: str) -> api.GenerateRequest:
     except orjson.JSONDecodeError as e:
         raise api.ApiError(400, f"request body is not valid JSON: {e}") from None
     parse = api.parse_chat if kind == "chat" else api.parse_completion
-    return parse(body, st.tok, st.cfg.default_max_tokens)
+    return parse(body, st.tok, st.cfg.default_max_tokens, st.vocab_size)
 
 
 def _at_capacity(st: GatewayState) -> api.ApiError:
@@ -404,4 +406,4 @@ async def metrics_route(request: Request) -> Response:
 
 
 async def openapi(request: Request) -> JSONResponse:
-    return JSONResponse(OPENAPI)
+    return JSONResponse(_state(request).openapi)

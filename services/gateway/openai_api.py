@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from moemesh.shared.protocol.sampling import SamplingParamError, SamplingParams
+from moemesh.shared.protocol.sampling import INT32_MAX, SamplingParamError, SamplingParams
 from moemesh.shared.tokenizer.tokenizer import Tokenizer, TokenizerError
 
 
@@ -43,21 +43,45 @@ class GenerateRequest:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
 
 
-_UNSUPPORTED = {  # parameter -> the value we can honour
+UNSUPPORTED = {  # parameter -> the one value we can honour (null means the same)
     "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
     "tools": None, "tool_choice": None, "functions": None, "logit_bias": None,
 }
+
+
+def _honoured(v, ok) -> bool:
+    """v is ok, compared as JSON compares: true is not 1, and 0.0 is 0."""
+    if v is None or (v is ok):
+        return True
+    if isinstance(ok, bool) or isinstance(v, bool) or ok is None:
+        return False
+    return isinstance(v, (int, float)) and v == ok
 
 
 def _get(body: dict, name: str, types: tuple, default=None, *, allow_none: bool = True):
     if name not in body or (body[name] is None and allow_none):
         return default
     v = body[name]
+    if int in types and float not in types:
+        v = _integral(v)
     if isinstance(v, bool) and bool not in types:
         raise ApiError(400, f"'{name}' must be {_names(types)}, got a boolean", name)
     if not isinstance(v, types):
         raise ApiError(400, f"'{name}' must be {_names(types)}, got {type(v).__name__}", name)
     return v
+
+
+def _integral(v):
+    """JSON has one number type: 3.0 is the integer 3 (as JSON Schema says), 3.5 is not."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def _ints(vs: list) -> list:
+    return [_integral(v) for v in vs]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _names(types: tuple) -> str:
@@ -67,8 +91,8 @@ def _names(types: tuple) -> str:
 
 
 def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") -> tuple[SamplingParams, dict]:
-    for name, ok in _UNSUPPORTED.items():
-        if name in body and body[name] not in (ok, None) and not (name == "n" and body[name] == 1):
+    for name, ok in UNSUPPORTED.items():
+        if name in body and not _honoured(body[name], ok):
             raise ApiError(400, f"'{name}' is not supported by this server (use {ok!r} or leave it out)", name)
     stop = _get(body, "stop", (str, list), [])
     if isinstance(stop, str):
@@ -79,19 +103,28 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
     if not isinstance(stream_opts.get("include_usage", False), bool):
         raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options")
     max_tokens = _get(body, max_key, (int,), None)
-    if max_tokens is None and max_key != "max_tokens":
-        max_tokens = _get(body, "max_tokens", (int,), None)
+    if max_key != "max_tokens":  # checked even when max_completion_tokens wins over it
+        legacy = _get(body, "max_tokens", (int,), None)
+        if legacy is not None and not 1 <= legacy <= INT32_MAX:
+            raise ApiError(400, f"'max_tokens' must be in [1, {INT32_MAX}]", "max_tokens")
+        max_tokens = legacy if max_tokens is None else max_tokens
+    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    min_tokens = _get(body, "min_tokens", (int,), 0)
+    if not 0 <= min_tokens <= INT32_MAX:
+        raise ApiError(400, f"'min_tokens' must be in [0, {INT32_MAX}]", "min_tokens")
+    if _is_int(max_tokens):
+        min_tokens = min(min_tokens, max_tokens)  # "at least n, but no more than max_tokens"
     try:
         params = SamplingParams(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             temperature=float(_get(body, "temperature", (int, float), 1.0)),
             top_p=float(_get(body, "top_p", (int, float), 1.0)),
             top_k=max(0, _get(body, "top_k", (int,), 0)),
             seed=_get(body, "seed", (int,), None),
             stop=tuple(stop),
-            stop_token_ids=tuple(_get(body, "stop_token_ids", (list,), [])),
+            stop_token_ids=tuple(_ints(_get(body, "stop_token_ids", (list,), []))),
             ignore_eos=_get(body, "ignore_eos", (bool,), False),
-            min_tokens=_get(body, "min_tokens", (int,), 0),
+            min_tokens=min_tokens,
         )
     except SamplingParamError as e:
         param, message = e.param, str(e)
@@ -102,7 +135,7 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
                     "include_usage": bool(stream_opts.get("include_usage", False))}
 
 
-def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int) -> GenerateRequest:
+def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None) -> GenerateRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     model = _get(body, "model", (str,), None)
@@ -111,10 +144,14 @@ def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int) -> Gene
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        prompt = _ints(prompt)
     if isinstance(prompt, str):
         ids = tok.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
+        if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
     elif prompt is None:
         raise ApiError(400, "'prompt' is required", "prompt")
     else:
@@ -129,7 +166,7 @@ def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int) -> Gene
     return GenerateRequest("completion", model, ids, params, logprobs=lp, **opts)
 
 
-def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int) -> GenerateRequest:
+def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None) -> GenerateRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     model = _get(body, "model", (str,), None)
@@ -158,10 +195,11 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int) -> GenerateRe
         raise ApiError(400, str(e), "messages") from None
     params, opts = _common(body, default_max_tokens, "max_completion_tokens")
     lp = None
+    top = _get(body, "top_logprobs", (int,), 0)
+    if not 0 <= top <= 20:  # checked even without logprobs: the request asked for something
+        raise ApiError(400, "'top_logprobs' must be in [0, 20]", "top_logprobs")
     if _get(body, "logprobs", (bool,), False):
-        lp = _get(body, "top_logprobs", (int,), 0)
-        if not 0 <= lp <= 20:
-            raise ApiError(400, "'top_logprobs' must be in [0, 20]", "top_logprobs")
+        lp = top
         params = _with_logprobs(params, lp)
     return GenerateRequest("chat", model, ids, params, logprobs=lp, **opts)
 

@@ -1,75 +1,121 @@
-"""The OpenAPI document served at /openapi.json."""
+"""The OpenAPI document served at /openapi.json: every field the gateway accepts, with
+the bounds it checks (openai_api.py, shared/protocol/sampling.py), and the model it serves.
+A request the document allows is one the gateway takes, short of what depends on the
+prompt's length in tokens (the context length) or on load (429, 503). Optional fields
+may be null, which means "the default", as the parser treats them."""
 
 from __future__ import annotations
 
+from moemesh.shared.protocol.sampling import INT32_MAX, INT64
+
 _ERROR = {"$ref": "#/components/schemas/Error"}
-_SAMPLING = {
-    "max_tokens": {"type": "integer", "minimum": 1},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 100},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0, "description": "extension; 0 disables"},
-    "seed": {"type": "integer"},
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 16}]},
-    "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "ignore_eos": {"type": "boolean", "description": "extension"},
-    "min_tokens": {"type": "integer", "minimum": 0, "description": "extension"},
-    "stop_token_ids": {"type": "array", "items": {"type": "integer"}, "description": "extension"},
-    "n": {"type": "integer", "enum": [1]},
-}
+_CONTEXT = ("prompt tokens plus this must fit the model's context (max_model_len); a request that does not "
+            "is a 400 with code context_length_exceeded")
+
+
+def _opt(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _int(lo: int, hi: int, **kw) -> dict:
+    return {"type": "integer", "minimum": lo, "maximum": hi, **kw}
+
+
+def _sampling(max_tokens_key: str, max_model_len: int) -> dict:
+    return {
+        max_tokens_key: _opt(_int(1, max_model_len, description=_CONTEXT)),
+        "temperature": _opt({"type": "number", "minimum": 0, "maximum": 100}),
+        "top_p": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+        "top_k": _opt(_int(-INT32_MAX, INT32_MAX, description="extension; 0 or below disables it")),
+        "seed": _opt(_int(*INT64)),
+        "stop": _opt({"oneOf": [{"type": "string", "minLength": 1},
+                                {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]}),
+        "stream": _opt({"type": "boolean"}),
+        "stream_options": _opt({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
+        "ignore_eos": _opt({"type": "boolean", "description": "extension"}),
+        "min_tokens": _opt(_int(0, INT32_MAX, description=f"extension; at most {max_tokens_key}")),
+        "stop_token_ids": _opt({"type": "array", "items": _int(0, INT32_MAX), "maxItems": 1024,
+                                "description": "extension"}),
+        # Accepted only at the one value this server honours (openai_api.UNSUPPORTED).
+        "n": _opt({"const": 1}),
+        "best_of": _opt({"const": 1}),
+        "presence_penalty": _opt({"const": 0}),
+        "frequency_penalty": _opt({"const": 0}),
+        "echo": _opt({"const": False}),
+        "suffix": {"type": "null"},
+        "tools": {"type": "null"},
+        "tool_choice": {"type": "null"},
+        "functions": {"type": "null"},
+        "logit_bias": {"type": "null"},
+    }
 
 
 def _errors(*codes: int) -> dict:
     return {str(c): {"description": d, "content": {"application/json": {"schema": _ERROR}}}
             for c, d in ((400, "bad parameter or context too long"), (404, "unknown model"),
-                         (429, "at capacity; see Retry-After"), (503, "no worker alive; see Retry-After"))
+                         (408, "the body did not arrive in time"), (413, "body too large"),
+                         (429, "at capacity; see Retry-After"), (500, "internal error"),
+                         (503, "no worker alive; see Retry-After"))
             if c in codes}
 
 
-_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "data: {chunk}\\n\\n ... data: [DONE]"}}}
+# One server-sent event: its data is a JSON chunk, then the last is the string [DONE].
+_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] at the end"},
+                   "event": {"type": "string"}}}}}
+_POST_ERRORS = _errors(400, 404, 408, 413, 429, 500, 503)
 
-OPENAPI = {
-    "openapi": "3.1.0",
-    "info": {"title": "moemesh gateway", "version": "0.1.0",
-             "description": "OpenAI-compatible completions over a disaggregated MoE serving mesh."},
-    "paths": {
-        "/v1/completions": {"post": {
-            "summary": "Text completion", "operationId": "createCompletion",
-            "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                "type": "object", "required": ["model", "prompt"],
-                "properties": {"model": {"type": "string"},
-                               "prompt": {"oneOf": [{"type": "string"},
-                                                    {"type": "array", "items": {"type": "integer"}}]},
-                               "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, **_SAMPLING}}}}},
-            "responses": {"200": {"description": "completion, or an SSE stream when stream=true",
+
+def openapi_document(model_name: str, vocab_size: int, max_model_len: int) -> dict:
+    model = {"type": "string", "enum": [model_name]}
+    ids = {"type": "array", "minItems": 1, "items": _int(0, vocab_size - 1)}
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]}}}
+    completion = {"type": "object", "required": ["model", "prompt"], "properties": {
+        "model": model,
+        "prompt": {"oneOf": [{"type": "string"}, ids,
+                             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+                             {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]},
+        "logprobs": _opt(_int(0, 20)), **_sampling("max_tokens", max_model_len)}}
+    chat = {"type": "object", "required": ["model", "messages"], "properties": {
+        "model": model,
+        "messages": {"type": "array", "minItems": 1, "items": message},
+        "logprobs": _opt({"type": "boolean"}),
+        "top_logprobs": _opt(_int(0, 20)),
+        **_sampling("max_completion_tokens", max_model_len),
+        "max_tokens": _opt(_int(1, max_model_len, description="used when max_completion_tokens is absent"))}}
+
+    def post(summary: str, op: str, schema: dict) -> dict:
+        return {"post": {
+            "summary": summary, "operationId": op,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {"200": {"description": "the completion, or an SSE stream when stream is true",
                                   "content": {"application/json": {"schema": {"type": "object"}}, **_STREAM}},
-                          **_errors(400, 404, 429, 503)}}},
-        "/v1/chat/completions": {"post": {
-            "summary": "Chat completion", "operationId": "createChatCompletion",
-            "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                "type": "object", "required": ["model", "messages"],
-                "properties": {"model": {"type": "string"},
-                               "messages": {"type": "array", "minItems": 1, "items": {
-                                   "type": "object", "required": ["role", "content"],
-                                   "properties": {"role": {"enum": ["system", "developer", "user", "assistant",
-                                                                    "tool"]},
-                                                  "content": {"type": "string"}}}},
-                               "max_completion_tokens": {"type": "integer", "minimum": 1},
-                               "logprobs": {"type": "boolean"},
-                               "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, **_SAMPLING}}}}},
-            "responses": {"200": {"description": "chat completion, or an SSE stream when stream=true",
-                                  "content": {"application/json": {"schema": {"type": "object"}}, **_STREAM}},
-                          **_errors(400, 404, 429, 503)}}},
-        "/v1/models": {"get": {"summary": "Served models", "operationId": "listModels",
-                               "responses": {"200": {"description": "model list"}}}},
-        "/health": {"get": {"summary": "Liveness, with readiness details",
-                            "responses": {"200": {"description": "alive"}}}},
-        "/health/ready": {"get": {"summary": "Readiness: a prefill and a decode worker are alive",
-                                  "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
-        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text format"}}}},
-    },
-    "components": {"schemas": {"Error": {"type": "object", "properties": {"error": {
-        "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                                         "param": {"type": ["string", "null"]},
-                                         "code": {"type": ["string", "null"]}}}}}}},
-}
+                          **_POST_ERRORS}}}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "moemesh gateway", "version": "0.1.0",
+                 "description": "OpenAI-compatible completions over a disaggregated MoE serving mesh."},
+        "paths": {
+            "/v1/completions": post("Text completion", "createCompletion", completion),
+            "/v1/chat/completions": post("Chat completion", "createChatCompletion", chat),
+            "/v1/models": {"get": {"summary": "Served models", "operationId": "listModels",
+                                   "responses": {"200": {"description": "model list"}}}},
+            "/health": {"get": {"summary": "Liveness, with readiness details",
+                                "responses": {"200": {"description": "alive"}}}},
+            "/health/ready": {"get": {"summary": "Readiness: a prefill and a decode worker are alive",
+                                      "responses": {"200": {"description": "ready"},
+                                                    "503": {"description": "not ready"}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics",
+                                 "responses": {"200": {"description": "text format"}}}},
+        },
+        "components": {"schemas": {"Error": {"type": "object", "properties": {"error": {
+            "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                             "param": {"type": ["string", "null"]},
+                                             "code": {"type": ["string", "null"]}}}}}}},
+    }

@@ -40,6 +40,36 @@ def log2phy_of(phy2log: torch.Tensor, num_experts: int, num_ranks: int) -> tuple
     return p.log2phy()[0], p.replica_counts()[0]
 
 
+def to_replicas(flat: torch.Tensor, log2phy: torch.Tensor, counts: torch.Tensor,
+                turn: torch.Tensor) -> torch.Tensor:
+    """Global slots for routed pairs, each expert's pairs dealt round-robin over its replicas.
+
+    The n-th pair routed to expert e goes to replica (turn[e] + n) mod replicas(e), and
+    turn[e] then advances by e's pairs, so the deal carries on across calls. Dealing by
+    the pair's place among e's own pairs, not its place in the batch, matters for
+    hash-routed layers: there a token id fixes the experts and their order, so a hot
+    expert sits in the same top-k column for all its tokens, and a position-based pick
+    (pair index mod replicas) would send them all to one replica.
+
+    Args:
+        flat: [T*K] logical experts of the routed pairs.
+        log2phy: [E, X] slots of each expert, -1 padded.
+        counts: [E] replicas of each expert.
+        turn: [E] int64, updated in place: the replica each expert's next pair takes.
+    Returns:
+        [T*K] global slots.
+    """
+    n = flat.numel()
+    by_expert = torch.argsort(flat, stable=True)
+    per_expert = torch.bincount(flat, minlength=counts.numel())  # [E]
+    first = torch.cumsum(per_expert, 0) - per_expert
+    nth = torch.empty_like(flat)
+    nth[by_expert] = torch.arange(n, device=flat.device) - first[flat[by_expert]]  # place among its expert's pairs
+    phy = log2phy[flat, (turn[flat] + nth) % counts[flat]]
+    turn.add_(per_expert).remainder_(counts)
+    return phy
+
+
 class EPLayer:
     """Routes one MoE layer's tokens to expert slots across the instance and back."""
 
@@ -49,6 +79,9 @@ class EPLayer:
         self.num_experts = num_experts
         self.comm_s = 0.0  # time inside collectives, mostly waiting for the slowest rank
         self.slots_per_rank = experts.gate_up_proj.shape[0]
+        self.slot_tokens = torch.zeros(self.slots_per_rank, dtype=torch.long)  # pairs each local slot ran
+        # Ranks start their deals on different replicas, so single-token steps spread too.
+        self.turn = torch.full((num_experts,), rank, dtype=torch.long)
         self.set_placement(phy2log)
 
     def set_placement(self, phy2log: torch.Tensor) -> None:
@@ -61,9 +94,7 @@ class EPLayer:
         T, K = ids.shape
         S, N = self.slots_per_rank, self.world
         flat = ids.reshape(-1)  # [T*K] logical experts
-        # Pair i of expert e goes to replica i mod replicas(e): replicas share tokens evenly.
-        pair = torch.arange(T * K)
-        phy = self.log2phy[flat, pair % self.counts[flat]]  # [T*K] global slots
+        phy = to_replicas(flat, self.log2phy, self.counts, self.turn)  # [T*K] global slots
         order = torch.argsort(phy, stable=True)  # by slot, hence by rank, as the local path sums
         dst = phy[order]
         send_counts = torch.bincount(dst // S, minlength=N)
@@ -77,6 +108,7 @@ class EPLayer:
         slot_in = torch.empty(n_in, dtype=torch.long)
         dist.all_to_all_single(slot_in, (dst % S).contiguous(), recv, send, group=self.group)
         t1 = time.perf_counter()
+        self.slot_tokens += torch.bincount(slot_in, minlength=S)
         ones = torch.ones(n_in, 1, dtype=weights.dtype)
         y = fused_moe(x_in, self.experts.gate_up_proj, self.experts.down_proj, slot_in[:, None], ones,
                       self.experts.swiglu_limit)
@@ -94,7 +126,8 @@ class ExpertParallel:
     """This rank's view of an instance's expert placement, one EPLayer per MoE layer."""
 
     def __init__(self, model, rank: int, world: int, phy2log: torch.Tensor, group=None):
-        """phy2log: [num MoE layers (target, then MTP), P], in model.moe_layers() order."""
+        """phy2log: [num MoE layers (target, then MTP), P], in model.moe_layers() order:
+        the layers of the model as loaded, so the MTP layer only where its weights were."""
         self.rank, self.world = rank, world
         self.layer_ids = sorted(model.moe_layers())
         E = model.cfg.n_routed_experts
@@ -106,6 +139,14 @@ class ExpertParallel:
             self.layers[lid] = EPLayer(moe.experts, row, E, rank, world, group)
             moe.runner = self.layers[lid]
 
+    @classmethod
+    def naive(cls, model, rank: int, world: int, redundant: int, group=None) -> "ExpertParallel":
+        """The start-up placement, one naive row per MoE layer the model has. Sized from the
+        model, not its config: a config may declare an MTP layer whose weights the
+        checkpoint lacks, and the loader then builds the model without it."""
+        row = contiguous_phy2log(model.cfg.n_routed_experts, world, redundant)
+        return cls(model, rank, world, row.repeat(len(model.moe_layers()), 1), group)
+
     def take_comm_s(self) -> float:
         """Seconds spent in all-to-all since the last call (read between steps)."""
         total = sum(l.comm_s for l in self.layers.values())
@@ -115,6 +156,16 @@ class ExpertParallel:
 
     def phy2log(self) -> torch.Tensor:
         return torch.stack([self.layers[l].phy2log for l in self.layer_ids])
+
+    @staticmethod
+    def naive_slot_map(num_experts: int, rank: int, world: int, redundant: int):
+        """For the checkpoint loader, before the model exists: under the naive placement
+        every MoE layer holds the same experts, so the map needs no list of layers.
+        Returns (MoE layer id -> logical expert of each local slot, slots per rank)."""
+        row = contiguous_phy2log(num_experts, world, redundant)
+        S = row.numel() // world
+        mine = row[rank * S : (rank + 1) * S].tolist()
+        return (lambda layer: mine), S
 
     @staticmethod
     def local_slot_map(phy2log: torch.Tensor, layer_ids: list[int], rank: int, world: int):

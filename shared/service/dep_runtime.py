@@ -17,7 +17,7 @@ from moemesh.shared.engine.dp import DPGroup
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.load_tracker import LoadTracker
 from moemesh.shared.model.config import ModelConfig
-from moemesh.shared.model.expert_parallel import ExpertParallel, contiguous_phy2log
+from moemesh.shared.model.expert_parallel import ExpertParallel
 from moemesh.shared.model.skew import apply_skew
 from moemesh.shared.protocol.messages import Ack, ErrorReply, ExpertLoad, Heartbeat, MoveAbort, MoveCommit, MoveDone, MovePlan, MoveStaged
 from moemesh.shared.service.engine_loop import EngineLoop
@@ -64,17 +64,12 @@ class DepRuntime:
         cfg = self.cfg
         self.dp = DPGroup(cfg.dp_rank, cfg.dp_size, cfg.dist_init, cfg.device, cfg.dp_timeout_s)
         mcfg = ModelConfig.from_dir(cfg.model)
-        layer_ids = mcfg.moe_layer_ids + ([mcfg.num_hidden_layers] if mcfg.has_mtp else [])
         if mcfg.n_routed_experts % cfg.dp_size:
             raise ValueError(f"{mcfg.n_routed_experts} experts do not divide over {cfg.dp_size} ranks")
-        row = contiguous_phy2log(mcfg.n_routed_experts, cfg.dp_size, cfg.eplb_redundant)
-        phy2log = row.repeat(len(layer_ids), 1)
-        S = row.numel() // cfg.dp_size
+        slots, S = ExpertParallel.naive_slot_map(mcfg.n_routed_experts, cfg.dp_rank, cfg.dp_size, cfg.eplb_redundant)
         ecfg = EngineConfig.for_worker(cfg, role)
-        model = load_model(cfg.model, ecfg.torch_dtype, cfg.device,
-                           expert_slots=ExpertParallel.local_slot_map(phy2log, layer_ids, cfg.dp_rank, cfg.dp_size),
-                           num_slots=S)
-        self.ep = ExpertParallel(model, cfg.dp_rank, cfg.dp_size, phy2log)
+        model = load_model(cfg.model, ecfg.torch_dtype, cfg.device, expert_slots=slots, num_slots=S)
+        self.ep = ExpertParallel.naive(model, cfg.dp_rank, cfg.dp_size, cfg.eplb_redundant)
         return LLMEngine(ecfg, model=model, lockstep=True)
 
     def attach(self, engine: LLMEngine, transport: KVTransport, staging: StagingPool) -> None:

@@ -28,6 +28,16 @@ def test_kv_transfer(tmp_path, tiny_model):
     assert res["machine_copy_GBps"] > 0 and "min_ratio_at_1MiB_plus" in res
 
 
+def test_kv_transfer_per_request_sizes(tmp_path):
+    res, out = bench(tmp_path, None, "kv-transfer", "--context-lens", "128", "--iters", "1", "--repeats", "1")
+    per = {r["cache"]: r for r in res["per_request"]}
+    assert set(per) == {"V4-Flash", "V3 (published)", "V3 at V4-Flash's layer count"}
+    assert sorted(r["bytes"] for r in res["results"]) == sorted(r["bytes"] for r in per.values())
+    assert per["V3 (published)"]["bytes"] == 62 * 128 * 576 * 2
+    assert all(r["ms_one"] > 0 and r["ms_concurrent"] > 0 for r in per.values())
+    assert "V4-Flash, 128" in out
+
+
 def test_decode_and_prefill_phases(tmp_path, tiny_model):
     res, out = bench(tmp_path, tiny_model, "decode", "--model", tiny_model, "--isl", "32", "--osl", "8",
                      "--batch", "2", "--requests", "2")

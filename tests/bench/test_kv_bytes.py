@@ -31,3 +31,15 @@ def test_cli_prints_and_saves(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "V4-Flash" in res.stdout and "6,880" in res.stdout
     assert json.loads(out.read_text())["rows"][0]["model"] == "V4-Flash"
+
+
+def test_handoff_sizes_are_whole_blocks_plus_the_ring_lookback():
+    rows = {(r["cache"], r["context_len"]): r["bytes"] for r in kv_bytes.handoff_sizes((2048, 2049), torch.bfloat16)}
+    flash = kv_bytes.run(torch.bfloat16, num_spec=1)["rows"][0]
+    # V4-Flash: 16 blocks of 128 positions at 6,880 B/token, and the ring's look-back.
+    assert rows[("V4-Flash", 2048)] == 2048 * 6880 + flash["handoff_carry_bytes"]
+    assert rows[("V4-Flash", 2049)] == 2176 * 6880 + flash["handoff_carry_bytes"]  # a 17th whole block
+    assert 11 << 20 < flash["handoff_carry_bytes"] < 12 << 20
+    # MLA: whole 16-token blocks of 576 values per layer, nothing carried.
+    assert rows[("V3 (published)", 2048)] == 62 * 2048 * 576 * 2
+    assert rows[("V3 at V4-Flash's layer count", 2049)] == 44 * 2064 * 576 * 2

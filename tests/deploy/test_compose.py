@@ -3,6 +3,7 @@ the deployment needs (health-ordered start, healthchecks, secrets, telemetry wir
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -31,18 +32,33 @@ def env_file(tmp_path) -> Path:
     return p
 
 
-def _compose(*args: str) -> subprocess.CompletedProcess:
+def _compose(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose is not installed (Debian: apt-get install docker-compose; .ci/run tries)")
     return subprocess.run([exe, "-f", str(COMPOSE / "docker-compose.yml"), *args], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_docker_compose_config_accepts_it(env_file, profile):
     r = _compose("--env-file", str(env_file), "--profile", profile, "config", "-q")
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("preset", ["", "v4-tiny"])
+def test_the_cpu_profile_makes_and_serves_the_chosen_preset(env_file, preset):
+    """MOEMESH_CPU_PRESET=v4-tiny runs the cpu profile on a DeepSeek-V4 model; unset, the V3-shaped tiny."""
+    r = _compose("--env-file", str(env_file), "--profile", "cpu", "config",
+                 env={"MOEMESH_CPU_PRESET": preset})  # empty: as if unset
+    assert r.returncode == 0, r.stderr
+    services = yaml.safe_load(r.stdout)["services"]
+    want = preset or "tiny"
+    init = " ".join(services["model-init"]["command"])
+    assert f"init-model /models/{want} --preset {want}" in init and f"test -f /models/{want}/config.json" in init
+    for name in ("prefill", "decode", "gateway"):
+        env = services[name]["environment"]
+        assert env["MOEMESH_MODEL"] == f"/models/{want}" and env["MOEMESH_SERVED_MODEL_NAME"] == want, name
 
 
 def test_docker_compose_refuses_to_run_without_passwords(tmp_path):

@@ -161,3 +161,24 @@ def test_the_rack_file_plans_a_dep32_decode_instance_and_dep4_prefills():
 
     assert load(BalancerConfig, "balancer", rack, environ={}).num_nodes == 4
     assert load(GatewayConfig, "gateway", rack, environ={}).api_keys_file
+
+
+def test_the_compose_workers_settings_build_deepseek_v4_engines(tiny_v4_model):
+    """compose/moemesh.toml with the model swapped for a DeepSeek-V4 folder (MOEMESH_MODEL,
+    as the cpu profile's MOEMESH_CPU_PRESET=v4-tiny and the gpu profile set it) gives a
+    prefill and a decode engine whose hand-off layouts match."""
+    from moemesh.services.decode.config import DecodeConfig
+    from moemesh.services.prefill.config import PrefillConfig
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.engine import LLMEngine
+    from moemesh.shared.kv.spec import compatible, describe
+
+    engines = []
+    for role, cls in (("prefill", PrefillConfig), ("decode", DecodeConfig)):
+        cfg = load(cls, role, REPO / "compose" / "moemesh.toml",
+                   environ={"MOEMESH_MODEL": tiny_v4_model, "MOEMESH_NUM_KV_BLOCKS": "64"})
+        assert cfg.model == tiny_v4_model
+        engines.append(LLMEngine(EngineConfig.for_worker(cfg, role)))
+    pre, dec = engines
+    assert pre.hybrid and dec.hybrid and dec.num_spec == 1
+    assert compatible(describe(dec), describe(pre))

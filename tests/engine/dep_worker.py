@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def run_rank(rank: int, world: int, init_method: str, model_dir: str, prompts: list[list[int]], redundant: int,
-             max_tokens: int, num_spec: int, out_q) -> None:
+             max_tokens: int, num_spec: int, out_q, phy2log=None) -> None:
+    """phy2log: [MoE layers, P] placement to switch to once loaded (default: the naive one)."""
     import torch
 
     torch.set_num_threads(1)
@@ -12,20 +13,21 @@ def run_rank(rank: int, world: int, init_method: str, model_dir: str, prompts: l
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.dp import DPGroup
     from moemesh.shared.engine.engine import LLMEngine
-    from moemesh.shared.protocol.sampling import SamplingParams
     from moemesh.shared.model.config import ModelConfig
-    from moemesh.shared.model.expert_parallel import ExpertParallel, contiguous_phy2log
+    from moemesh.shared.model.expert_parallel import ExpertParallel
+    from moemesh.shared.protocol.sampling import SamplingParams
 
     dp = DPGroup(rank, world, init_method)
     try:
+        # The instance's start-up sizing, as DepRuntime.build_engine does it.
         cfg = ModelConfig.from_dir(model_dir)
-        layer_ids = cfg.moe_layer_ids + ([cfg.num_hidden_layers] if cfg.has_mtp else [])
-        row = contiguous_phy2log(cfg.n_routed_experts, world, redundant)
-        phy2log = row.repeat(len(layer_ids), 1)
-        S = row.numel() // world
-        model = load_model(model_dir, expert_slots=ExpertParallel.local_slot_map(phy2log, layer_ids, rank, world),
-                           num_slots=S)
-        ExpertParallel(model, rank, world, phy2log)
+        slots, S = ExpertParallel.naive_slot_map(cfg.n_routed_experts, rank, world, redundant)
+        if phy2log is not None:  # a checkpoint with its MTP layer: target layers, then MTP
+            layer_ids = cfg.moe_layer_ids + [cfg.num_hidden_layers]
+            slots = ExpertParallel.local_slot_map(phy2log, layer_ids, rank, world)
+        model = load_model(model_dir, expert_slots=slots, num_slots=S)
+        ep = ExpertParallel.naive(model, rank, world, redundant) if phy2log is None else \
+            ExpertParallel(model, rank, world, phy2log)
         eng = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=256, num_speculative_tokens=num_spec),
                         model=model, lockstep=True)
         mine = {i: p for i, p in enumerate(prompts) if i % world == rank}  # attention is data-parallel
@@ -37,6 +39,8 @@ def run_rank(rank: int, world: int, init_method: str, model_dir: str, prompts: l
             for o in eng.step():
                 outs[o.request_id] += o.new_token_ids
             steps += 1
-        out_q.put((rank, outs, steps, eng.blocks.num_free_blocks == eng.blocks.num_blocks))
+        out_q.put((rank, outs, steps, eng.blocks.num_free_blocks == eng.blocks.num_blocks,
+                   {"num_moe_layers": len(ep.layer_ids), "has_mtp": model.cfg.has_mtp,
+                    "slot_tokens": {lid: layer.slot_tokens.tolist() for lid, layer in ep.layers.items()}}))
     finally:
         dp.close()

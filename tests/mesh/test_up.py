@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -26,37 +27,82 @@ def _procs_mentioning(needle: str) -> list[int]:
     return out
 
 
-def test_up_starts_answers_a_stream_and_stops_cleanly(tmp_path):
+def _up(tmp_path, *args) -> subprocess.Popen:
     env = dict(os.environ, MOEMESH_HOME=str(tmp_path / "home"))
-    p = subprocess.Popen([sys.executable, "-m", "moemesh.tools.cli.main", "up", "--port", "0", "--log-dir",
-                          str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    argv = [sys.executable, "-m", "moemesh.tools.cli.main", "up", "--port", "0", "--log-dir", str(tmp_path / "logs")]
+    return subprocess.Popen([*argv, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_up(p: subprocess.Popen) -> tuple[str, int, list[str]]:
+    """(gateway URL, NATS port, what `moemesh up` printed up to "Ctrl-C")."""
     url = nats_port = None
     lines = []
+    deadline = time.monotonic() + 180
+    while url is None and time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"moemesh is up: (http://\S+) .*NATS nats://127.0.0.1:(\d+)", line)
+        if m:
+            url, nats_port = m.group(1), int(m.group(2))
+    assert url, "".join(lines)
+    while "Ctrl-C" not in lines[-1]:
+        lines.append(p.stdout.readline())
+    return url, nats_port, lines
+
+
+def _stop(p: subprocess.Popen) -> int:
+    p.send_signal(signal.SIGINT)
+    rc = p.wait(60)
+    p.stdout.close()
+    return rc
+
+
+def test_up_starts_answers_a_stream_and_stops_cleanly(tmp_path):
+    p = _up(tmp_path)
+    url = nats_port = None
     try:
-        deadline = time.monotonic() + 180
-        while url is None and time.monotonic() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"moemesh is up: (http://\S+) .*NATS nats://127.0.0.1:(\d+)", line)
-            if m:
-                url, nats_port = m.group(1), int(m.group(2))
-        assert url, "".join(lines)
-        while "Ctrl-C" not in lines[-1]:
-            lines.append(p.stdout.readline())
+        url, nats_port, lines = _wait_up(p)
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "stream": True, "max_tokens": 5}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
         assert "curl" in "".join(lines)
         assert _procs_mentioning(str(tmp_path / "home"))  # the workers run with the model made there
     finally:
-        p.send_signal(signal.SIGINT)
-        rc = p.wait(60)
-        p.stdout.close()
+        rc = _stop(p)
     assert rc == 0
     time.sleep(0.5)
     assert _procs_mentioning(str(tmp_path / "home")) == []
     assert _procs_mentioning(str(tmp_path / "logs")) == []
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", nats_port)) != 0, "the NATS server it started is still running"
+
+
+def test_up_with_a_v4_model_folder_streams_a_completion(tmp_path, tiny_v4_model):
+    """`moemesh up --model DIR` on a DeepSeek-V4 checkpoint: the prompt is prefilled on one
+    worker, its hybrid cache handed to the other, and the completion streams back."""
+    trace = tmp_path / "trace.jsonl"
+    p = _up(tmp_path, "--model", tiny_v4_model, "--trace-file", str(trace))
+    try:
+        url, _, lines = _wait_up(p)
+        printed = "".join(lines)
+        name = os.path.basename(tiny_v4_model)
+        assert f"model {tiny_v4_model}" in printed and f'"model": "{name}"' in printed
+        assert len(_procs_mentioning(tiny_v4_model)) >= 3  # prefill, decode and the gateway
+        body = {"model": name, "prompt": "The experts of the fourth model route every token", "stream": True,
+                "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 12
+        assert "".join(c["text"] for e in events for c in e["choices"])
+    finally:
+        rc = _stop(p)
+    assert rc == 0
+    assert _procs_mentioning(tiny_v4_model) == []
+    # The tokens after the first came from the decode worker, after a KV hand-off.
+    spans = [json.loads(x) for x in trace.read_text().splitlines() if x.strip()]
+    pulls = [s for s in spans if s["name"] == "kv.transfer"]
+    assert len(pulls) == 1 and pulls[0]["attributes"]["kv.bytes"] > 0 and pulls[0]["status"]["code"] != "ERROR"

@@ -57,6 +57,29 @@ def run(dtype: torch.dtype = torch.bfloat16, num_spec: int = 1) -> dict:
     return {"dtype": str(dtype).removeprefix("torch."), "num_speculative_tokens": num_spec, "rows": rows}
 
 
+def handoff_sizes(context_lens: tuple[int, ...], dtype: torch.dtype = torch.bfloat16, num_spec: int = 1,
+                  mla_block_size: int = 16) -> list[dict]:
+    """Bytes one request's prefill -> decode hand-off moves at each context length, as the
+    engines size the buffer (`KVSpec.nbytes`): V4-Flash's main rows of its whole blocks
+    plus the ring's look-back, and an MLA cache's rows of its whole blocks (V3 as
+    published, and at V4-Flash's layer count)."""
+    flash = ModelConfig.from_dict(preset_config("v4-flash"))
+    v3 = ModelConfig.from_dict(preset_config("v3"))
+    lay = V4Layout(flash, flash.block_multiple, num_spec)
+    mla = (("V3 (published)", v3.num_cache_layers), ("V3 at V4-Flash's layer count", flash.num_cache_layers))
+    rows = []
+    for n in context_lens:
+        blocks = -(-n // lay.block_size)
+        rows.append({"cache": "V4-Flash", "context_len": n, "block_size": lay.block_size,
+                     "bytes": (blocks * lay.main_width + lay.carry_width) * dtype.itemsize})
+        for name, layers in mla:
+            blocks = -(-n // mla_block_size)
+            rows.append({"cache": name, "context_len": n, "block_size": mla_block_size,
+                         "bytes": layers * blocks * mla_block_size * (v3.kv_lora_rank + v3.qk_rope_head_dim)
+                         * dtype.itemsize})
+    return rows
+
+
 def table(result: dict) -> str:
     def mib(b: float) -> str:
         return f"{b / 2**20:,.1f}"

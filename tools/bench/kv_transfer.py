@@ -7,6 +7,11 @@ the sender sends `iters` messages, one after another (one request's pull at a ti
 and then all at once (many requests' pulls in flight); the receiver answers with one
 small message when all have landed, so the figure includes the whole transfer. The
 ceiling is the machine's copy bandwidth: a single-threaded memcpy of 256 MiB.
+
+With `context_lens`, the sizes are those of one request's hand-off at each context
+length, for DeepSeek-V4-Flash's hybrid cache and for V3's latent cache, computed from
+the layouts (`kv_bytes.handoff_sizes`), and the result also gives each request's
+transfer time.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ class KVBenchConfig:
     repeats: int = 3
     nats_url: str = ""  # empty: start a nats-server for the run
     tls: str = ""
+    context_lens: tuple[int, ...] = ()  # per-request sizes at these contexts instead of `sizes`
+
+    def __post_init__(self):
+        if self.context_lens:
+            from moemesh.tools.bench.kv_bytes import handoff_sizes
+
+            object.__setattr__(self, "sizes", tuple(sorted({r["bytes"] for r in handoff_sizes(self.context_lens)})))
 
 
 def copy_bandwidth(nbytes: int, min_seconds: float = 0.2) -> float:
@@ -161,20 +173,41 @@ def run(cfg: KVBenchConfig) -> dict:
         r["ratio_one"] = r["ucx_one_GBps"] / ceiling
         r["ratio_concurrent"] = r["ucx_concurrent_GBps"] / ceiling
     big = [r for r in rows if r["bytes"] >= 1 << 20]
-    return {"bench": "kv-transfer", "config": asdict(cfg), "env": environment(), "results": rows,
+    extra = {"per_request": per_request(cfg.context_lens, rows)} if cfg.context_lens else {}
+    return {**extra, "bench": "kv-transfer", "config": asdict(cfg), "env": environment(), "results": rows,
             "machine_copy_GBps": ceiling, "goal_ratio": 0.70,
             "min_ratio_at_1MiB_plus": {"one": min((r["ratio_one"] for r in big), default=None),
                                        "concurrent": min((r["ratio_concurrent"] for r in big), default=None)}}
+
+
+def per_request(context_lens: tuple[int, ...], rows: list[dict]) -> list[dict]:
+    """Each cache's hand-off at each context: its bytes and how long moving it took."""
+    from moemesh.tools.bench.kv_bytes import handoff_sizes
+
+    by_size = {r["bytes"]: r for r in rows}
+    out = []
+    for h in handoff_sizes(context_lens):
+        r = by_size[h["bytes"]]
+        out.append({**h, "ms_one": h["bytes"] / r["ucx_one_GBps"] / 1e6,
+                    "ms_concurrent": h["bytes"] / r["ucx_concurrent_GBps"] / 1e6})
+    return out
+
+
+def _size(b: int) -> str:
+    return f"{b / 2**20:.1f} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
 
 
 def table(result: dict) -> str:
     lines = [f"machine copy bandwidth (256 MiB memcpy): {result['machine_copy_GBps']:.2f} GB/s",
              f"{'size':>8} {'one GB/s':>9} {'ratio':>6} {'concurrent':>11} {'ratio':>6} {'memcpy same size':>17}"]
     for r in result["results"]:
-        size = r["bytes"]
-        label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-        lines.append(f"{label:>8} {r['ucx_one_GBps']:>9.2f} {r['ratio_one']:>6.2f} {r['ucx_concurrent_GBps']:>11.2f} "
-                     f"{r['ratio_concurrent']:>6.2f} {r['memcpy_same_size_GBps']:>17.2f}")
+        lines.append(f"{_size(r['bytes']):>8} {r['ucx_one_GBps']:>9.2f} {r['ratio_one']:>6.2f} "
+                     f"{r['ucx_concurrent_GBps']:>11.2f} {r['ratio_concurrent']:>6.2f} {r['memcpy_same_size_GBps']:>17.2f}")
+    if "per_request" in result:
+        lines.append(f"{'one request, context':<40} {'bytes':>12} {'ms one':>8} {'ms concurrent':>14}")
+        for r in result["per_request"]:
+            lines.append(f"{r['cache'] + ', ' + str(r['context_len']):<40} {_size(r['bytes']):>12} "
+                         f"{r['ms_one']:>8.1f} {r['ms_concurrent']:>14.1f}")
     m = result["min_ratio_at_1MiB_plus"]
     lines.append(f"goal: >= {result['goal_ratio']:.0%} of machine copy bandwidth from 1 MiB up; worst measured "
                  f"{m['one']:.0%} one at a time, {m['concurrent']:.0%} concurrent")

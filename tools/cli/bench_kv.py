@@ -10,6 +10,8 @@ def register(bsub) -> None:
 
     k = bsub.add_parser("kv-transfer", help="UCX KV transfer throughput vs the machine's copy bandwidth")
     k.add_argument("--sizes", type=ints, default=None, help="bytes, comma separated")
+    k.add_argument("--context-lens", type=ints, default=(),
+                   help="time one request's hand-off at these contexts, V4-Flash against V3 (instead of --sizes)")
     k.add_argument("--iters", type=int, default=20)
     k.add_argument("--repeats", type=int, default=3)
     k.add_argument("--nats-url", default="")
@@ -24,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     kw = {"sizes": args.sizes} if args.sizes else {}
     cfg = kv_transfer.KVBenchConfig(iters=args.iters, repeats=args.repeats, nats_url=args.nats_url,
-                                    tls=args.ucx_tls, **kw)
+                                    tls=args.ucx_tls, context_lens=args.context_lens, **kw)
     result = kv_transfer.run(cfg)
     print(kv_transfer.table(result))
     save(result, args.out)
