@@ -84,8 +84,9 @@ def test_prefill_to_decode_handoff_matches_one_engine_and_frees_everything(v4_me
 
 
 @pytest.mark.parametrize("worker", ["prefill_id", "decode_id"])
-def test_a_block_fetch_from_a_v4_worker_is_refused_plainly(v4_mesh, worker):
-    """V4 workers keep no prefix cache; a peer that asks for blocks anyway gets a reason."""
+def test_a_malformed_block_fetch_from_a_v4_worker_is_refused_plainly(v4_mesh, worker):
+    """A V4 block travels with the boundary snapshot at its prefix's end; a peer that asks
+    for blocks in a size they do not have gets the reason, not a transfer."""
     import nats
 
     from moemesh.shared.protocol.messages import KVFetch, KVFetchReply
@@ -101,4 +102,4 @@ def test_a_block_fetch_from_a_v4_worker_is_refused_plainly(v4_mesh, worker):
             await nc.close()
 
     reply = asyncio.run(go())
-    assert not reply.ok and "DeepSeek-V4" in reply.error
+    assert not reply.ok and "size mismatch" in reply.error
