@@ -29,6 +29,6 @@ def find_nats_server() -> str:
 def start_nats(group: ProcessGroup, port: int, host: str = "127.0.0.1", extra_args: list[str] | None = None,
                timeout: float = 15.0) -> Child:
     argv = [find_nats_server(), "-a", host, "-p", str(port), *(extra_args or [])]
-    child = group.start("nats", argv)
+    child = group.start("nats", argv, last=True)
     wait_for_port(host, port, timeout, child)
     return child

@@ -50,6 +50,7 @@ class Child:
     name: str
     popen: subprocess.Popen
     log_path: Path | None = None
+    last: bool = False  # infrastructure the others need while they drain (NATS): stopped after them
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -62,12 +63,16 @@ class Child:
 
 @dataclass
 class ProcessGroup:
-    """Starts children and stops them in reverse order."""
+    """Starts children and stops them: all at once, then those marked `last`.
+
+    Stopping one child at a time does not work for the ranks of an expert-parallel
+    instance: a rank stops in step with its peers (a collective decides), so a rank
+    signalled alone waits for a peer that is only signalled after it has exited."""
 
     log_dir: Path | None = None
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, last: bool = False) -> Child:
         out = None
         path = None
         if self.log_dir is not None:
@@ -81,20 +86,22 @@ class ProcessGroup:
         finally:
             if out is not None:
                 out.close()
-        child = Child(name, popen, path)
+        child = Child(name, popen, path, last)
         self.children.append(child)
         return child
 
     def stop(self, grace_s: float = 15.0) -> None:
-        for child in reversed(self.children):
-            if child.alive():
-                child.popen.send_signal(signal.SIGTERM)
+        for wave in ([c for c in self.children if not c.last], [c for c in self.children if c.last]):
+            for child in reversed(wave):
+                if child.alive():
+                    child.popen.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
-            while child.alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if child.alive():
-                child.popen.kill()
-                child.popen.wait(5)
+            for child in wave:
+                while child.alive() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if child.alive():
+                    child.popen.kill()
+                    child.popen.wait(5)
         self.children.clear()
 
     def dead(self) -> list[Child]:
