@@ -43,6 +43,7 @@ class EngineConfig:
             max_model_len=cfg.max_model_len or None,
             num_speculative_tokens=None if cfg.num_speculative_tokens < 0 else cfg.num_speculative_tokens,
             num_threads=cfg.num_threads or None, enable_prefix_caching=cfg.enable_prefix_caching,
+            num_prefix_snapshots=None if cfg.num_prefix_snapshots < 0 else cfg.num_prefix_snapshots,
         )
 
     def __post_init__(self):
