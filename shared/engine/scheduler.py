@@ -120,7 +120,9 @@ class Scheduler:
         bs, extra = self.blocks.block_size, max(k - 1, 0)
         running, scheduled = self.running, out.scheduled
         i = 0
-        while i < len(running) and budget > 0:
+        # Imported sequences join `running` directly (add_running), so `running` can hold
+        # more than max_num_seqs: the batch takes the oldest, the rest wait their turn.
+        while i < len(running) and budget > 0 and len(scheduled) < self.cfg.max_num_seqs:
             seq = running[i]
             n_tok = len(seq.token_ids)
             if n_tok > seq.last_slot:  # its last token is in flight

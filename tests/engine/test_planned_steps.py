@@ -171,3 +171,34 @@ def test_a_block_freed_while_a_step_is_in_flight_is_not_handed_out_until_it_land
     eng.blocks.end_step(plan.step_id)
     assert eng.blocks.num_free_blocks == 8
     eng.blocks.check()
+
+
+def test_imported_requests_respect_max_num_seqs(tiny_engine_factory):
+    """KV hand-offs enter the running set directly; a step still batches at most
+    max_num_seqs of them, and the others wait their turn and finish the same."""
+    prompts = [[0, 5, 6, 7] * (i + 2) for i in range(6)]
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ref_eng = tiny_engine_factory(num_speculative_tokens=0)
+    for i, pr in enumerate(prompts):
+        ref_eng.add_request(f"r{i}", pr, p)
+    ref = run_whole(ref_eng)
+
+    pre = tiny_engine_factory(role="prefill", num_speculative_tokens=0)
+    firsts = {}
+    for i, pr in enumerate(prompts):
+        pre.add_request(f"r{i}", pr, p)
+    while pre.has_unfinished():
+        for o in pre.step():
+            firsts[o.request_id] = o.new_token_ids
+    dec = tiny_engine_factory(role="decode", num_speculative_tokens=0, max_num_seqs=2)
+    for i, pr in enumerate(prompts):
+        dec.add_prefilled(f"r{i}", pr + firsts[f"r{i}"], len(pr), p, pre.export_kv(f"r{i}"))
+    out = {f"r{i}": list(firsts[f"r{i}"]) for i in range(len(prompts))}
+    widest = 0
+    while dec.has_unfinished():
+        for o in dec.step():
+            out[o.request_id] += o.new_token_ids
+        widest = max(widest, dec.last_stats.num_seqs)
+    assert widest == 2
+    assert out == {rid: r["ids"] for rid, r in ref.items()}
+    assert dec.blocks.num_free_blocks == dec.blocks.num_blocks
