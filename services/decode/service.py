@@ -30,9 +30,12 @@ from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.kv.spec import compatible
 from moemesh.shared.protocol.sampling import SamplingParamError
-from moemesh.shared.protocol.messages import Abort, Ack, ErrorReply, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob
+from moemesh.shared.protocol.messages import (
+    Abort, Ack, ErrorReply, Heartbeat, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob,
+)
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
+from moemesh.shared.service.gateway_watch import GatewayWatch
 from moemesh.shared.service.tombstones import Tombstones
 from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime, end_fields
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
@@ -63,6 +66,7 @@ class DecodeService(AsyncService):
                                 lambda: {"num_transfers": len(self.pulls)})
         self.pulls: dict[str, Pull] = {}
         self.aborted = Tombstones()
+        self.gateways = GatewayWatch(self._gateway_gone, cfg.heartbeat_interval_s)
         self.active: dict[str, Active] = {}
         self._gateways: Counter[str] = Counter()  # gateways of the active requests
         self._step_events = False
@@ -81,6 +85,8 @@ class DecodeService(AsyncService):
                         "meaningless. Never use this for serving.", s.decode_bench_job(rt.worker_id))
             self._job_subs.append(await rt.sub(s.decode_bench_job(rt.worker_id), PrefillJob, self._on_bench_job))
         await rt.sub(s.abort, Abort, self._on_abort)
+        await rt.sub(s.heartbeat("gateway", "*"), Heartbeat, self.gateways.on_heartbeat)
+        rt.spawn(self.gateways.run(), "gateway-watch")
         m = rt.metrics
         self.m_pull = m.histogram("kv_pull_seconds", "time to pull one request's KV")
         self.m_pull_bytes = m.counter("kv_bytes_received_total", "KV bytes received")
@@ -324,6 +330,11 @@ class DecodeService(AsyncService):
                              "host_ms": a.host_s * 1e3, "host_exposed_ms": a.exposed_s * 1e3,
                              "rank_wait_ms": a.rank_wait_s * 1e3}
                 act.span.add_event("step", {"tokens": len(ids), **attrs})
+
+    async def _gateway_gone(self, gateway_id: str) -> None:
+        mine = [rid for rid, act in self.active.items() if act.gateway_id == gateway_id]
+        if mine:
+            await self._on_abort(Abort(mine, "gateway gone"), None, None)
 
     async def _on_abort(self, a: Abort, msg, ctx) -> None:
         for rid in a.request_ids:

@@ -33,11 +33,11 @@ from moemesh.services.gateway.kv_index import KVIndex
 from moemesh.services.gateway.router import pick_decode, route_prefill
 from moemesh.services.gateway.stream import Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, WireSampling,
+    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, WireSampling, WorkerLoad,
 )
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.service.heartbeat import WorkerRegistry
+from moemesh.shared.service.heartbeat import Heartbeater, WorkerRegistry
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, connect, disconnect, publish, request, subscribe
 from moemesh.shared.service.tasks import TaskSet
 
@@ -67,6 +67,8 @@ class MeshClient:
         self._subs = []
         self._tasks = TaskSet()  # KV snapshots, aborts, the inactivity sweep
         self._sweeper: asyncio.Task | None = None
+        self._heartbeat: Heartbeater | None = None
+        self._leaving = False
 
     async def start(self) -> None:
         self.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}")
@@ -76,9 +78,21 @@ class MeshClient:
         self._subs.append(await subscribe(self.nc, s.kv_events, KVEvents, self._on_kv_events))
         self._sweeper = self._tasks.spawn(sweep_inactive(self.handles, self.cfg.inactivity_timeout_s),
                                           "inactivity-sweep")
+        # Workers watch these: when a gateway falls silent, they abort its requests.
+        self._heartbeat = Heartbeater(self.nc, s, self._beat, self.cfg.heartbeat_interval_s)
+        self._heartbeat.start()
+
+    def _beat(self) -> Heartbeat:
+        return Heartbeat(self.gateway_id, "gateway", self.cfg.model_name, WorkerLoad(num_running=len(self.handles)),
+                         draining=self._leaving)
 
     async def close(self) -> None:
         """Safe to call twice. Aborts already on their way get a moment to go out."""
+        if self._heartbeat is not None:  # leaving on purpose: workers need not abort anything
+            await self._heartbeat.stop()
+            self._leaving = True
+            await self._heartbeat.publish_now()
+            self._heartbeat = None
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None

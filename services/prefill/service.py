@@ -44,6 +44,7 @@ from moemesh.shared.protocol.messages import (
 from moemesh.shared.kv.events import KVPeers
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, request
+from moemesh.shared.service.gateway_watch import GatewayWatch
 from moemesh.shared.service.tombstones import Tombstones
 from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
@@ -85,6 +86,7 @@ class PrefillService(AsyncService):
                                 lambda: {"num_held": len(self.leases)})
         self.jobs: dict[str, JobState] = {}
         self.aborted = Tombstones()
+        self.gateways = GatewayWatch(self._gateway_gone, cfg.heartbeat_interval_s)
         self.leases = LeaseTable(cfg.lease_timeout_s)
         self.peers = KVPeers("decode")  # decode workers, to vet the UCX addresses we send to
         self._job_subs = []
@@ -100,6 +102,7 @@ class PrefillService(AsyncService):
         await rt.sub(s.abort, Abort, self._on_abort)
         await rt.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
         rt.spawn(self._reap_leases(), "lease-reaper")
+        rt.spawn(self.gateways.run(), "gateway-watch")
         m = rt.metrics
         self.m_prefill = m.histogram("prefill_seconds", "queue + compute time per prompt")
         self.m_sent = m.counter("kv_bytes_sent_total", "KV bytes sent to decode workers")
@@ -255,6 +258,9 @@ class PrefillService(AsyncService):
 
     # ---- KV pulls -----------------------------------------------------------------
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
+        if hb.role == "gateway":
+            await self.gateways.on_heartbeat(hb, msg, ctx)
+            return
         self.peers.observe(hb)
 
     async def _on_pull(self, p: KVPull, msg, ctx) -> KVPullReply:
@@ -343,6 +349,13 @@ class PrefillService(AsyncService):
                 log.warning("lease on %s expired unpulled; freeing its KV", lease.job.request_id)
                 self.m_expired.inc()
                 await self._free_lease(lease.job.request_id)
+
+    async def _gateway_gone(self, gateway_id: str) -> None:
+        mine = [rid for rid, st in self.jobs.items() if st.job.gateway_id == gateway_id]
+        mine += [rid for rid, lease in self.leases.by_request.items()
+                 if lease.job.gateway_id == gateway_id and rid not in mine]
+        if mine:
+            await self._on_abort(Abort(mine, "gateway gone"), None, None)
 
     async def _on_abort(self, a: Abort, msg, ctx) -> None:
         for rid in a.request_ids:

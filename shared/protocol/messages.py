@@ -221,7 +221,7 @@ class WorkerLoad:
 @dataclass
 class Heartbeat:
     worker_id: str
-    role: str  # prefill | decode | balancer | kv_store
+    role: str  # prefill | decode | balancer | kv_store | gateway
     model: str
     load: WorkerLoad
     address: bytes = b""  # UCX worker address

@@ -28,7 +28,7 @@ from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.messages import (
-    Abort, ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPull, KVPullItem, KVPullReply, KVPut, KVPutReply,
+    Abort, Ack, ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPull, KVPullItem, KVPullReply, KVPut, KVPutReply,
     KVReady, KVReadyItem, KVReadyReply, PrefillJob, RebalanceReply, RebalanceRequest, WireSampling, WorkerLoad,
 )
 from moemesh.shared.protocol.subjects import Subjects
@@ -300,6 +300,37 @@ def test_an_abort_that_overtakes_its_job_or_hand_off_is_remembered(nats_url, tin
                                       KVReadyReply, 5)
                 assert reply.refused == {"late-kv": "aborted"}
                 await _wait_free(m)
+            finally:
+                await nc.close()
+
+    asyncio.run(go())
+
+
+def test_a_gateway_that_falls_silent_has_its_requests_aborted(nats_url, tiny_model, tmp_path):
+    """A killed gateway cannot stream to anyone: the workers notice its heartbeats stop
+    and abort what they hold for it, instead of generating for nobody."""
+    async def go():
+        async with mesh(nats_url, tiny_model, tmp_path) as m:
+            s = Subjects(m.prefix)
+            nc = await nats.connect(nats_url)
+            try:
+                async def beat():
+                    await publish(nc, s.heartbeat("gateway", "gw-x"),
+                                  Heartbeat("gw-x", "gateway", "tiny", WorkerLoad(), interval_s=0.2))
+
+                await beat()
+                await nc.flush()
+                await asyncio.sleep(0.1)
+                wire = WireSampling.from_params(SamplingParams(max_tokens=3000, ignore_eos=True, temperature=0))
+                ack = await request(nc, s.prefill_direct("prefill-t"),
+                                    PrefillJob("orphan", [1, 2, 3, 4, 5], wire, "gw-x", "decode-t"), Ack, 5)
+                assert isinstance(ack, Ack)
+                for _ in range(10):  # alive for a while: nothing is aborted
+                    await beat()
+                    await asyncio.sleep(0.1)
+                assert "orphan" in m.decode.active or "orphan" in m.prefill.jobs or len(m.prefill.leases)
+                await _wait_free(m, timeout=8.0)  # silent now: 3000 tokens would take far longer
+                assert "orphan" in m.decode.aborted or "orphan" in m.prefill.aborted
             finally:
                 await nc.close()
 

@@ -1,0 +1,33 @@
+"""Gateways seen by heartbeat, from a worker's side. A gateway that falls silent (killed,
+cut off) can no longer stream anything to its clients: the requests it sent are nobody's,
+and a worker that kept running them would spend its batch on them. When one goes, the
+worker aborts what it holds for it. A gateway that announces a drain is let go without
+that: it ends its own requests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+from moemesh.shared.protocol.messages import Heartbeat
+from moemesh.shared.service.heartbeat import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class GatewayWatch:
+    def __init__(self, on_gone: Callable[[str], Awaitable[None]], check_every_s: float):
+        self._on_gone, self._every = on_gone, check_every_s
+        self.registry = WorkerRegistry()
+
+    async def on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
+        self.registry.observe(hb)
+
+    async def run(self) -> None:
+        """Check for silent gateways until cancelled."""
+        while True:
+            await asyncio.sleep(self._every)
+            for gateway_id in self.registry.prune():
+                log.warning("gateway %s stopped sending heartbeats: aborting its requests", gateway_id)
+                await self._on_gone(gateway_id)
