@@ -351,11 +351,10 @@ class PrefillService(AsyncService):
                 await self._free_lease(lease.job.request_id)
 
     async def _gateway_gone(self, gateway_id: str) -> None:
-        mine = [rid for rid, st in self.jobs.items() if st.job.gateway_id == gateway_id]
-        mine += [rid for rid, lease in self.leases.by_request.items()
-                 if lease.job.gateway_id == gateway_id and rid not in mine]
+        mine = {rid for rid, st in self.jobs.items() if st.job.gateway_id == gateway_id}
+        mine |= {rid for rid, lease in self.leases.by_request.items() if lease.job.gateway_id == gateway_id}
         if mine:
-            await self._on_abort(Abort(mine, "gateway gone"), None, None)
+            await self._on_abort(Abort(sorted(mine), "gateway gone"), None, None)
 
     async def _on_abort(self, a: Abort, msg, ctx) -> None:
         for rid in a.request_ids:

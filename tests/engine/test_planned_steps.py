@@ -124,23 +124,29 @@ def test_overlapped_planned_steps_equal_whole_steps(tiny_model, reqs, blocks):
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
 
 
-def test_overlapped_decode_on_the_real_model_matches_and_imports_mid_flight(tiny_engine_factory):
-    """The real forward, greedy: a prefill engine hands prompts to a decode engine that
-    takes them while its own steps are in flight."""
-    prompts = [[0, 5, 6, 7] * (i + 2) for i in range(5)]
-    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    ref_eng = tiny_engine_factory(num_speculative_tokens=0)
+def _reference_and_prefilled(factory, prompts: list[list[int]], p: SamplingParams):
+    """One engine's outputs for the prompts (r0, r1, ...), and a prefill engine holding
+    their KV with the first token each sampled."""
+    ref_eng = factory(num_speculative_tokens=0)
     for i, pr in enumerate(prompts):
         ref_eng.add_request(f"r{i}", pr, p)
     ref = run_whole(ref_eng)
-
-    pre = tiny_engine_factory(role="prefill", num_speculative_tokens=0)
+    pre = factory(role="prefill", num_speculative_tokens=0)
     firsts = {}
     for i, pr in enumerate(prompts):
         pre.add_request(f"r{i}", pr, p)
     while pre.has_unfinished():
         for o in pre.step():
             firsts[o.request_id] = o.new_token_ids
+    return ref, pre, firsts
+
+
+def test_overlapped_decode_on_the_real_model_matches_and_imports_mid_flight(tiny_engine_factory):
+    """The real forward, greedy: a prefill engine hands prompts to a decode engine that
+    takes them while its own steps are in flight."""
+    prompts = [[0, 5, 6, 7] * (i + 2) for i in range(5)]
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref, pre, firsts = _reference_and_prefilled(tiny_engine_factory, prompts, p)
     dec = tiny_engine_factory(role="decode", num_speculative_tokens=0)
 
     def hand_over(i):
@@ -178,18 +184,7 @@ def test_imported_requests_respect_max_num_seqs(tiny_engine_factory):
     max_num_seqs of them, and the others wait their turn and finish the same."""
     prompts = [[0, 5, 6, 7] * (i + 2) for i in range(6)]
     p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    ref_eng = tiny_engine_factory(num_speculative_tokens=0)
-    for i, pr in enumerate(prompts):
-        ref_eng.add_request(f"r{i}", pr, p)
-    ref = run_whole(ref_eng)
-
-    pre = tiny_engine_factory(role="prefill", num_speculative_tokens=0)
-    firsts = {}
-    for i, pr in enumerate(prompts):
-        pre.add_request(f"r{i}", pr, p)
-    while pre.has_unfinished():
-        for o in pre.step():
-            firsts[o.request_id] = o.new_token_ids
+    ref, pre, firsts = _reference_and_prefilled(tiny_engine_factory, prompts, p)
     dec = tiny_engine_factory(role="decode", num_speculative_tokens=0, max_num_seqs=2)
     for i, pr in enumerate(prompts):
         dec.add_prefilled(f"r{i}", pr + firsts[f"r{i}"], len(pr), p, pre.export_kv(f"r{i}"))
