@@ -28,8 +28,11 @@ from moemesh.shared.protocol.messages import (
     KVPut,
     KVPutReply,
     KVSnapshotRequest,
+    StatsRequest,
     WorkerLoad,
+    WorkerStats,
 )
+from moemesh.shared.protocol.prefix_hash import is_snapshot_key, snapshot_key
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.heartbeat import Heartbeater
 from moemesh.shared.service.lifecycle import AsyncService
@@ -89,13 +92,14 @@ class KVStoreService(AsyncService):
         await bus.sub(s.kv_store_put, KVPut, self._on_put)
         await bus.sub(s.kv_fetch(self.id), KVFetch, self._on_fetch)
         await bus.sub(s.kv_snapshot(self.id), KVSnapshotRequest, self._on_snapshot)
+        await bus.sub(s.stats(self.id), StatsRequest, self._on_stats)
         self._tasks.spawn(self.events.run(), "kv-events")
         self.heartbeat = await stack.enter_async_context(Heartbeater(self.nc, s, self._beat, cfg.heartbeat_interval_s))
         if cfg.metrics_port >= 0:
             self._http = await stack.enter_async_context(
                 MetricsServer(self._render, lambda: {"status": "ok"}, cfg.metrics_host, cfg.metrics_port))
         # Blocks on disk from before a restart are announced again.
-        self.events.add(self.disk.hashes() if self.disk else [])
+        self.events.add(_blocks(self.disk.hashes()) if self.disk else [])
         self.events.publish_soon()
         log.info("KV store %s ready: %d MiB memory, disk %s", self.id, cfg.capacity_mb, cfg.disk_dir or "off")
 
@@ -111,6 +115,15 @@ class KVStoreService(AsyncService):
         load = WorkerLoad(num_free_blocks=0, num_blocks=len(self.mem) + (len(self.disk) if self.disk else 0))
         return Heartbeat(self.id, "kv_store", self.cfg.model_name, load, address=self.transport.address,
                          kv_identity=b"*")
+
+    async def _on_stats(self, req: StatsRequest, msg, ctx) -> WorkerStats:
+        keys = self.mem.hashes() + (self.disk.hashes() if self.disk else [])
+        snapshots = sum(map(is_snapshot_key, dict.fromkeys(keys)))
+        counters = {"held_bytes_memory": self.mem.used, "held_bytes_disk": self.disk.used if self.disk else 0,
+                    "held_blocks": len(set(keys)) - snapshots, "held_snapshots": snapshots,
+                    **{f"blocks_{o}": self.c_blocks.labels(o)._value.get() for o in ("hit", "miss")}}
+        return WorkerStats(self.id, "kv_store", self._beat().load, staging_bytes_used=self.staging.bytes_used,
+                           counters=counters)
 
     def _render(self) -> tuple[bytes, str]:
         for tier, t in (("memory", self.mem), ("disk", self.disk)):
@@ -139,7 +152,7 @@ class KVStoreService(AsyncService):
             else:
                 removed.append(old)
             self.c_evict.labels("memory").inc()
-        self.events.add([h], removed)
+        self.events.add(_blocks([h]), _blocks(removed))
 
     def _read(self, h: bytes) -> tuple[bytes, int] | None:
         got = self.mem.get(h)
@@ -148,7 +161,7 @@ class KVStoreService(AsyncService):
             if got is None and self.disk.corrupt:
                 self._sync_corrupt()
             elif got is not None:
-                self.mem.put(h, *got)  # hot again: back to memory
+                self._insert(h, *got)  # hot again: back to memory (what it evicts spills to disk)
         if got is not None and zlib.crc32(got[0]) != got[1]:
             self.c_corrupt.inc()
             return None
@@ -160,71 +173,97 @@ class KVStoreService(AsyncService):
 
     # ---- the protocol -----------------------------------------------------------------------
     async def _on_put(self, p: KVPut, msg, ctx) -> KVPutReply:
-        wanted = [not self.has(h) for h in p.hashes]
+        keys = _keys(p.hashes, p.snapshot_nbytes > 0)
+        wanted = [not self.has(k) for k in keys]
         if not any(wanted):
             return KVPutReply(True, wanted=wanted)
-        if len(p.checksums) != len(p.hashes) or p.nbytes % len(p.hashes):
+        blocks_nbytes = p.nbytes - p.snapshot_nbytes
+        if (not p.hashes or len(p.checksums) != len(keys) or p.snapshot_nbytes < 0 or blocks_nbytes <= 0
+                or blocks_nbytes % len(p.hashes)):
             return KVPutReply(False, error="checksums and sizes do not match the offered blocks")
         rx = StagedReceive(self.transport, self.staging, p.nbytes)
         if rx.error:
             return KVPutReply(False, error="store staging memory is full")
         rx.post()
-        self._tasks.spawn(self._receive(p, wanted, rx), f"kv-receive-{rx.tag}")
+        self._tasks.spawn(self._receive(p, keys, wanted, rx), f"kv-receive-{rx.tag}")
         return KVPutReply(True, rx.tag, self.transport.address, wanted)
 
-    async def _receive(self, p: KVPut, wanted, rx: StagedReceive) -> None:
+    async def _receive(self, p: KVPut, keys: list[bytes], wanted, rx: StagedReceive) -> None:
         try:
             await rx.wait(self.cfg.transfer_timeout_s)
-            per = p.nbytes // len(p.hashes)
+            per = (p.nbytes - p.snapshot_nbytes) // len(p.hashes)
             raw = rx.slot.buffer()
-            for i, (h, crc, want) in enumerate(zip(p.hashes, p.checksums, wanted)):
+            for i, (k, crc, want) in enumerate(zip(keys, p.checksums, wanted)):
                 if not want:
                     continue
-                data = bytes(raw[i * per : (i + 1) * per])
+                data = bytes(raw[i * per : (i + 1) * per if i < len(p.hashes) else p.nbytes])
                 if zlib.crc32(data) != crc:
                     self.c_corrupt.inc()  # damaged on the way in: never stored, never served
                     continue
-                self._insert(h, data, crc)
+                self._insert(k, data, crc)
             self.c_bytes.labels("in").inc(p.nbytes)
         except TransferError as e:
             log.info("blocks offered by %s never arrived: %s", p.holder_id, e)
         finally:
             rx.release()
 
+    def _depth(self, f: KVFetch) -> int:
+        """How many leading blocks of f.hashes can be served (V4: up to a snapshot)."""
+        n = 0
+        while n < len(f.hashes) and self.has(f.hashes[n]):
+            n += 1
+        while f.snapshot and n and not self.has(snapshot_key(f.hashes[n - 1])):
+            n -= 1
+        return n
+
     async def _on_fetch(self, f: KVFetch, msg, ctx) -> KVFetchReply:
-        if not f.hashes or f.nbytes % len(f.hashes):
+        if f.depth_only:
+            return KVFetchReply(True, num_blocks=self._depth(f))
+        if not f.hashes or f.nbytes <= 0:
             return KVFetchReply(False, "bad block count or size")
         if not self.peers.knows(f.address):
             return KVFetchReply(False, "the fetching address belongs to no live worker")
-        blocks = []
-        for h in f.hashes:
-            got = self._read(h)
-            if got is None or len(got[0]) != f.nbytes // len(f.hashes):
-                self.c_blocks.labels("miss").inc(len(f.hashes))
-                return KVFetchReply(False, "not every block is held (or one failed its checksum)")
-            blocks.append(got)
-        for h in f.hashes:
-            self.mem.pin(h)
+        keys = _keys(f.hashes, f.snapshot)
+        records = [self._read(k) for k in keys]
+        held = [r for r in records if r is not None]
+        blocks = held[: len(f.hashes)]
+        if (len(held) != len(keys) or len({len(d) for d, _ in blocks}) != 1
+                or sum(len(d) for d, _ in held) != f.nbytes):
+            self.c_blocks.labels("miss").inc(len(f.hashes))
+            return KVFetchReply(False, "not every block is held (or one failed its checksum, or the sizes differ)")
+        for k in keys:
+            self.mem.pin(k)
         slot = self.staging.alloc(f.nbytes)
         try:
             if slot is None:
                 return KVFetchReply(False, "store staging memory is full")
-            buf = slot.buffer()
-            per = f.nbytes // len(f.hashes)
-            for i, (data, _) in enumerate(blocks):
-                buf[i * per : (i + 1) * per] = np.frombuffer(data, dtype=np.uint8)
+            buf, at = slot.buffer(), 0
+            for data, _ in held:
+                buf[at : at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                at += len(data)
             await self.transport.send(f.address, buf, f.tag, self.cfg.transfer_timeout_s)
             self.c_blocks.labels("hit").inc(len(f.hashes))
             self.c_bytes.labels("out").inc(f.nbytes)
-            return KVFetchReply(True, checksums=[c for _, c in blocks])
+            return KVFetchReply(True, checksums=[c for _, c in held])
         except TransferError as e:
             return KVFetchReply(False, str(e))
         finally:
-            for h in f.hashes:
-                self.mem.unpin(h)
+            for k in keys:
+                self.mem.unpin(k)
             if slot is not None:
                 self.staging.free(slot)
 
     async def _on_snapshot(self, r: KVSnapshotRequest, msg, ctx) -> KVEvents:
         hashes = self.mem.hashes() + (self.disk.hashes() if self.disk else [])
-        return KVEvents(self.id, "kv_store", b"*", list(dict.fromkeys(hashes)), reset=True)
+        return KVEvents(self.id, "kv_store", b"*", _blocks(dict.fromkeys(hashes)), reset=True)
+
+
+def _keys(hashes: list[bytes], snapshot: bool) -> list[bytes]:
+    """The records a V4 move touches: its blocks, then the snapshot at their end."""
+    return hashes + [snapshot_key(hashes[-1])] if snapshot and hashes else list(hashes)
+
+
+def _blocks(keys) -> list[bytes]:
+    """The keys that are blocks: snapshots are not announced, as no prompt's hash chain
+    names them (a fetch asks for them by the block they end)."""
+    return [k for k in keys if not is_snapshot_key(k)]

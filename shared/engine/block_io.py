@@ -36,6 +36,21 @@ def acquire_prefix(engine: LLMEngine, hashes: list[bytes]) -> list[int]:
     return blocks
 
 
+def depth(engine: LLMEngine, hashes: list[bytes]) -> int:
+    """How many leading blocks of `hashes` are cached here and can be served (V4: up to
+    the deepest boundary snapshot among them)."""
+    n = len(engine.blocks.lookup(hashes))
+    if engine.hybrid:
+        n = engine.snapshots.usable(hashes[:n]) if engine.snapshots else 0
+    return n
+
+
+def acquire_deepest(engine: LLMEngine, hashes: list[bytes]) -> list[int]:
+    """acquire_exact of the leading `depth` blocks of `hashes` ([] if none)."""
+    n = depth(engine, hashes)
+    return (acquire_exact(engine, hashes[:n]) or []) if n else []
+
+
 def acquire_exact(engine: LLMEngine, hashes: list[bytes]) -> list[int] | None:
     """All of `hashes` with references taken (V4: and the snapshot at their end, pinned),
     or None if any is missing. Give them back with release_exact."""

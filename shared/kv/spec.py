@@ -9,9 +9,8 @@ Glossary:
 - block-major buffer: whole cached blocks as they travel between caches and the store,
   [n, layers, block_size, D], each block's bytes contiguous. A DeepSeek-V4 move is a
   prefix's blocks and the boundary snapshot at its end, as one flat buffer laid out like
-  a hand-off (n main rows, then the carry): a V4 prefix is usable only with it. Such
-  moves go between workers; the KV store keeps blocks of one size only, so V4 blocks are
-  not offered to it (`why_not_stored`).
+  a hand-off (n main rows, then the carry): a V4 prefix is usable only with it. The KV
+  store keeps each block's rows and the snapshot as records of their own.
 - wire form: `KVLayout`, the protocol message that carries a description between
   workers. Its values are those workers of older builds compare against.
 - identity: `prefix_hash.kv_identity`, the part of every block hash that says whose
@@ -26,10 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from moemesh.shared.protocol.messages import KVLayout
-
-V4_NO_STORE = ("the KV store keeps blocks of one size; a DeepSeek-V4 prefix travels with its boundary "
-               "snapshot, which the store cannot keep yet")
-
 
 @dataclass(frozen=True)
 class KVSpec:
@@ -58,11 +53,6 @@ class KVSpec:
         return (num_blocks * self.block_numel + self.carry_numel) * self.dtype.itemsize
 
     # ---- whole blocks ---------------------------------------------------------------------
-    @property
-    def why_not_stored(self) -> str:
-        """Why these blocks are not offered to (or pulled from) the KV store, or ""."""
-        return V4_NO_STORE if self.hybrid else ""
-
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of a block-major buffer of num_blocks blocks (V4: flat, the boundary
         snapshot after the blocks)."""

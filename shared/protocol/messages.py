@@ -363,20 +363,28 @@ class KVSnapshotRequest:
 
 @dataclass
 class KVFetch:
-    """Send these blocks (all of them, in order) to `address` under `tag`, or nothing."""
+    """Send these blocks (all of them, in order) to `address` under `tag`, or nothing.
+
+    snapshot: DeepSeek-V4 blocks, which come with the boundary snapshot at the end of the
+    last one, after them (shared/kv/spec.py); a store must be told, a worker knows.
+    depth_only: send nothing; answer how many leading blocks could be sent (`num_blocks`:
+    a V4 prefix can be sent only as deep as a boundary snapshot)."""
 
     hashes: list[bytes]
     address: bytes
     tag: int
     nbytes: int
     layout: KVLayout | None = None  # the fetcher's (shared/kv/spec.py); a worker checks it, a store holds by hash
+    snapshot: bool = False
+    depth_only: bool = False
 
 
 @dataclass
 class KVFetchReply:
     ok: bool
     error: str = ""
-    checksums: list[int] = field(default_factory=list)
+    checksums: list[int] = field(default_factory=list)  # per block, then the snapshot's (V4)
+    num_blocks: int = 0  # the answer to depth_only
 
 
 @dataclass
@@ -385,9 +393,12 @@ class KVPut:
 
     holder_id: str
     hashes: list[bytes]
-    checksums: list[int]
+    checksums: list[int]  # per block, then the snapshot's
     nbytes: int
     kv_identity: bytes
+    # DeepSeek-V4: the last snapshot_nbytes bytes are the boundary snapshot at the end of
+    # hashes[-1], a record of its own in the store (prefix_hash.snapshot_key).
+    snapshot_nbytes: int = 0
 
 
 @dataclass
@@ -395,7 +406,7 @@ class KVPutReply:
     ok: bool
     tag: int = 0
     address: bytes = b""
-    wanted: list[bool] = field(default_factory=list)  # which of the offered blocks the store lacks
+    wanted: list[bool] = field(default_factory=list)  # which of the offered blocks (then the snapshot) it lacks
     error: str = ""
 
 

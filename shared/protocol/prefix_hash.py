@@ -13,6 +13,16 @@ import json
 import struct
 
 ROOT = b"\x00" * 16
+_SNAPSHOT = b"#snapshot"  # makes a key no block hash can be (those are 16 bytes)
+
+
+def snapshot_key(h: bytes) -> bytes:
+    """The KV store's key for the DeepSeek-V4 boundary snapshot at the end of block h."""
+    return h + _SNAPSHOT
+
+
+def is_snapshot_key(key: bytes) -> bool:
+    return key.endswith(_SNAPSHOT)
 
 
 def kv_identity(model_identity: dict, block_size: int, dtype: str) -> bytes:

@@ -48,6 +48,7 @@ class EngineLoop:
         self._ops: list[tuple[Op, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._stopping = False
+        self._ended = False  # run() has returned: no step will run again
         self._idle_poll_s = idle_poll_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self.pending_retry: list[Callable[[LLMEngine], bool]] = []
@@ -63,6 +64,8 @@ class EngineLoop:
         """Run op(engine); the future gets its result or exception. With planned steps the
         engine is only ever touched from the event loop (the device thread keeps to its
         step's own tensors), so the op runs at once. Otherwise it runs between steps."""
+        if self._ended:
+            return self._after_end(op)
         fut = asyncio.get_running_loop().create_future()
         if self._immediate:
             t = time.perf_counter()
@@ -115,7 +118,17 @@ class EngineLoop:
             else:
                 await self._run_whole_steps()
         finally:
-            self._pool.shutdown(wait=False)  # a collective still blocking must not block the loop
+            self._ended = True
+            ops, self._ops = self._ops, []
+            for op, fut in ops:
+                if not fut.done():
+                    self._after_end(op).add_done_callback(lambda f, fut=fut: _copy_outcome(f, fut))
+
+    def _after_end(self, op: Op) -> asyncio.Future:
+        """An op once no step will run again (e.g. a task giving blocks back as the service
+        closes): on the step thread, so it runs after a step that may still be finishing
+        there, and never waits for a step that will not come."""
+        return asyncio.wrap_future(self._pool.submit(op, self.engine))
 
     async def _idle(self, timeout: float) -> None:
         self._step_end = None  # the next gap is waiting for work, not host overhead
@@ -316,3 +329,14 @@ def _safe(attempt: Callable[[LLMEngine], bool], engine: LLMEngine) -> bool:
     except Exception:
         log.exception("retried engine operation failed; dropping it")
         return True
+
+
+def _copy_outcome(src: asyncio.Future, dst: asyncio.Future) -> None:
+    if dst.done():
+        return
+    if src.cancelled():
+        dst.cancel()
+    elif src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())

@@ -7,8 +7,12 @@
   a crc32 per block (DeepSeek-V4: with the boundary snapshot at their end, block_io.py);
 - pull: the other direction, for a prefill worker that was told a peer or the KV store
   holds more of a prompt than it does;
-- push: finished requests' blocks are offered to the KV store in the background (not
-  V4's: KVSpec.why_not_stored).
+- push: finished requests' blocks are offered to the KV store in the background
+  (DeepSeek-V4: up to the deepest boundary snapshot, with it).
+
+A V4 prefix is usable only as deep as a boundary snapshot, which a holder's block hashes
+do not show: before a V4 pull, the candidate holders are asked how deep they can serve
+(KVFetch.depth_only), and the deepest is fetched, exactly that deep.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from moemesh.shared.kv.spec import KVSpec, compatible
 from moemesh.shared.protocol.messages import (
     Heartbeat, KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, KVSnapshotRequest, KVSource,
 )
+from moemesh.shared.protocol.prefix_hash import snapshot_key
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.engine_loop import EngineLoop
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request
@@ -107,11 +112,13 @@ class KVSharing:
     # ---- serving peers --------------------------------------------------------------------
     async def _on_fetch(self, f: KVFetch, msg, ctx) -> KVFetchReply:
         rt, spec = self.rt, self.spec
-        why = spec.why_not_blocks(len(f.hashes), f.nbytes)
+        why = "" if f.depth_only else spec.why_not_blocks(len(f.hashes), f.nbytes)
         if not why and f.layout is not None and not (c := compatible(spec, f.layout)):
             why = f"incompatible KV layout: {c.reason}"
         if why:
             return KVFetchReply(False, why)
+        if f.depth_only:
+            return KVFetchReply(True, num_blocks=await rt.loop.call(lambda e: block_io.depth(e, f.hashes)))
         if not self.peers.knows(f.address):
             return KVFetchReply(False, "the fetching address belongs to no live worker")
         blocks = await rt.loop.call(lambda e: block_io.acquire_exact(e, f.hashes))
@@ -145,17 +152,38 @@ class KVSharing:
         rt = self.rt
         local = await rt.loop.call(lambda e: block_io.acquire_prefix(e, hashes))
         self.c_hit.labels("local").inc(len(local) * rt.engine.cfg.block_size)
-        stores = {p.worker_id for p in self.peers.live("kv_store")} if self.spec.why_not_stored else set()
-        best = max((s for s in sources if s.num_blocks > len(local) and s.holder_id != rt.worker_id
-                    and s.holder_id not in stores), key=lambda s: s.num_blocks, default=None)
+        best, n = await self._best_source(hashes, len(local), sources)
         if best is None:
             return local
-        missing = hashes[len(local) : min(best.num_blocks, len(hashes))]
-        pulled = await self._pull(best.holder_id, missing, len(local))
+        pulled = await self._pull(best, hashes[len(local) : n], len(local))
         if pulled:
             self.pulled_tokens += len(pulled) * rt.engine.cfg.block_size
             self.c_hit.labels("remote").inc(len(pulled) * rt.engine.cfg.block_size)
         return local + pulled
+
+    async def _best_source(self, hashes: list[bytes], have: int, sources: list[KVSource]) -> tuple[str | None, int]:
+        """The holder to pull from and how deep (in blocks of `hashes`) it serves."""
+        rt = self.rt
+        cands = [s for s in sources if s.num_blocks > have and s.holder_id != rt.worker_id]
+        if not cands:
+            return None, have
+        if not self.spec.hybrid:
+            best = max(cands, key=lambda s: s.num_blocks)
+            return best.holder_id, min(best.num_blocks, len(hashes))
+        missing = hashes[have : max(s.num_blocks for s in cands)]
+        depths = await asyncio.gather(*(self._depth(s.holder_id, missing) for s in cands))
+        d, holder = max(zip(depths, (s.holder_id for s in cands)))
+        return (holder, have + d) if d else (None, have)
+
+    async def _depth(self, holder: str, hashes: list[bytes]) -> int:
+        rt = self.rt
+        ask = KVFetch(hashes, rt.transport.address, 0, 0, self.spec.wire, snapshot=True, depth_only=True)
+        try:
+            reply = await request(rt.nc, rt.subjects.kv_fetch(holder), ask, KVFetchReply, rt.cfg.transfer_timeout_s)
+        except (Unreachable, RemoteError) as e:
+            log.info("asking %s how much of a prefix it holds failed: %s", holder, e)
+            return 0
+        return min(reply.num_blocks, len(hashes)) if reply.ok else 0
 
     async def _pull(self, holder: str, hashes: list[bytes], first_block: int) -> list[int]:
         rt, spec = self.rt, self.spec
@@ -167,7 +195,8 @@ class KVSharing:
         try:
             async def ask(tag: int) -> KVFetchReply:
                 reply = await request(rt.nc, rt.subjects.kv_fetch(holder),
-                                      KVFetch(hashes, rt.transport.address, tag, rx.nbytes, spec.wire), KVFetchReply,
+                                      KVFetch(hashes, rt.transport.address, tag, rx.nbytes, spec.wire,
+                                              snapshot=spec.hybrid), KVFetchReply,
                                       rt.cfg.transfer_timeout_s)
                 if not reply.ok:
                     raise TransferError(reply.error)
@@ -196,38 +225,48 @@ class KVSharing:
 
     def push_soon(self, hashes: list[bytes]) -> None:
         """Offer these full blocks to the KV store, in the background."""
-        fresh = [h for h in hashes if h not in self._pushed]
-        if fresh and self.store_id() is not None and not self.spec.why_not_stored:
-            self.rt.spawn(self._push(fresh), "kv-push")
+        if not self.spec.hybrid:  # V4: which snapshot goes with them is known only in _push
+            hashes = [h for h in hashes if h not in self._pushed]
+        if hashes and self.store_id() is not None:
+            self.rt.spawn(self._push(hashes), "kv-push")
 
     async def _push(self, hashes: list[bytes]) -> None:
         rt, spec = self.rt, self.spec
-        blocks = await rt.loop.call(lambda e: block_io.acquire_prefix(e, hashes))
-        if not blocks:
+        held = await rt.loop.call(lambda e: block_io.acquire_deepest(e, hashes))
+        if not held:
             return
-        hashes = hashes[: len(blocks)]
-        slot = rt.staging.alloc(spec.blocks_nbytes(len(blocks)))
+        hashes = hashes[: len(held)]
+        first, slot = 0, None
         try:
+            if spec.hybrid:
+                # The blocks not offered yet (at least the last, which names the snapshot), then
+                # the snapshot at their end.
+                first = next((i for i, h in enumerate(hashes) if h not in self._pushed), len(hashes) - 1)
+                if first == len(hashes) - 1 and {hashes[-1], snapshot_key(hashes[-1])} <= self._pushed.keys():
+                    return
+            blocks, offered = held[first:], hashes[first:]
+            slot = rt.staging.alloc(spec.blocks_nbytes(len(blocks)))
             if slot is None:
                 return
             buf = slot.typed(spec.dtype, spec.block_shape(len(blocks)))
             # The copy runs beside the engine, so offering blocks to the store never delays a step.
-            sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, buf)
-            await rt.loop.call(lambda e: block_io.release(e, blocks))
-            blocks = []
-            put = KVPut(rt.worker_id, hashes, sums, slot.nbytes, spec.identity)
+            sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, buf, offered)
+            await rt.loop.call(lambda e: block_io.release_exact(e, held, hashes))
+            held = []
+            snap = spec.carry_numel * spec.dtype.itemsize if spec.hybrid else 0
+            put = KVPut(rt.worker_id, offered, sums, slot.nbytes, spec.identity, snapshot_nbytes=snap)
             reply = await request(rt.nc, rt.subjects.kv_store_put, put, KVPutReply, rt.cfg.transfer_timeout_s)
             if reply.ok and any(reply.wanted) and self.peers.knows(reply.address):
                 await rt.transport.send(reply.address, slot.buffer(), reply.tag, rt.cfg.transfer_timeout_s)
                 self.c_bytes.labels("pushed").inc(slot.nbytes)
-            for h in hashes:
+            for h in offered + ([snapshot_key(offered[-1])] if snap else []):
                 self._pushed[h] = None
             while len(self._pushed) > _PUSHED_MEMORY:
                 self._pushed.popitem(last=False)
         except (TransferError, Unreachable, RemoteError) as e:
             log.debug("KV push to the store failed: %s", e)  # the store is optional: recompute later
         finally:
-            if blocks:
-                await rt.loop.call(lambda e: block_io.release(e, blocks))
+            if held:
+                await rt.loop.call(lambda e: block_io.release_exact(e, held, hashes))
             if slot is not None:
                 rt.staging.free(slot)

@@ -51,7 +51,7 @@ async def _worker_counters(nats_url: str) -> dict[str, dict[str, float]]:
                 hb = decode((await sub.next_msg(timeout=left)).data, Heartbeat)
             except Exception:  # nats' TimeoutError: the window is over
                 break
-            if hb.role in ("prefill", "decode"):
+            if hb.role in ("prefill", "decode", "kv_store"):
                 ids[hb.worker_id] = hb.role
         await sub.unsubscribe()
         out = {}
@@ -84,12 +84,16 @@ def _run_once(cfg: KVReuseBenchConfig, model: str, reuse: bool) -> dict:
     prompt = sum(c.get("prompt_tokens", 0) for c in pre)
     hit = sum(c.get("prefix_cache_hit_tokens", 0) for c in pre)
     pulled = sum(c.get("kv_pulled_tokens", 0) for c in pre)
+    store = next((c for c in counters.values() if c["role"] == "kv_store"), None)
     by_turn = summary.get("ttft_ms_by_turn", {})
     return {"reuse": reuse, "ttft_ms_turn1_mean": by_turn.get("1", {}).get("mean"),
             "ttft_ms_turn2plus_mean": by_turn.get("2+", {}).get("mean"), "errors": summary["num_errors"],
             "error_messages": summary.get("errors", {}).get("messages", {}),
             "prefill_prompt_tokens": prompt, "prefix_hit_tokens": hit, "pulled_tokens": pulled,
-            "token_hit_rate": (hit + pulled) / prompt if prompt else None, "workers": counters}
+            "token_hit_rate": (hit + pulled) / prompt if prompt else None, "workers": counters,
+            # what the store tier took for these hits (V4: blocks' rows and boundary snapshots)
+            "store": None if store is None else {
+                k: store.get(k, 0) for k in ("held_bytes_memory", "held_blocks", "held_snapshots", "blocks_hit")}}
 
 
 def run(cfg: KVReuseBenchConfig) -> dict:
@@ -112,6 +116,10 @@ def table(r: dict) -> str:
     for name in ("with_reuse", "without_reuse"):
         for e in r[name].get("error_messages", []):
             lines.append(f"  {name} error x{e['count']}: {e['message']}")
+    st = r["with_reuse"].get("store")
+    if st:
+        lines.append(f"KV store: {st['held_bytes_memory'] / 2**20:.1f} MiB in {st['held_blocks']:.0f} blocks and "
+                     f"{st['held_snapshots']:.0f} snapshots; {st['blocks_hit']:.0f} blocks served")
     sp = r["turn2plus_ttft_speedup"]
     lines.append(f"turns 2+ TTFT speed-up with reuse: {sp:.1f}x (goal >= {r['goal_speedup']:.0f}x)" if sp else
                  "turns 2+ TTFT speed-up: n/a")
