@@ -12,6 +12,7 @@ class GatewayConfig(ServiceConfig):
     max_inflight: int = 512  # admitted requests; beyond this, 429 with Retry-After
     retry_after_s: int = 1
     prefill_timeout_s: float = 5.0  # for a prefill worker to accept a job
+    max_migrations: int = 3  # times one request is moved to other workers when its worker dies
     inactivity_timeout_s: float = 60.0  # no token for this long: the request fails
     default_max_tokens: int = 256
     max_body_bytes: int = 8 << 20  # a larger request body is refused with 413

@@ -21,6 +21,7 @@ abort goes out to the workers from a tracked task.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -33,8 +34,8 @@ from moemesh.services.gateway.kv_index import KVIndex
 from moemesh.services.gateway.router import pick_decode, route_prefill
 from moemesh.services.gateway.stream import Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, TokenResend, WireSampling,
-    WorkerLoad,
+    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, TokenEnd, TokenResend,
+    WireSampling, WorkerLoad,
 )
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
@@ -47,6 +48,7 @@ from moemesh.shared.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 RESEND_EVERY_S = 0.5
+WATCH_EVERY_S = 0.25
 SILENT_S = 2.0  # a stream this long without a batch: its workers are asked what it missed
 
 
@@ -64,9 +66,12 @@ class MeshClient:
         m = metrics or Metrics()
         self.c_gaps = m.counter("token_gaps_total", "token rows that arrived after a gap in their stream")
         self.c_resends = m.counter("token_resends_total", "streams a worker was asked to send again")
+        self.c_migrations = m.counter("request_migrations_total", "requests resubmitted because their worker died")
         self.gateway_id = gateway_id or cfg.worker_id or f"gw-{uuid.uuid4().hex[:8]}"
         self.subjects = Subjects(cfg.subject_prefix)
-        self.registry = WorkerRegistry()
+        # Silent for two beats (at least 1 s): gone. Its streams move at once (migration).
+        self.registry = WorkerRegistry(miss_factor=2.0, min_timeout_s=1.0)
+        self._draining: dict[str, tuple[float, float]] = {}  # worker -> (last beat, silence that means dead)
         self.handles: dict[str, Handle] = {}
         self._assigned: dict[str, int] = defaultdict(int)
         self._assigned_prompt: dict[str, int] = defaultdict(int)
@@ -88,6 +93,7 @@ class MeshClient:
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
         self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id), TokenBatch, self._on_tokens))
         self._subs.append(await subscribe(self.nc, s.kv_events, KVEvents, self._on_kv_events))
+        self._tasks.spawn(self._watch_workers(), "worker-watch")
         self._sweeper = self._tasks.spawn(sweep_inactive(self.handles, self.cfg.inactivity_timeout_s,
                                                          silent_s=SILENT_S, on_silent=self.ask_resend),
                                           "inactivity-sweep")
@@ -118,14 +124,18 @@ class MeshClient:
     # ---- workers ---------------------------------------------------------------------
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         self.registry.observe(hb)
+        if hb.draining and hb.role in ("prefill", "decode"):
+            # No new work goes there, but its streams still do: if it dies before they end
+            # (its drain timed out), they move.
+            self._draining[hb.worker_id] = (time.monotonic(), max(1.0, 2 * hb.interval_s))
+        else:
+            self._draining.pop(hb.worker_id, None)
         self._assigned.pop(hb.worker_id, None)  # the beat now reflects what we sent
         self._assigned_prompt.pop(hb.worker_id, None)
         if hb.kv_identity and hb.worker_id not in self._snapshots and not hb.draining:
             self._snapshots.add(hb.worker_id)  # catch up on what it held before we listened
             self._tasks.spawn(self._snapshot(hb.worker_id), f"kv-snapshot-{hb.worker_id}")
-        for dead in self.registry.prune():
-            self.kv.forget(dead)
-            self._snapshots.discard(dead)
+        self._check_workers()
 
     async def _snapshot(self, holder: str) -> None:
         try:
@@ -144,12 +154,27 @@ class MeshClient:
     # ---- requests --------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      headers: dict | None) -> Handle:
+        h = Handle(request_id, "", self._closed, asyncio.get_running_loop().time())
+        h.prompt_ids, h.params, h.headers = prompt_ids, params, headers
+        try:
+            await self._send_job(h, prompt_ids, params)
+        except asyncio.CancelledError:  # the client went away; the job may have been taken
+            h.close("client")
+            raise
+        except BaseException:
+            h.close()
+            raise
+        return h
+
+    async def _send_job(self, h: Handle, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Choose the workers for h and send its job (raises NoWorkers or Rejected)."""
         decode = pick_decode(self.live("decode"), self._assigned)
         if decode is None:
             raise NoWorkers("no decode worker is alive")
         if not self.cfg.decode_only_bench and not self.live("prefill"):
             raise NoWorkers("no prefill worker is alive")
-        h = Handle(request_id, decode.worker_id, self._closed, asyncio.get_running_loop().time())
+        request_id = h.request_id
+        h.decode_id, h.prefill_id = decode.worker_id, ""
         self.handles[request_id] = h
         self._assigned[decode.worker_id] += params.max_tokens
         job = PrefillJob(request_id, list(prompt_ids), WireSampling.from_params(params), self.gateway_id,
@@ -164,30 +189,81 @@ class MeshClient:
             self._assigned_prompt[prefill.worker_id] += len(prompt_ids)
         try:
             try:
-                await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, headers)
+                await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, h.headers)
             except Unreachable:
                 if self.cfg.decode_only_bench:
                     raise
                 # The chosen worker just went away: any prefill worker will do.
                 job.kv_sources, h.prefill_id = [], ""
-                ack = await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s, headers)
+                ack = await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s,
+                                    h.headers)
                 h.prefill_id = ack.worker_id
         except Unreachable as e:
-            h.close()
             log.warning("request %s: no prefill worker took it (%s)", request_id, e)
             raise NoWorkers("no prefill worker took the request") from None
         except RemoteError as e:
-            h.close()
             if e.reply.code == "unavailable":
                 raise NoWorkers(str(e)) from None
             raise Rejected(e.reply.error) from None
-        except asyncio.CancelledError:  # the client went away; the job may have been taken
-            h.close("client")
-            raise
-        return h
+
+    # ---- migration ----------------------------------------------------------------------
+    def _check_workers(self) -> None:
+        """Workers that fell silent: their requests go elsewhere (each sweep)."""
+        dead = self.registry.prune()
+        now = time.monotonic()
+        if not self.registry.held:
+            gone = [w for w, (seen, timeout) in self._draining.items() if now - seen > timeout]
+            for w in gone:
+                del self._draining[w]
+            dead += gone
+        for w in dead:
+            self.kv.forget(w)
+            self._snapshots.discard(w)
+        if dead:
+            self._migrate_from(set(dead), "its worker stopped")
+
+    async def _watch_workers(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            self._check_workers()
+
+    def _migrate_from(self, dead: set[str], why: str) -> None:
+        moving = [h for h in self.handles.values() if not h.closed and h.finish is None
+                  and (h.decode_id in dead or (h.prefill_id in dead and h.next_pos == 0))]
+        for w in sorted(dead):
+            n = sum(1 for h in moving if w in (h.decode_id, h.prefill_id))
+            log.warning("worker %s stopped sending heartbeats: migrating its %d requests", w, n)
+        for h in moving:
+            self._tasks.spawn(self._migrate(h, why), f"migrate-{h.request_id}")
+
+    async def _migrate(self, h: Handle, why: str) -> None:
+        """Resubmit h as its prompt plus every id it has streamed so far, to live workers:
+        the new worker prefills that and goes on; the client's stream goes on unbroken."""
+        if h.migrations >= self.cfg.max_migrations:
+            h.end(TokenEnd(0, "error", f"request failed: {why} and it was moved {h.migrations} times already"))
+            return
+        old, done = h.request_id, len(h.streamed) + len(h.ids)
+        if done >= h.params.max_tokens:  # all of it arrived; only its end was lost
+            h.end(TokenEnd(0, "length"))
+            return
+        h.migrations += 1
+        self.c_migrations.inc()
+        self.handles.pop(old, None)  # late rows of the old attempt are not its
+        self._tasks.spawn(self._send_abort(self.nc, old, "migrated"), f"abort-{old}")
+        h.request_id = f"{old.split('~', 1)[0]}~m{h.migrations}"
+        h.next_pos, h.asked_at = 0, -1e9
+        params = dataclasses.replace(h.params, max_tokens=h.params.max_tokens - done,
+                                     min_tokens=max(0, h.params.min_tokens - done))
+        prompt = h.prompt_ids + h.streamed + h.ids
+        try:
+            await self._send_job(h, prompt, params)
+        except (NoWorkers, Rejected) as e:
+            h.end(TokenEnd(0, "error", f"request failed: {why}, and it could not be moved ({e})"))
 
     def _recover(self) -> None:
         """Back from a NATS outage: what was sent meanwhile may be lost; ask for all of it."""
+        now = time.monotonic()
+        self._draining = {w: (now, t) for w, (_, t) in self._draining.items()}
         for h in self.handles.values():
             h.asked_at = -1e9
         self.ask_resend(list(self.handles.values()))

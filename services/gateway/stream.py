@@ -33,7 +33,9 @@ class Handle:
     worker step), emptied by the request's reader, which ends it with close()."""
 
     __slots__ = ("request_id", "decode_id", "prefill_id", "ids", "logprobs", "finish", "error", "last_seen",
-                 "gone", "closed", "next_pos", "asked_at", "_waiter", "_on_close")
+                 "gone", "closed", "next_pos", "asked_at", "prompt_ids", "params", "headers", "migrations",
+                 "streamed",
+                 "_waiter", "_on_close")
 
     def __init__(self, request_id: str, decode_id: str, on_close: Callable[[str, str | None], None],
                  now: float = 0.0):
@@ -50,6 +52,12 @@ class Handle:
         self.gone = False  # the client went away
         self.closed = False
         self.next_pos = 0  # the position in the output of the next id this stream takes
+        # what resubmits it when its worker dies (request migration)
+        self.prompt_ids: list[int] = []
+        self.params = None
+        self.headers: dict | None = None
+        self.migrations = 0
+        self.streamed: list[int] = []  # ids the reader has taken
         self.asked_at = -1e9  # loop time of the last resend asked for it
         self._waiter: asyncio.Future | None = None
         self._on_close = on_close
@@ -98,6 +106,7 @@ class Handle:
     def take(self) -> tuple[list[int], list[TokenLogprob], str | None, str | None]:
         ids, lps = self.ids, self.logprobs
         self.ids, self.logprobs = [], []
+        self.streamed += ids
         return ids, lps, self.finish, self.error
 
 

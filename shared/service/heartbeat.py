@@ -77,6 +77,10 @@ class WorkerRegistry:
         self._pruned_at = 0.0
         self._held = False
 
+    @property
+    def held(self) -> bool:
+        return self._held
+
     def hold(self) -> None:
         """Our own NATS connection is down: nobody is silent because of it. No one is
         forgotten until `resume`."""
