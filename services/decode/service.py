@@ -207,7 +207,7 @@ class DecodeService(AsyncService):
                 return False  # wait for blocks to free up
             try:
                 engine.add_prefilled(item.request_id, item.prompt_ids + item.output_ids, len(item.prompt_ids),
-                                     params, pull.staging().typed(dtype, shape))
+                                     params, pull.staging().typed(dtype, shape), item.draft_ids)
             except RequestError as e:
                 rt.spawn(self._fail(item.request_id, f"import refused: {e}"), "fail")
             finally:

@@ -65,6 +65,7 @@ class Handoff:
     span: trace.Span
     lease: object
     output_ids: list[int]
+    draft_ids: list[int]  # MTP drafts for the decode worker's first step
 
 
 @dataclass
@@ -213,7 +214,8 @@ class PrefillService(AsyncService):
                 n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)
                 nbytes = rt.kv_spec.nbytes(n_blocks)
                 lease = self.leases.grant(job, n_blocks, nbytes)
-                handoffs.setdefault(job.decode_id, []).append(Handoff(job, span, lease, list(out.new_token_ids)))
+                handoffs.setdefault(job.decode_id, []).append(
+                    Handoff(job, span, lease, list(out.new_token_ids), rt.engine.held_drafts(job.request_id)))
             else:
                 span.end()
         await rt.tokens.flush()
@@ -227,7 +229,7 @@ class PrefillService(AsyncService):
         rt = self.rt
         ready = KVReady(rt.worker_id, rt.transport.address, rt.kv_spec.wire, [
             KVReadyItem(h.job.request_id, h.job.prompt_ids, h.output_ids, h.job.sampling, h.job.gateway_id,
-                        h.lease.lease_id, h.lease.num_blocks, h.lease.nbytes, traceparent_of(h.span))
+                        h.lease.lease_id, h.lease.num_blocks, h.lease.nbytes, traceparent_of(h.span), h.draft_ids)
             for h in group], self.cfg.lease_timeout_s)
         others = [hb.worker_id for hb in self.peers.live("decode") if hb.worker_id != decode_id]
         err: Exception | None = None

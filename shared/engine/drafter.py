@@ -5,6 +5,13 @@ MTP layer's KV), and for sequences that will decode next it chains `num_spec` gr
 drafts. Under expert parallelism every rank must run the same number of MTP forwards
 in every step, since each one holds collectives in its MoE layer; `lockstep` makes the
 pass count fixed (1 + num_spec - 1), running empty batches where a rank has no work.
+
+A prefill engine drafts too, for the requests it has just held: their first drafts come
+from the last prompt position's hidden state, which only it has. They travel with the
+KV hand-off (LLMEngine.held_drafts, KVReadyItem.draft_ids), so the decode worker's first
+step verifies them as an offline engine's does. The MTP layer's own KV of the prompt is
+a cache layer like the others (the last one; for V4, windows in the ring) and travels
+with the rest.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ import torch
 from moemesh.shared.engine.runner import Chunk, build_batch
 from moemesh.shared.engine.sequence import Sequence, SeqStatus
 from moemesh.shared.model.deepseek import DeepseekForCausalLM
+
+# HELD: a prefill worker's request whose first token is out; its drafts go with its KV.
+_DRAFTING = (SeqStatus.RUNNING, SeqStatus.HELD)
 
 
 class Drafter:
@@ -38,9 +48,9 @@ class Drafter:
         rows = [prev_rows[order[id(ch.seq)]] for ch in chunks]
         prev = hidden[torch.cat(rows)] if rows else hidden[:0]
         h = self.model.mtp_forward(batch, prev, self.kv)
-        want = [ch for ch in chunks if ch.seq.status == SeqStatus.RUNNING and ch.seq.in_decode and self.num_spec]
+        want = [ch for ch in chunks if ch.seq.status in _DRAFTING and ch.seq.in_decode and self.num_spec]
         for step in range(self.num_spec):
-            live = [ch for ch in want if len(ch.seq.draft_ids) == step and self._budget(ch.seq) > step]
+            live = [ch for ch in want if len(ch.seq.draft_ids) == step and self.budget(ch.seq) > step]
             if not live and not self.lockstep:
                 return
             last = torch.tensor([ch.row + ch.q_len - 1 for ch in live], dtype=torch.long)
@@ -55,7 +65,9 @@ class Drafter:
             h = self.model.mtp_forward(batch, prev_h, self.kv)
             want = nxt
 
-    def _budget(self, seq: Sequence) -> int:
+    def budget(self, seq: Sequence) -> int:
+        """Draft tokens the sequence can still use: its output and context left after the
+        token the next step samples."""
         left_out = seq.params.max_tokens - seq.num_output_tokens - 1
         left_ctx = self.max_model_len - seq.num_tokens - 1
         return max(0, min(left_out, left_ctx))

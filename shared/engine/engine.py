@@ -249,6 +249,12 @@ class LLMEngine:
     def held_sequence(self, request_id: str) -> Sequence:
         return self.held[request_id]
 
+    def held_drafts(self, request_id: str) -> list[int]:
+        """The MTP drafts proposed for a held request's first decode step, to hand off with
+        its KV: they come from its last prompt position's hidden state, which only this
+        engine has (empty without MTP)."""
+        return list(self.held[request_id].draft_ids)
+
     def release(self, request_id: str) -> bool:
         seq = self.held.pop(request_id, None)
         if seq is None:
@@ -267,15 +273,20 @@ class LLMEngine:
         return self.blocks.can_allocate(self.blocks.blocks_for(num_prompt_tokens))
 
     def add_prefilled(
-        self, request_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams, kv: torch.Tensor
+        self, request_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams, kv: torch.Tensor,
+        draft_ids: list[int] = (),
     ) -> None:
         """Continue a request whose prompt KV was computed elsewhere. token_ids = prompt
-        plus the tokens sampled there (at least the first)."""
+        plus the tokens sampled there (at least the first). draft_ids: the MTP drafts the
+        prefill side proposed after the last of them (held_drafts), for the first step to
+        verify; those past this engine's num_spec or the request's budget are dropped."""
         if request_id in self.seqs:
             raise RequestError(f"duplicate request id {request_id!r}")
         self.check_request(token_ids[:num_prompt_tokens], params)
         if len(token_ids) <= num_prompt_tokens:
             raise RequestError("a prefilled request must carry its first sampled token")
+        if draft_ids and not all(0 <= d < self.model_config.vocab_size for d in draft_ids):
+            raise RequestError(f"draft token ids must be in [0, {self.model_config.vocab_size})")
         n_blocks = self.blocks.blocks_for(num_prompt_tokens)
         if tuple(kv.shape) != self.kv_shape(n_blocks):
             raise RequestError(f"KV buffer has shape {tuple(kv.shape)}, {self.kv_shape(n_blocks)} expected "
@@ -297,6 +308,8 @@ class LLMEngine:
                 self.blocks.give_ring(seq.ring)
             raise
         seq.num_computed = len(token_ids) - 1
+        if self.use_mtp:
+            seq.draft_ids = list(draft_ids[: min(self.num_spec, self.drafter.budget(seq))])
         seq.block_hashes = chain(seq.token_ids, self.cfg.block_size, self.kv_identity)
         self._register(seq)
         self.seqs[request_id] = seq

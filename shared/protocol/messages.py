@@ -75,6 +75,9 @@ class KVReadyItem:
     num_blocks: int
     nbytes: int
     traceparent: str = ""  # the request's span on the prefill worker
+    # MTP drafts for the first decode step: the prefill worker proposes them from the last
+    # prompt position's hidden state, which the decode worker never has.
+    draft_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

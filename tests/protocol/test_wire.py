@@ -12,7 +12,7 @@ def test_round_trip_keeps_every_field():
     job = PrefillJob("r1", [0, 5, 9], WireSampling(max_tokens=7, seed=3, stop_token_ids=[2]), "gw", "dec", 1.5)
     assert decode(encode(job), PrefillJob) == job
     ready = KVReady("pre", b"\x00\x01ucx", KVLayout(4, 16, 40, "float32", "fp"),
-                    [KVReadyItem("r1", [1, 2], [3], WireSampling(), "gw", 9, 2, 4096, "00-ab-cd-01")])
+                    [KVReadyItem("r1", [1, 2], [3], WireSampling(), "gw", 9, 2, 4096, "00-ab-cd-01", [4, 5])])
     assert decode(encode(ready), KVReady) == ready
     batch = TokenBatch(["a", "b", "c"], [1, 2, 70000], [2, 0, 1],
                        [TokenEnd(1, "error", "boom"), TokenEnd(2, "stop", None, [TokenLogprob(5, -0.5, [5], [-0.5])])],

@@ -133,6 +133,47 @@ def test_a_request_streams_through_prefill_kv_handoff_and_decode(nats_url, tiny_
     assert "kv_pull_failures_total{" not in dec_metrics.decode()
 
 
+def test_the_first_decode_step_after_a_handoff_verifies_the_prefill_draft(nats_url, tiny_model, tiny_engine_factory,
+                                                                           offline, tmp_path):
+    """With MTP on, the prefill worker's draft for the first decode step rides on KVReady,
+    so the decode worker runs the offline engine's steps: the same drafts verified and
+    accepted (one request: the same batches, whatever the random weights accept)."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = offline.tokenizer.encode("Hello world")
+    ref = tiny_engine_factory()
+    ref.add_request("r", prompt, params)
+    while ref.has_unfinished():
+        ref.step()
+    assert ref.num_drafted_total > 0
+
+    async def go():
+        engines = (tiny_engine_factory(role="prefill"), tiny_engine_factory(role="decode"))
+        async with mesh(nats_url, tiny_model, tmp_path, engines) as m:
+            nc = await nats.connect(nats_url)
+            seen: list[KVReady] = []
+
+            async def spy(msg):
+                seen.append(decode(msg.data, KVReady))
+
+            sub = await nc.subscribe(Subjects(m.prefix).decode_kv_ready("decode-t"), cb=spy)
+            await nc.flush()
+            body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await c.post(m.url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            await _wait_free(m)
+            await sub.unsubscribe()
+            await nc.close()
+            dec = m.decode.rt.engine
+            return r.json(), seen, dec.num_drafted_total, dec.num_accepted_total
+
+    got, seen, drafted, accepted = asyncio.run(go())
+    want = offline.generate(["Hello world"], params)[0]
+    assert got["choices"][0]["text"] == want.text
+    assert [len(i.draft_ids) for r in seen for i in r.items] == [1]
+    assert (drafted, accepted) == (ref.num_drafted_total, ref.num_accepted_total)
+
+
 def _metric(render: bytes, name: str) -> float:
     for line in render.decode().splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
