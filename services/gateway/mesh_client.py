@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import replace
 
 from nats.aio.client import Client as NATS
 
@@ -42,6 +43,9 @@ from moemesh.shared.service.nats_io import RemoteError, Unreachable, connect, di
 from moemesh.shared.service.tasks import TaskSet
 
 log = logging.getLogger(__name__)
+# What a client is told when a worker fails its request. The worker's own text (which can
+# name subjects, workers and transfers) is logged with the request id instead.
+CLIENT_ERROR = "the request failed while it was being served"
 
 
 class NoWorkers(RuntimeError):
@@ -74,8 +78,8 @@ class MeshClient:
         self.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}")
         s = self.subjects
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
-        self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id), TokenBatch, self._on_tokens))
-        self._subs.append(await subscribe(self.nc, s.kv_events, KVEvents, self._on_kv_events))
+        self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id, "*"), TokenBatch, self._on_tokens))
+        self._subs.append(await subscribe(self.nc, s.kv_events("*"), KVEvents, self._on_kv_events))
         self._sweeper = self._tasks.spawn(sweep_inactive(self.handles, self.cfg.inactivity_timeout_s),
                                           "inactivity-sweep")
         # Workers watch these: when a gateway falls silent, they abort its requests.
@@ -163,9 +167,12 @@ class MeshClient:
             raise NoWorkers("no prefill worker took the request") from None
         except RemoteError as e:
             h.close()
+            # A worker's words name subjects and workers: they go to the log, and the
+            # client gets the kind of failure only.
+            log.warning("request %s: refused by a worker (%s)", request_id, e)
             if e.reply.code == "unavailable":
-                raise NoWorkers(str(e)) from None
-            raise Rejected(e.reply.error) from None
+                raise NoWorkers("no worker can take the request now") from None
+            raise Rejected("the request was refused by the serving workers") from None
         except asyncio.CancelledError:  # the client went away; the job may have been taken
             h.close("client")
             raise
@@ -194,6 +201,9 @@ class MeshClient:
             h = handles.get(rids[e.row])
             if h is not None:
                 h.last_seen = now
+                if e.error is not None:
+                    log.warning("request %s failed on %s: %s", h.request_id, batch.worker_id, e.error)
+                    e = replace(e, error=CLIENT_ERROR)
                 h.end(e)
 
     def _closed(self, request_id: str, abort: str | None) -> None:

@@ -97,7 +97,7 @@ class TokenPublisher:
         for gw, batch in pending.items():
             batch.sent_at = now
             try:
-                await self._nc.publish(self._subjects.gateway_tokens(gw), encode(batch))
+                await self._nc.publish(self._subjects.gateway_tokens(gw, self._worker), encode(batch))
             except Exception as e:  # NATS down: the gateway's inactivity timeout covers the request
                 log.warning("token batch for gateway %s not sent: %s", gw, e)
 
