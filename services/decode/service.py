@@ -76,6 +76,9 @@ class DecodeService(AsyncService):
     async def start(self) -> None:
         rt = self.rt
         await rt.start()
+        # A gateway is not silent because our own link to NATS is down.
+        rt.bus.link.down.append(self.gateways.registry.hold)
+        rt.bus.link.up.append(self.gateways.registry.resume)
         s = rt.subjects
         # Not a job subscription: a draining worker still takes the hand-off of a request that
         # was routed to it before it announced the drain (its prompt is already computed).
@@ -298,7 +301,8 @@ class DecodeService(AsyncService):
                 act = self.active.get(rid)
                 if act is not None:
                     e = ends.get(i)
-                    rt.tokens.add(act.gateway_id, rid, ids, *(end_fields(e) if e is not None else ()))
+                    rt.tokens.add(act.gateway_id, rid, ids, *(end_fields(e) if e is not None else (None,) * 3),
+                                  position=out.positions[i])
         if self._step_events:
             self._add_step_events(out, stats)
         for e in out.extras:
@@ -332,6 +336,7 @@ class DecodeService(AsyncService):
                 act.span.add_event("step", {"tokens": len(ids), **attrs})
 
     async def _gateway_gone(self, gateway_id: str) -> None:
+        self.rt.tokens.forget(gateway_id)
         mine = [rid for rid, act in self.active.items() if act.gateway_id == gateway_id]
         if mine:
             await self._on_abort(Abort(mine, "gateway gone"), None, None)

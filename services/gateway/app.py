@@ -73,9 +73,9 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         provider = setup_tracing("moemesh-gateway", cfg.trace_file or None, cfg.otlp_endpoint or None)
         tok = Tokenizer(cfg.model)
         mcfg = ModelConfig.from_dir(cfg.model)
-        mesh = MeshClient(cfg, gateway_id)
-        await mesh.start()
         metrics = Metrics()
+        mesh = MeshClient(cfg, gateway_id, metrics)
+        await mesh.start()
         max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         st = GatewayState(cfg, mesh, tok, max_model_len, get_tracer(provider, "moemesh.gateway", root=True), metrics,
                           mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len))

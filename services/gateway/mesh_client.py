@@ -34,18 +34,24 @@ from moemesh.services.gateway.kv_index import KVIndex
 from moemesh.services.gateway.router import pick_decode, route_prefill
 from moemesh.services.gateway.stream import Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, WireSampling, WorkerLoad,
+    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, TokenEnd, TokenResend, WireSampling,
+    WorkerLoad,
 )
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.heartbeat import Heartbeater, WorkerRegistry
-from moemesh.shared.service.nats_io import RemoteError, Unreachable, connect, disconnect, publish, request, subscribe
+from moemesh.shared.service.nats_io import (
+    LinkEvents, RemoteError, Unreachable, connect, disconnect, publish, request, subscribe,
+)
 from moemesh.shared.service.tasks import TaskSet
+from moemesh.shared.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 # What a client is told when a worker fails its request. The worker's own text (which can
 # name subjects, workers and transfers) is logged with the request id instead.
 CLIENT_ERROR = "the request failed while it was being served"
+RESEND_EVERY_S = 0.5
+SILENT_S = 2.0  # a stream this long without a batch: its workers are asked what it missed
 
 
 class NoWorkers(RuntimeError):
@@ -57,8 +63,11 @@ class Rejected(RuntimeError):
 
 
 class MeshClient:
-    def __init__(self, cfg: GatewayConfig, gateway_id: str | None = None):
+    def __init__(self, cfg: GatewayConfig, gateway_id: str | None = None, metrics: Metrics | None = None):
         self.cfg = cfg
+        m = metrics or Metrics()
+        self.c_gaps = m.counter("token_gaps_total", "token rows that arrived after a gap in their stream")
+        self.c_resends = m.counter("token_resends_total", "streams a worker was asked to send again")
         self.gateway_id = gateway_id or cfg.worker_id or f"gw-{uuid.uuid4().hex[:8]}"
         self.subjects = Subjects(cfg.subject_prefix)
         self.registry = WorkerRegistry()
@@ -75,12 +84,16 @@ class MeshClient:
         self._leaving = False
 
     async def start(self) -> None:
-        self.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}")
+        link = LinkEvents()
+        link.down.append(self.registry.hold)
+        link.up += [self.registry.resume, self._recover]
+        self.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}", link)
         s = self.subjects
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
         self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id, "*"), TokenBatch, self._on_tokens))
         self._subs.append(await subscribe(self.nc, s.kv_events("*"), KVEvents, self._on_kv_events))
-        self._sweeper = self._tasks.spawn(sweep_inactive(self.handles, self.cfg.inactivity_timeout_s),
+        self._sweeper = self._tasks.spawn(sweep_inactive(self.handles, self.cfg.inactivity_timeout_s,
+                                                         silent_s=SILENT_S, on_silent=self.ask_resend),
                                           "inactivity-sweep")
         # Workers watch these: when a gateway falls silent, they abort its requests.
         self._heartbeat = Heartbeater(self.nc, s, self._beat, self.cfg.heartbeat_interval_s)
@@ -151,6 +164,7 @@ class MeshClient:
             prefill, job.kv_sources = route_prefill(prompt_ids, self.live("prefill"), self.registry.live(None),
                                                     self.kv, self._assigned_prompt)
             subject = self.subjects.prefill_direct(prefill.worker_id)
+            h.prefill_id = prefill.worker_id
             self._assigned_prompt[prefill.worker_id] += len(prompt_ids)
         try:
             try:
@@ -159,8 +173,9 @@ class MeshClient:
                 if self.cfg.decode_only_bench:
                     raise
                 # The chosen worker just went away: any prefill worker will do.
-                job.kv_sources = []
-                await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s, headers)
+                job.kv_sources, h.prefill_id = [], ""
+                ack = await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s, headers)
+                h.prefill_id = ack.worker_id
         except Unreachable as e:
             h.close()
             log.warning("request %s: no prefill worker took it (%s)", request_id, e)
@@ -178,33 +193,104 @@ class MeshClient:
             raise
         return h
 
+    def _recover(self) -> None:
+        """Back from a NATS outage: what was sent meanwhile may be lost; ask for all of it."""
+        for h in self.handles.values():
+            h.asked_at = -1e9
+        self.ask_resend(list(self.handles.values()))
+
     async def _on_tokens(self, batch: TokenBatch, msg, ctx) -> None:
-        handles, rids = self.handles, batch.request_ids
+        handles, rids, pos = self.handles, batch.request_ids, batch.positions
         now = asyncio.get_running_loop().time()
-        if batch.counts is None:  # the common case: one id per row
-            for rid, t in zip(rids, batch.token_ids):
-                h = handles.get(rid)
-                if h is not None:
-                    h.ids.append(t)
+        if not pos:  # a worker that does not number its rows: taken as they come
+            return self._take_unnumbered(batch, now)
+        ends = {e.row for e in batch.ends}
+        took: dict[int, int] = {}  # for rows with an end: how many of its ids were new (-1: a gap)
+        gaps: list[Handle] = []
+        toks, counts = batch.token_ids, batch.counts
+        i = 0
+        for row, rid in enumerate(rids):
+            n = 1 if counts is None else counts[row]
+            h = handles.get(rid)
+            if h is not None and n:
+                p, want = pos[row], h.next_pos
+                if p == want:  # the common case
+                    if n == 1:
+                        h.ids.append(toks[i])
+                    else:
+                        h.ids += toks[i : i + n]
+                    h.next_pos = p + n
                     h.last_seen = now
                     h.wake()
-        else:
-            i = 0
-            for rid, n in zip(rids, batch.counts):
-                h = handles.get(rid)
-                if h is not None and n:
-                    h.ids += batch.token_ids[i : i + n]
-                    h.last_seen = now
-                    h.wake()
-                i += n
+                    new = n
+                elif p > want:  # a batch went missing: these wait for the resend that fills it
+                    gaps.append(h)
+                    new = -1
+                else:  # sent again: only what it does not have yet
+                    new = max(0, p + n - want)
+                    if new:
+                        h.ids += toks[i + n - new : i + n]
+                        h.next_pos = p + n
+                        h.last_seen = now
+                        h.wake()
+                if ends and row in ends:
+                    took[row] = new
+            i += n
+        for e in batch.ends:
+            h = handles.get(rids[e.row])
+            if h is None:
+                continue
+            new = took.get(e.row, 0)
+            if new < 0:
+                continue
+            if e.logprobs and new < len(e.logprobs):
+                e.logprobs = e.logprobs[len(e.logprobs) - new :] if new else None
+            h.last_seen = now
+            _end(h, e, batch.worker_id)
+        if gaps:
+            self.c_gaps.inc(len(gaps))
+            self.ask_resend(gaps)
+
+    def _take_unnumbered(self, batch: TokenBatch, now: float) -> None:
+        handles, rids = self.handles, batch.request_ids
+        i = 0
+        for row, rid in enumerate(rids):
+            n = 1 if batch.counts is None else batch.counts[row]
+            h = handles.get(rid)
+            if h is not None and n:
+                h.ids += batch.token_ids[i : i + n]
+                h.next_pos += n
+                h.last_seen = now
+                h.wake()
+            i += n
         for e in batch.ends:
             h = handles.get(rids[e.row])
             if h is not None:
                 h.last_seen = now
-                if e.error is not None:
-                    log.warning("request %s failed on %s: %s", h.request_id, batch.worker_id, e.error)
-                    e = replace(e, error=CLIENT_ERROR)
-                h.end(e)
+                _end(h, e, batch.worker_id)
+
+    def ask_resend(self, handles: list[Handle]) -> None:
+        """Ask the workers serving these streams to send again from what each lacks (at
+        most once per RESEND_EVERY_S a stream: a gap shows in every batch until it is filled)."""
+        now = asyncio.get_running_loop().time()
+        by_worker: dict[str, dict[str, int]] = defaultdict(dict)
+        for h in handles:
+            if h.closed or now - h.asked_at < RESEND_EVERY_S:
+                continue
+            h.asked_at = now
+            for w in (h.prefill_id, h.decode_id):
+                if w:
+                    by_worker[w][h.request_id] = h.next_pos
+        for worker, asks in by_worker.items():
+            self.c_resends.inc(len(asks))
+            r = TokenResend(self.gateway_id, list(asks), list(asks.values()))
+            self._tasks.spawn(self._send_resend(worker, r), f"resend-{worker}")
+
+    async def _send_resend(self, worker: str, r: TokenResend) -> None:
+        try:
+            await publish(self.nc, self.subjects.token_resend(worker), r)
+        except Exception as e:  # NATS down: asked again when it is back, or when the stream stays silent
+            log.info("asking %s to resend %d streams failed: %s", worker, len(r.request_ids), e)
 
     def _closed(self, request_id: str, abort: str | None) -> None:
         """A handle's close(): forget the request, and send its abort if it has one."""
@@ -217,3 +303,11 @@ class MeshClient:
             await publish(nc, self.subjects.abort, Abort([request_id], reason))
         except Exception as e:  # NATS down: the workers' own timeouts end the request
             log.warning("abort for %s not sent: %s", request_id, e)
+
+
+def _end(h: Handle, e: TokenEnd, worker_id: str) -> None:
+    """End a stream; a worker's error text goes to the log, the client gets CLIENT_ERROR."""
+    if e.error is not None:
+        log.warning("request %s failed on %s: %s", h.request_id, worker_id, e.error)
+        e = replace(e, error=CLIENT_ERROR)
+    h.end(e)

@@ -32,8 +32,8 @@ class Handle:
     yet, and the one place its end goes through. Filled by the mesh client (one batch per
     worker step), emptied by the request's reader, which ends it with close()."""
 
-    __slots__ = ("request_id", "decode_id", "ids", "logprobs", "finish", "error", "last_seen", "gone", "closed",
-                 "_waiter", "_on_close")
+    __slots__ = ("request_id", "decode_id", "prefill_id", "ids", "logprobs", "finish", "error", "last_seen",
+                 "gone", "closed", "next_pos", "asked_at", "_waiter", "_on_close")
 
     def __init__(self, request_id: str, decode_id: str, on_close: Callable[[str, str | None], None],
                  now: float = 0.0):
@@ -41,6 +41,7 @@ class Handle:
         with a reason, tells the workers to stop it."""
         self.request_id = request_id
         self.decode_id = decode_id
+        self.prefill_id = ""
         self.ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish: str | None = None
@@ -48,6 +49,8 @@ class Handle:
         self.last_seen = now  # loop time of the last arrival
         self.gone = False  # the client went away
         self.closed = False
+        self.next_pos = 0  # the position in the output of the next id this stream takes
+        self.asked_at = -1e9  # loop time of the last resend asked for it
         self._waiter: asyncio.Future | None = None
         self._on_close = on_close
 
@@ -138,13 +141,20 @@ class Reader:
         return out
 
 
-async def sweep_inactive(handles: dict[str, Handle], timeout_s: float, every_s: float = 1.0) -> None:
+async def sweep_inactive(handles: dict[str, Handle], timeout_s: float, every_s: float = 1.0,
+                         silent_s: float = 0.0, on_silent: Callable[[list[Handle]], None] | None = None) -> None:
     """Wakes readers whose request has had nothing for timeout_s with TIMED_OUT: one timer
-    for the whole gateway instead of one per wait."""
+    for the whole gateway instead of one per wait. Streams silent for silent_s are given to
+    on_silent first (the gateway asks their workers what it may have missed)."""
     loop = asyncio.get_running_loop()
     while True:
-        await asyncio.sleep(min(every_s, timeout_s))
+        await asyncio.sleep(min(every_s, timeout_s, silent_s or every_s))
         now = loop.time()
+        silent = []
         for h in list(handles.values()):
             if h.waiting and now - h.last_seen > timeout_s:
                 h.wake(TIMED_OUT)
+            elif on_silent is not None and now - h.last_seen > silent_s and now - h.asked_at > silent_s:
+                silent.append(h)
+        if silent:
+            on_silent(silent)

@@ -94,6 +94,9 @@ class PrefillService(AsyncService):
     async def start(self) -> None:
         rt = self.rt
         await rt.start()
+        # A gateway is not silent because our own link to NATS is down.
+        rt.bus.link.down.append(self.gateways.registry.hold)
+        rt.bus.link.up.append(self.gateways.registry.resume)
         s = rt.subjects
         self._job_subs.append(await rt.sub(s.prefill_jobs, PrefillJob, self._on_job, queue=s.prefill_queue_group))
         self._job_subs.append(await rt.sub(s.prefill_direct(rt.worker_id), PrefillJob, self._on_job))
@@ -141,7 +144,7 @@ class PrefillService(AsyncService):
         queue = self.rt.tracer.start_span("queue.wait", context=trace.set_span_in_context(span), start_time=queued_ns)
         self.jobs[job.request_id] = JobState(job, span, time.monotonic(), queue, queued_ns=queued_ns)
         self.rt.spawn(self._admit(job, params), f"admit-{job.request_id}")
-        return Ack()
+        return Ack(worker_id=self.rt.worker_id)
 
     async def _admit(self, job: PrefillJob, params) -> None:
         rid = job.request_id
@@ -204,7 +207,7 @@ class PrefillService(AsyncService):
             span.set_attribute("prefill.first_token", out.new_token_ids[0] if out.new_token_ids else -1)
             reason = out.finish_reason.value if out.finished else None
             rt.tokens.add(job.gateway_id, job.request_id, out.new_token_ids, reason,
-                          logprobs=out.logprobs or None)
+                          logprobs=out.logprobs or None, position=out.position)
             if out.prefill_done:
                 seq = rt.engine.held_sequence(job.request_id)
                 n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)
@@ -351,6 +354,7 @@ class PrefillService(AsyncService):
                 await self._free_lease(lease.job.request_id)
 
     async def _gateway_gone(self, gateway_id: str) -> None:
+        self.rt.tokens.forget(gateway_id)
         mine = {rid for rid, st in self.jobs.items() if st.job.gateway_id == gateway_id}
         mine |= {rid for rid, lease in self.leases.by_request.items() if lease.job.gateway_id == gateway_id}
         if mine:

@@ -70,6 +70,8 @@ class WorkerConfig(ServiceConfig):
     ucx_net_devices: str = ""
     ucx_tls: str = ""
     transfer_timeout_s: float = 10.0
+    # sent token batches are kept this long, for a gateway that lost some (a NATS outage)
+    token_retention_s: float = 30.0
     enable_prefix_caching: bool = True  # reuse KV of prefixes computed before (and share it)
     num_prefix_snapshots: int = -1  # DeepSeek-V4: boundary snapshots kept for reuse (-1: max_num_seqs; 0: none)
     # Wide expert parallelism: this process is rank dp_rank of a DEP-dp_size instance.

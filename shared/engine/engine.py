@@ -406,7 +406,8 @@ class LLMEngine:
             self._unpin(step.restores)
         if step.snapshots:
             self._file_snapshots(step.snapshots)
-        out = StepOutputs([s.request_id for s in seqs], toks)
+        out = StepOutputs([s.request_id for s in seqs], toks,
+                          positions=[slot - s.num_prompt_tokens for s, slot in zip(seqs, slots)])
         live = [s.status is SeqStatus.RUNNING for s in seqs]
         ends = self._ends(step, toks)
         if ends or not all(live):
@@ -441,6 +442,7 @@ class LLMEngine:
                     out.extras.append(extra)
             out.request_ids.append(seq.request_id)
             out.token_ids.append(t)
+            out.positions.append(slot - seq.num_prompt_tokens)
         return out
 
     def _land_row(self, step: PlannedStep, i: int, seq: Sequence, slot: int, t: int) -> Finished | None:

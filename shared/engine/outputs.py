@@ -29,6 +29,9 @@ class StepOutputs:
     token_ids: list[int] = field(default_factory=list)
     counts: list[int] | None = None
     extras: list[Finished] = field(default_factory=list)
+    # each row's place in its request's output (the index of its first id): the receiver
+    # of a stream sees a gap or a repeat by it
+    positions: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -60,6 +63,7 @@ class RequestOutput:
     prefill_done: bool = False  # prefill role: the request is HELD, its KV ready to export
     num_prompt_tokens: int = 0
     block_hashes: list[bytes] | None = None  # on finish: hashes of its full computed blocks
+    position: int = 0  # index in the request's output of new_token_ids[0]
 
 
 @dataclass
@@ -94,7 +98,7 @@ def request_outputs(out: StepOutputs) -> list[RequestOutput]:
     extras = {e.row: e for e in out.extras}
     res = []
     for i, rid in enumerate(out.request_ids):
-        o = RequestOutput(rid, out.tokens_of(i))
+        o = RequestOutput(rid, out.tokens_of(i), position=out.positions[i] if out.positions else 0)
         e = extras.get(i)
         if e is not None:
             o.finished, o.finish_reason = e.finish_reason is not None, e.finish_reason
@@ -111,6 +115,7 @@ def step_outputs(outs: list[RequestOutput]) -> StepOutputs:
         res.request_ids.append(o.request_id)
         res.token_ids += o.new_token_ids
         res.counts.append(len(o.new_token_ids))
+        res.positions.append(o.position)
         if o.finished or o.logprobs or o.prefill_done or o.block_hashes:
             res.extras.append(Finished(i, o.finish_reason if o.finished else None, o.logprobs, o.prefill_done,
                                        o.block_hashes, o.num_prompt_tokens))

@@ -126,7 +126,7 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
         lp = _logprobs(seq, logits, row_of[id(c)][0], toks)
         emitted = _append(eng, seq, toks)
         out = RequestOutput(seq.request_id, emitted, logprobs=lp[: len(emitted)] if lp else None,
-                            num_prompt_tokens=seq.num_prompt_tokens)
+                            num_prompt_tokens=seq.num_prompt_tokens, position=seq.num_output_tokens - len(emitted))
         if seq.is_finished:
             out.finished, out.finish_reason = True, seq.finish_reason
             if eng.blocks.enable_caching:

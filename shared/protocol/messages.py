@@ -132,6 +132,7 @@ class KVRelease:
 class Ack:
     ok: bool = True
     error: str = ""
+    worker_id: str = ""  # who took it (a job sent to a queue group)
 
 
 @dataclass
@@ -153,30 +154,36 @@ class TokenEnd:
 class TokenBatch:
     """One worker step's tokens for one gateway, by column: row i is request_ids[i], and its
     ids are the next counts[i] of token_ids (one each when counts is None). The few rows
-    that end their request, fail it, or carry logprobs have an entry in `ends`."""
+    that end their request, fail it, or carry logprobs have an entry in `ends`.
+    positions[i]: where row i's ids go in its request's output (the index of the first),
+    so that the gateway sees a lost or repeated batch; empty when not known."""
     request_ids: list[str]
     token_ids: list[int]
     counts: list[int] | None = None
     ends: list[TokenEnd] = field(default_factory=list)
     worker_id: str = ""
     sent_at: float = 0.0
+    positions: list[int] = field(default_factory=list)
 
     @classmethod
     def error(cls, request_id: str, error: str, worker_id: str = "") -> "TokenBatch":
-        return cls([request_id], [], [0], [TokenEnd(0, "error", error)], worker_id)
+        return cls([request_id], [], [0], [TokenEnd(0, "error", error)], worker_id)  # no position: ends it wherever
 
 
 def _batch_to_plain(b: TokenBatch) -> list:
     return [b.sent_at, b.worker_id, b.request_ids, ids_to_wire(b.token_ids),
             None if b.counts is None else ids_to_wire(b.counts),
             [[e.row, e.finish_reason, e.error, None if e.logprobs is None else logprobs_to_plain(e.logprobs)]
-             for e in b.ends]]
+             for e in b.ends], ids_to_wire(b.positions)]
 
 
 def _batch_from_plain(raw) -> TokenBatch:
     """The compact form, checked column by column: this runs once per step per gateway."""
     try:
-        sent_at, worker, rids, toks, counts, ends = raw
+        sent_at, worker, rids, toks, counts, ends, *rest = raw  # a build before positions sends 6
+        positions = rest.pop() if len(rest) == 1 else b""
+        if rest:
+            raise ValueError(f"{7 + len(rest)} fields")
         if not (isinstance(sent_at, (int, float)) and isinstance(worker, str) and isinstance(rids, list)
                 and all(type(r) is str for r in rids) and isinstance(ends, list)):
             raise TypeError("header")
@@ -188,6 +195,9 @@ def _batch_from_plain(raw) -> TokenBatch:
             counts = ids_from_wire(counts, "counts")
             if len(counts) != len(rids) or sum(counts) != len(token_ids) or min(counts, default=0) < 0:
                 raise ValueError("counts do not match the rows and ids")
+        positions = ids_from_wire(positions, "positions")
+        if positions and (len(positions) != len(rids) or min(positions) < 0):
+            raise ValueError("positions do not match the rows")
         out = []
         for row, finish, error, lps in ends:
             if not (type(row) is int and 0 <= row < len(rids) and (finish is None or isinstance(finish, str))
@@ -196,10 +206,19 @@ def _batch_from_plain(raw) -> TokenBatch:
             out.append(TokenEnd(row, finish, error, None if lps is None else logprobs_from_plain(lps)))
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"TokenBatch: malformed ({e})") from None
-    return TokenBatch(rids, token_ids, counts, out, worker, float(sent_at))
+    return TokenBatch(rids, token_ids, counts, out, worker, float(sent_at), positions)
 
 
 register_codec(TokenBatch, _batch_to_plain, _batch_from_plain)
+
+
+@dataclass
+class TokenResend:
+    """Gateway -> worker: send these requests' ids again from these positions (a gap, a
+    NATS outage, a stream gone silent); the answer comes as TokenBatches."""
+    gateway_id: str
+    request_ids: list[str]
+    from_positions: list[int]
 
 
 @dataclass

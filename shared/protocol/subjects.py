@@ -11,6 +11,7 @@
 | {p}.requests.abort                      | publish       | gateway -> all    | Abort                             |
 | {p}.heartbeat.{role}.{worker}           | publish       | workers -> all    | Heartbeat, every interval         |
 | {p}.worker.{worker}.stats               | request/reply | anyone -> worker  | StatsRequest (WorkerStats)        |
+| {p}.worker.{worker}.resend              | publish       | gateway -> worker | TokenResend (answered by batches) |
 | {p}.eplb.{instance}.load                | publish       | ranks -> balancer | ExpertLoad, every publish interval|
 | {p}.eplb.{instance}.plan                | request/reply | balancer -> ranks | MovePlan (Ack)                    |
 | {p}.eplb.{instance}.staged              | publish       | ranks -> balancer | MoveStaged                        |
@@ -96,6 +97,9 @@ class Subjects:
 
     def stats(self, worker: str) -> str:
         return f"{self.prefix}.worker.{worker}.stats"
+
+    def token_resend(self, worker: str) -> str:
+        return f"{self.prefix}.worker.{worker}.resend"
 
     def eplb(self, instance: str, what: str) -> str:
         """what: load | plan | staged | commit | abort | done | rebalance"""

@@ -75,6 +75,19 @@ class WorkerRegistry:
         self._miss = miss_factor
         self._min = min_timeout_s
         self._pruned_at = 0.0
+        self._held = False
+
+    def hold(self) -> None:
+        """Our own NATS connection is down: nobody is silent because of it. No one is
+        forgotten until `resume`."""
+        self._held = True
+
+    def resume(self, now: float | None = None) -> None:
+        """The connection is back: every worker gets a fresh interval to be heard again."""
+        now = time.monotonic() if now is None else now
+        self._held = False
+        for lw in self.workers.values():
+            lw.last_seen = now
 
     def observe(self, hb: Heartbeat, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -84,6 +97,8 @@ class WorkerRegistry:
         self.workers[hb.worker_id] = LiveWorker(hb, now)
 
     def prune(self, now: float | None = None) -> list[str]:
+        if self._held:
+            return []
         now = time.monotonic() if now is None else now
         dead = [w for w, lw in self.workers.items()
                 if now - lw.last_seen > max(self._min, self._miss * lw.beat.interval_s)]

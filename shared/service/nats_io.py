@@ -46,15 +46,36 @@ class Unreachable(RuntimeError):
     """Nobody answered: no responders, or the request timed out."""
 
 
-async def connect(cfg: ServiceConfig, name: str) -> NATS:
+class LinkEvents:
+    """Who wants to know when the connection to NATS goes down and comes back: while it is
+    down, silence from peers says nothing about them (heartbeat registries hold their
+    verdicts), and what was published meanwhile may be lost (gateways ask for it again)."""
+
+    def __init__(self):
+        self.down: list[Callable[[], None]] = []
+        self.up: list[Callable[[], None]] = []
+
+    def _fire(self, fns: list[Callable[[], None]]) -> None:
+        for fn in fns:
+            try:
+                fn()
+            except Exception:
+                log.exception("NATS link listener failed")
+
+
+async def connect(cfg: ServiceConfig, name: str, link: LinkEvents | None = None) -> NATS:
     async def on_error(e: Exception) -> None:
         log.warning("NATS error: %s", e)
 
     async def on_disconnect() -> None:
         log.warning("NATS disconnected; reconnecting")
+        if link is not None:
+            link._fire(link.down)
 
     async def on_reconnect() -> None:
         log.info("NATS reconnected")
+        if link is not None:
+            link._fire(link.up)
 
     kw: dict[str, Any] = dict(
         servers=[u.strip() for u in cfg.nats_url.split(",") if u.strip()], name=name, connect_timeout=5, reconnect_time_wait=0.5,

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from moemesh.shared.config.common import ServiceConfig
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.engine_loop import EngineLoop
-from moemesh.shared.service.nats_io import Handler, connect, disconnect, publish, subscribe
+from moemesh.shared.service.nats_io import Handler, LinkEvents, connect, disconnect, publish, subscribe
 from moemesh.shared.service.tasks import TaskSet
 from moemesh.shared.telemetry.tracing import setup_tracing, shutdown
 from moemesh.shared.transport.base import KVTransport
@@ -35,9 +35,10 @@ class Bus:
     def __init__(self, cfg: ServiceConfig, name: str, subjects: Subjects, tasks: TaskSet):
         self._cfg, self._name, self.subjects, self._tasks = cfg, name, subjects, tasks
         self.nc: NATS | None = None
+        self.link = LinkEvents()
 
     async def __aenter__(self) -> "Bus":
-        self.nc = await connect(self._cfg, self._name)
+        self.nc = await connect(self._cfg, self._name, self.link)
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from contextlib import AsyncExitStack
 from typing import Callable
 
@@ -32,16 +31,13 @@ from moemesh.shared.config.common import WorkerConfig
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.mock_model import MockModel
-from moemesh.shared.engine.outputs import Finished, StepOutputs
 from moemesh.shared.engine.step_account import StepAccount
 from moemesh.shared.kv.spec import KVSpec, describe
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.protocol.messages import (
-    Heartbeat, StatsRequest, TokenBatch, TokenEnd, WorkerStats,
+    Heartbeat, StatsRequest, TokenResend, WorkerStats,
 )
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.tokens import TokenLogprob
-from moemesh.shared.protocol.wire import encode
 from moemesh.shared.service.dep_runtime import DepRuntime
 from moemesh.shared.service.engine_loop import EngineLoop, OutputSink
 from moemesh.shared.service.heartbeat import Heartbeater
@@ -50,64 +46,13 @@ from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.service.parts import Bus, TransportFactory, opened, running, tracing, ucx_transport
 from moemesh.shared.service.step_accounting import StepAccounting
 from moemesh.shared.service.tasks import TaskSet
+from moemesh.shared.service.token_publisher import TokenPublisher, end_fields  # noqa: F401 (services import it here)
 from moemesh.shared.telemetry.metrics import Metrics
 from moemesh.shared.telemetry.tracing import get_tracer
 from moemesh.shared.transport.base import KVTransport
 from moemesh.shared.transport.staging import StagingPool
 
 log = logging.getLogger(__name__)
-
-
-class TokenPublisher:
-    """Collects one step's tokens and sends one TokenBatch per gateway."""
-
-    def __init__(self, nc: NATS, subjects: Subjects, worker_id: str):
-        self._nc, self._subjects, self._worker = nc, subjects, worker_id
-        self._pending: dict[str, TokenBatch] = {}
-
-    def add(self, gateway_id: str, request_id: str, token_ids: list[int], finish_reason: str | None = None,
-            error: str | None = None, logprobs: list[TokenLogprob] | None = None) -> None:
-        b = self._pending.get(gateway_id)
-        if b is None:
-            b = self._pending[gateway_id] = TokenBatch([], [], [], worker_id=self._worker)
-        elif b.counts is None:  # a whole step went in as it was: copy before appending to it
-            b = self._pending[gateway_id] = TokenBatch(list(b.request_ids), list(b.token_ids),
-                                                       [1] * len(b.request_ids), list(b.ends), self._worker)
-        if finish_reason is not None or error is not None or logprobs:
-            b.ends.append(TokenEnd(len(b.request_ids), finish_reason, error, logprobs))
-        b.request_ids.append(request_id)
-        b.token_ids += token_ids
-        b.counts.append(len(token_ids))
-
-    def add_step(self, gateway_id: str, out: StepOutputs) -> None:
-        """Every row of a step's outputs, for one gateway: the columns go out as they are."""
-        ends = {e.row: f for e in out.extras if (f := end_fields(e)) != _NO_END}
-        if gateway_id not in self._pending:
-            self._pending[gateway_id] = TokenBatch(out.request_ids, out.token_ids, out.counts,
-                                                   [TokenEnd(r, *f) for r, f in ends.items()], self._worker)
-            return
-        for i, (rid, ids) in enumerate(out.rows()):  # rare: a step plus other updates
-            self.add(gateway_id, rid, ids, *ends.get(i, _NO_END))
-
-    async def flush(self) -> None:
-        pending, self._pending = self._pending, {}
-        if not pending:
-            return
-        now = time.time()
-        for gw, batch in pending.items():
-            batch.sent_at = now
-            try:
-                await self._nc.publish(self._subjects.gateway_tokens(gw, self._worker), encode(batch))
-            except Exception as e:  # NATS down: the gateway's inactivity timeout covers the request
-                log.warning("token batch for gateway %s not sent: %s", gw, e)
-
-
-_NO_END = (None, None, None)
-
-
-def end_fields(e: Finished) -> tuple:
-    """(finish reason, error, logprobs) of a row's extras, as TokenEnd takes them."""
-    return (e.finish_reason.value if e.finish_reason is not None else None, None, e.logprobs or None)
 
 
 class WorkerRuntime:
@@ -169,7 +114,7 @@ class WorkerRuntime:
         await stack.enter_async_context(self.bus)
         stack.callback(self.dep.close)  # after the tasks stop, before NATS goes (a no-op the second time)
         await stack.enter_async_context(self.tasks)
-        self.tokens = TokenPublisher(self.nc, self.subjects, self.worker_id)
+        self.tokens = TokenPublisher(self.nc, self.subjects, self.worker_id, cfg.token_retention_s)
         self.loop = loop = EngineLoop(self.engine, self._on_outputs, lockstep=self.dep.lockstep)
         self.steps = StepAccounting(self.engine, self.metrics, lambda: loop.last_gap_s, self.dep.comm_s,
                                     self.dep.agree_s)
@@ -178,6 +123,8 @@ class WorkerRuntime:
         self.steps.refresh_load()
         await stack.enter_async_context(running(loop, cfg.dp_timeout_s + 5))
         await self.bus.sub(self.subjects.stats(self.worker_id), StatsRequest, self._on_stats)
+        await self.bus.sub(self.subjects.token_resend(self.worker_id), TokenResend,
+                           lambda r, msg, ctx: self.tokens.resend(r))
         await self.dep.start(self.bus, loop, self.tasks.spawn)
         self.kv_sharing = KVSharing(KVParts(cfg, self.role, self.engine, self.kv_spec, loop, self.bus,
                                             self.transport, self.staging, self.tasks), self.metrics)

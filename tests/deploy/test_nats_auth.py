@@ -103,6 +103,8 @@ async def _violations(server, user: str, op: str, subject: str) -> list[str]:
     ("decode-0", "pub", "mm.kv.decode-0.events", True),
     ("decode-0", "pub", "mm.kv.decode-1.events", False),
     ("decode-0", "sub", "mm.decode.decode-1.kv_ready", False),  # nor take another's hand-offs
+    ("decode-0", "sub", "mm.worker.decode-1.resend", False),
+    ("gateway", "pub", "mm.worker.decode-0.resend", True),
     ("prefill-0", "pub", "mm.heartbeat.prefill.prefill-0", True),
     ("kv_store", "pub", "mm.kv.prefill-0.events", False),
     ("gateway", "pub", "mm.heartbeat.decode.decode-0", False),

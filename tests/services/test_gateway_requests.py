@@ -126,6 +126,47 @@ def test_a_job_the_chosen_worker_does_not_answer_goes_to_the_queue_group(nats_ur
     _run(nats_url, body)
 
 
+def test_a_lost_batch_is_asked_for_again_and_a_repeat_is_dropped(nats_url):
+    """Rows carry their place in the stream: a gap makes the gateway ask the request's
+    workers to send again from what it lacks, rows after the gap wait for that, and what
+    it already has is not taken twice."""
+    from moemesh.shared.protocol.messages import TokenResend
+
+    async def body(mesh, fake):
+        asked: list[tuple[str, TokenResend]] = []
+
+        async def on_resend(msg):
+            asked.append((msg.subject, decode(msg.data, TokenResend)))
+
+        await fake.nc.subscribe(S.token_resend("*"), cb=on_resend)
+        await fake.ack_jobs_on(S.prefill_direct("p1"), "p1")
+        await fake.beat("d1", "decode")
+        await fake.beat("p1", "prefill")
+        await _until(lambda: mesh.live("decode") and mesh.live("prefill"))
+        h = await mesh.submit("r1", [1, 2, 3], SamplingParams(max_tokens=6), None)
+
+        async def send(ids, pos, end=None):
+            ends = [TokenEnd(0, end)] if end else []
+            await fake.nc.publish(S.gateway_tokens("gw-test", "d1"),
+                                  encode(TokenBatch(["r1"], ids, [len(ids)], ends, "d1", positions=[pos])))
+
+        await send([7], 0)  # the first token, from prefill
+        await send([9], 2)  # position 1 was lost
+        await send([10, 11], 3, "length")  # the end after a gap is not taken either
+        await _until(lambda: asked)
+        await asyncio.sleep(0.1)
+        assert {s for s, _ in asked} == {S.token_resend("p1"), S.token_resend("d1")}
+        assert all(r.request_ids == ["r1"] and r.from_positions == [1] for _, r in asked)
+        assert h.ids == [7] and h.finish is None
+        await send([8, 9, 10, 11], 1, "length")  # the resend: everything from 1 on, with the end
+        await send([9], 2)  # a late repeat
+        await _until(lambda: h.finish is not None)
+        assert h.take() == ([7, 8, 9, 10, 11], [], "length", None)
+        h.close()
+
+    _run(nats_url, body)
+
+
 LEAK = "KV transfer failed: no reply on mm.prefill.p1.kv.pull from decode-d1"
 
 

@@ -41,14 +41,15 @@ def permissions(w: WorkerName, prefix: str = "mm") -> Permissions:
     if w.role == "gateway":
         return Permissions(
             (f"{p}.prefill.jobs", f"{p}.prefill.*.jobs", f"{p}.decode.*.bench_job", f"{p}.requests.abort",
-             f"{p}.kv.*.snapshot", f"{p}.heartbeat.gateway.{me}"),
+             f"{p}.kv.*.snapshot", f"{p}.worker.*.resend", f"{p}.heartbeat.gateway.{me}"),
             (f"{p}.heartbeat.>", f"{p}.gateway.{me}.tokens.*", f"{p}.kv.*.events", inbox), False)
     if w.role in ("prefill", "decode"):
         # Both roles hold KV (snapshots, fetches, events), publish token batches and
         # expert loads, and are ranks of an instance the balancer moves experts in.
         own = [f"{p}.heartbeat.{w.role}.{me}", f"{p}.gateway.*.tokens.{me}", f"{p}.kv.{me}.events",
                f"{p}.kv.*.fetch", f"{p}.kv_store.put", *(f"{p}.eplb.{inst}.{x}" for x in ("load", "staged", "done"))]
-        mine = [f"{p}.requests.abort", f"{p}.heartbeat.>", f"{p}.worker.{me}.stats", f"{p}.kv.{me}.snapshot",
+        mine = [f"{p}.requests.abort", f"{p}.heartbeat.>", f"{p}.worker.{me}.stats", f"{p}.worker.{me}.resend",
+                f"{p}.kv.{me}.snapshot",
                 f"{p}.kv.{me}.fetch", *(f"{p}.eplb.{inst}.{x}" for x in ("plan", "commit", "abort")), inbox]
         if w.role == "prefill":
             own.append(f"{p}.decode.*.kv_ready")

@@ -1,0 +1,59 @@
+"""What a worker sends again when a gateway lost token batches: each request's ids from
+the position asked for, with its end; an error when that part is no longer kept."""
+
+from __future__ import annotations
+
+import asyncio
+
+from moemesh.shared.protocol.messages import TokenResend
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.service.token_publisher import LOST, TokenPublisher
+
+
+class _Sink:
+    def __init__(self):
+        self.sent = []
+
+    async def publish(self, subject, data):
+        self.sent.append(subject)
+
+
+def _publisher(retention_s=30.0):
+    return TokenPublisher(_Sink(), Subjects(), "w1", retention_s)
+
+
+def test_replay_puts_a_stream_back_together_from_a_position():
+    async def go():
+        p = _publisher()
+        p.add("gw", "a", [5], position=0)
+        p.add("gw", "b", [50, 51], position=0)
+        await p.flush()
+        p.add("gw", "a", [6, 7], position=1)
+        await p.flush()
+        p.add("gw", "a", [8], "length", position=3)
+        p.add("gw", "b", [52], position=2)
+        await p.flush()
+        return p
+
+    p = asyncio.run(go())
+    got = dict(p.replay(TokenResend("gw", ["a", "b", "unknown"], [2, 0, 0])))
+    assert got["a"] == ([7, 8], "length", None, None, 2)
+    assert got["b"] == ([50, 51, 52], None, None, None, 0)
+    assert "unknown" not in got  # another worker serves it
+    assert dict(p.replay(TokenResend("other-gw", ["a"], [0]))) == {}
+
+
+def test_a_part_no_longer_kept_ends_the_stream_with_an_error():
+    async def go():
+        p = _publisher(retention_s=0.0)
+        p.add("gw", "a", [5], position=0)
+        await p.flush()
+        await asyncio.sleep(0.01)
+        p.add("gw", "a", [6], position=1)  # flushing this one drops the first
+        await p.flush()
+        return p
+
+    p = asyncio.run(go())
+    (rid, (ids, finish, error, _, _)), = p.replay(TokenResend("gw", ["a"], [0]))
+    assert (rid, ids, finish, error) == ("a", [], "error", LOST) and p.lost_rows == 1
+    assert dict(p.replay(TokenResend("gw", ["a"], [1])))["a"][0] == [6]
