@@ -26,6 +26,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import replace
 
 from nats.aio.client import Client as NATS
 
@@ -47,6 +48,9 @@ from moemesh.shared.service.tasks import TaskSet
 from moemesh.shared.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
+# What a client is told when a worker fails its request. The worker's own text (which can
+# name subjects, workers and transfers) is logged with the request id instead.
+CLIENT_ERROR = "the request failed while it was being served"
 RESEND_EVERY_S = 0.5
 WATCH_EVERY_S = 0.25
 SILENT_S = 2.0  # a stream this long without a batch: its workers are asked what it missed
@@ -91,8 +95,8 @@ class MeshClient:
         self.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}", link)
         s = self.subjects
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
-        self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id), TokenBatch, self._on_tokens))
-        self._subs.append(await subscribe(self.nc, s.kv_events, KVEvents, self._on_kv_events))
+        self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id, "*"), TokenBatch, self._on_tokens))
+        self._subs.append(await subscribe(self.nc, s.kv_events("*"), KVEvents, self._on_kv_events))
         self._tasks.spawn(self._watch_workers(), "worker-watch")
         self._sweeper = self._tasks.spawn(sweep_inactive(self.handles, self.cfg.inactivity_timeout_s,
                                                          silent_s=SILENT_S, on_silent=self.ask_resend),
@@ -202,9 +206,12 @@ class MeshClient:
             log.warning("request %s: no prefill worker took it (%s)", request_id, e)
             raise NoWorkers("no prefill worker took the request") from None
         except RemoteError as e:
+            # A worker's words name subjects and workers: they go to the log, and the
+            # client gets the kind of failure only.
+            log.warning("request %s: refused by a worker (%s)", request_id, e)
             if e.reply.code == "unavailable":
-                raise NoWorkers(str(e)) from None
-            raise Rejected(e.reply.error) from None
+                raise NoWorkers("no worker can take the request now") from None
+            raise Rejected("the request was refused by the serving workers") from None
 
     # ---- migration ----------------------------------------------------------------------
     def _check_workers(self) -> None:
@@ -315,7 +322,7 @@ class MeshClient:
             if e.logprobs and new < len(e.logprobs):
                 e.logprobs = e.logprobs[len(e.logprobs) - new :] if new else None
             h.last_seen = now
-            h.end(e)
+            _end(h, e, batch.worker_id)
         if gaps:
             self.c_gaps.inc(len(gaps))
             self.ask_resend(gaps)
@@ -336,7 +343,7 @@ class MeshClient:
             h = handles.get(rids[e.row])
             if h is not None:
                 h.last_seen = now
-                h.end(e)
+                _end(h, e, batch.worker_id)
 
     def ask_resend(self, handles: list[Handle]) -> None:
         """Ask the workers serving these streams to send again from what each lacks (at
@@ -372,3 +379,11 @@ class MeshClient:
             await publish(nc, self.subjects.abort, Abort([request_id], reason))
         except Exception as e:  # NATS down: the workers' own timeouts end the request
             log.warning("abort for %s not sent: %s", request_id, e)
+
+
+def _end(h: Handle, e: TokenEnd, worker_id: str) -> None:
+    """End a stream; a worker's error text goes to the log, the client gets CLIENT_ERROR."""
+    if e.error is not None:
+        log.warning("request %s failed on %s: %s", h.request_id, worker_id, e.error)
+        e = replace(e, error=CLIENT_ERROR)
+    h.end(e)

@@ -64,7 +64,7 @@ class KVStoreService(AsyncService):
         self.g_used = m.gauge("kv_store_held_bytes", "bytes held", ("tier",))
         self.g_count = m.gauge("kv_store_held_blocks", "blocks held", ("tier",))
         self.events = KVEventPublisher(lambda stored, removed: publish(
-            self.nc, self.subjects.kv_events, KVEvents(self.id, "kv_store", b"*", stored, removed)))
+            self.nc, self.subjects.kv_events(self.id), KVEvents(self.id, "kv_store", b"*", stored, removed)))
         self._make_transport = transport or ucx_transport(cfg)
         self._tasks = TaskSet()
         self._stack: AsyncExitStack | None = None

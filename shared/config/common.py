@@ -17,6 +17,9 @@ class ServiceConfig:
     nats_user: str = ""
     nats_password: str = field(default="", repr=False)  # never printed, never logged
     nats_creds: str = ""
+    # Where replies to this service's requests arrive; "" for _INBOX.<nats_user> (or
+    # nats-py's _INBOX without a user). Each NATS user may read only its own prefix.
+    nats_inbox_prefix: str = ""
     subject_prefix: str = "mm"
     worker_id: str = ""
     model: str = ""
@@ -32,6 +35,17 @@ class ServiceConfig:
     def __post_init__(self):
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be > 0")
+        for name in ("nats_user", "worker_id"):
+            if any(c in getattr(self, name) for c in ".*> \t"):
+                # Both are subject tokens (heartbeats, inbox prefixes): a dot or a wildcard
+                # would let one identity's permissions cover another's subjects.
+                raise ValueError(f"{name} may not hold '.', '*', '>' or whitespace")
+
+    @property
+    def inbox_prefix(self) -> str:
+        if self.nats_inbox_prefix:
+            return self.nats_inbox_prefix
+        return f"_INBOX.{self.nats_user}" if self.nats_user else "_INBOX"
 
     @property
     def model_name(self) -> str:

@@ -7,7 +7,7 @@
 | {p}.decode.{worker}.bench_job           | request/reply | gateway -> decode | PrefillJob (Ack), bench mode only |
 | {p}.prefill.{worker}.kv.pull            | request/reply | decode -> prefill | KVPull (KVPullReply)              |
 | {p}.prefill.{worker}.kv.release         | request/reply | decode -> prefill | KVRelease (Ack)                   |
-| {p}.gateway.{gateway}.tokens            | publish       | workers -> gateway| TokenBatch, one per step          |
+| {p}.gateway.{gateway}.tokens.{worker}   | publish       | workers -> gateway| TokenBatch, one per step          |
 | {p}.requests.abort                      | publish       | gateway -> all    | Abort                             |
 | {p}.heartbeat.{role}.{worker}           | publish       | workers -> all    | Heartbeat, every interval         |
 | {p}.worker.{worker}.stats               | request/reply | anyone -> worker  | StatsRequest (WorkerStats)        |
@@ -20,7 +20,7 @@
 | {p}.eplb.{instance}.done                | publish       | ranks -> balancer | MoveDone                          |
 | {p}.eplb.{instance}.rebalance           | request/reply | anyone -> balancer| RebalanceRequest (RebalanceReply) |
 | {p}.prefill.{worker}.jobs               | request/reply | gateway -> prefill| PrefillJob (Ack): KV-aware routing|
-| {p}.kv.events                           | publish       | holders -> all    | KVEvents (blocks stored/removed)  |
+| {p}.kv.{holder}.events                  | publish       | holders -> all    | KVEvents (blocks stored/removed)  |
 | {p}.kv.{holder}.snapshot                | request/reply | gateway -> holder | KVSnapshotRequest (KVEvents)      |
 | {p}.kv.{holder}.fetch                   | request/reply | worker -> holder  | KVFetch (KVFetchReply) + UCX      |
 | {p}.kv_store.put                        | request/reply | worker -> store   | KVPut (KVPutReply) + UCX          |
@@ -28,6 +28,12 @@
 Any request whose payload does not validate is answered with an ErrorReply and
 logged; the service keeps serving. Trace context travels in the NATS message headers
 (`traceparent`).
+
+Every subject a service publishes on its own behalf ends in its worker id (heartbeats,
+token batches, KV events), so that a NATS user can be allowed exactly its own subjects
+(tools/launch/nats_auth.py writes those permissions). A message whose claimed sender
+differs from its subject's is dropped on arrival (shared/protocol/senders.py): with
+per-worker credentials, a worker cannot speak for another.
 """
 
 from __future__ import annotations
@@ -51,9 +57,9 @@ class Subjects:
     def prefill_direct(self, worker: str) -> str:
         return f"{self.prefix}.prefill.{worker}.jobs"
 
-    @property
-    def kv_events(self) -> str:
-        return f"{self.prefix}.kv.events"
+    def kv_events(self, holder: str) -> str:
+        """holder: its own id to publish, "*" to hear every holder."""
+        return f"{self.prefix}.kv.{holder}.events"
 
     def kv_snapshot(self, holder: str) -> str:
         return f"{self.prefix}.kv.{holder}.snapshot"
@@ -74,8 +80,9 @@ class Subjects:
     def kv_release(self, worker: str) -> str:
         return f"{self.prefix}.prefill.{worker}.kv.release"
 
-    def gateway_tokens(self, gateway: str) -> str:
-        return f"{self.prefix}.gateway.{gateway}.tokens"
+    def gateway_tokens(self, gateway: str, worker: str) -> str:
+        """worker: the sender's own id to publish, "*" for the gateway to hear every worker."""
+        return f"{self.prefix}.gateway.{gateway}.tokens.{worker}"
 
     @property
     def abort(self) -> str:

@@ -80,7 +80,7 @@ class KVSharing:
         self.spec = rt.kv_spec
         self.peers = KVPeers()
         self.events = KVEventPublisher(lambda stored, removed: publish(
-            rt.nc, rt.subjects.kv_events, KVEvents(rt.worker_id, rt.role, self.spec.identity, stored, removed)))
+            rt.nc, rt.subjects.kv_events(rt.worker_id), KVEvents(rt.worker_id, rt.role, self.spec.identity, stored, removed)))
         self._pushed: OrderedDict[bytes, None] = OrderedDict()
         self.pulled_tokens = 0  # prompt tokens whose KV came from a peer or the store
         m = metrics

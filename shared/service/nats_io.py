@@ -2,7 +2,12 @@
 
 A subscription handler receives an already-validated message object. A payload that
 does not validate is logged and, when the sender asked for a reply, answered with an
-ErrorReply; the handler never sees it and the service keeps serving.
+ErrorReply; the handler never sees it and the service keeps serving. A message whose
+body claims another sender than its subject names (shared/protocol/senders.py) is
+dropped the same way.
+
+Replies come back on the connection's own inbox prefix (ServiceConfig.inbox_prefix),
+which its NATS user alone may subscribe to: nobody else reads its replies.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from moemesh.shared.config.common import ServiceConfig
 from moemesh.shared.protocol.messages import ErrorReply
+from moemesh.shared.protocol.senders import sender_matches
 from moemesh.shared.protocol.wire import ProtocolError, decode, encode, from_plain
 from moemesh.shared.telemetry.propagation import extract_context
 
@@ -75,6 +81,7 @@ async def connect(cfg: ServiceConfig, name: str, link: LinkEvents | None = None)
         servers=[u.strip() for u in cfg.nats_url.split(",") if u.strip()], name=name, connect_timeout=5, reconnect_time_wait=0.5,
         max_reconnect_attempts=-1, allow_reconnect=True, error_cb=on_error,
         disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, ping_interval=5,
+        inbox_prefix=cfg.inbox_prefix,
     )
     if cfg.nats_user:
         kw.update(user=cfg.nats_user, password=cfg.nats_password)
@@ -114,6 +121,9 @@ async def subscribe(nc: NATS, subject: str, cls: type, handler: Handler, queue: 
         except ProtocolError as e:
             log.warning("rejected message on %s: %s", msg.subject, e)
             await _respond(msg, ErrorReply(str(e), "bad_request"))
+            return
+        if not sender_matches(obj, msg.subject):
+            log.warning("dropped a %s on %s: its body names another sender", cls.__name__, msg.subject)
             return
         try:
             reply = await handler(obj, msg, extract_context(msg.headers))

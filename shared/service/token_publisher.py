@@ -76,7 +76,7 @@ class TokenPublisher:
             batch.sent_at = now
             self._keep(gw, now, batch)
             try:
-                await self._nc.publish(self._subjects.gateway_tokens(gw), encode(batch))
+                await self._nc.publish(self._subjects.gateway_tokens(gw, self._worker), encode(batch))
             except Exception as e:  # NATS down: the gateway asks for the batch again (TokenResend)
                 log.warning("token batch for gateway %s not sent: %s", gw, e)
 

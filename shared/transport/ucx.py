@@ -11,6 +11,11 @@
   does the drive run again, after the other ready callbacks; an idle or waiting
   transport costs nothing.
 - Receives land in staging memory allocated once (see staging.py).
+- What listens: UCX's TCP transport opens one listening socket per network device it
+  may use (peers connect to the worker address's TCP entries there). So the devices are
+  always named (`ucx_options`): the configured ones, UCX_NET_DEVICES from the
+  environment, or else loopback only. A mesh across hosts names its data network's
+  device; nothing listens on an interface nobody chose.
 
 A receive is not posted up front. Each drive probes for whatever message has arrived,
 under any tag, and receives it (tag_probe + recv_with_handle): into the buffer of the
@@ -68,6 +73,33 @@ class _Inflight:
     sink: np.ndarray | None = None
 
 
+# UCX's NET_DEVICES when neither the config nor the environment names any: shared memory
+# still works between processes of a host, and no network interface gets a listener.
+DEFAULT_NET_DEVICES = "lo"
+
+
+def ucx_options(net_devices: str, tls: str, environ) -> dict[str, str]:
+    """The UCX context options of a transport.
+
+    Args:
+        net_devices: the configured devices ("" for none), e.g. "mlx5_0:1" or "eth1".
+        tls: the configured transports ("" for none).
+        environ: the process environment; UCX reads UCX_* from it too, and options given
+            here override those.
+    Returns:
+        NET_DEVICES, always (see DEFAULT_NET_DEVICES), and TLS when one is chosen.
+    """
+    options = {"NET_DEVICES": net_devices or environ.get("UCX_NET_DEVICES") or DEFAULT_NET_DEVICES}
+    if tls:
+        options["TLS"] = tls
+    elif "UCX_TLS" not in environ:
+        # Every transport but CMA. Measured between two processes on one host: CMA's
+        # single-copy reads ran 16-64 MiB messages at under half the copy bandwidth,
+        # where the posix shared-memory path reached 60-75% of it; 1-4 MiB alike.
+        options["TLS"] = "^cma"
+    return options
+
+
 class UcxTransport:
     def __init__(self, net_devices: str = "", tls: str = ""):
         self._net_devices = net_devices
@@ -95,16 +127,8 @@ class UcxTransport:
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         import ucxx._lib.libucxx as api
 
-        options = {}
-        if self._net_devices:
-            options["NET_DEVICES"] = self._net_devices  # bind to the configured interface only
-        if self._tls:
-            options["TLS"] = self._tls
-        elif "UCX_TLS" not in os.environ:
-            # Every transport but CMA. Measured between two processes on one host: CMA's
-            # single-copy reads ran 16-64 MiB messages at under half the copy bandwidth,
-            # where the posix shared-memory path reached 60-75% of it; 1-4 MiB alike.
-            options["TLS"] = "^cma"
+        options = ucx_options(self._net_devices, self._tls, os.environ)
+        log.info("UCX on devices %s, transports %s", options["NET_DEVICES"], options.get("TLS", "UCX_TLS"))
         self._api = api
         self._ctx = api.UCXContext(options, feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
         self._worker = api.UCXWorker(self._ctx)

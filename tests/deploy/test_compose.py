@@ -14,7 +14,9 @@ yaml = pytest.importorskip("yaml")
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 MOEMESH = {"prefill", "decode", "gateway", "balancer", "kv-store", "prefill-gpu", "decode-gpu", "gateway-gpu"}
-PASSWORDS = ["GATEWAY", "PREFILL", "DECODE", "BALANCER", "KV_STORE", "OPS"]
+PASSWORDS = ["GATEWAY", "PREFILL_0", "DECODE_0", "BALANCER", "KV_STORE", "OPS"]
+WORKER_IDS = {"prefill": "prefill-0", "decode": "decode-0", "gateway": "gateway", "balancer": "balancer",
+              "kv-store": "kv_store"}
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +114,11 @@ def test_nats_gets_every_password_and_services_only_their_own(spec):
     env = spec["services"]["nats"]["environment"]
     assert {f"{n}_NATS_PASSWORD" for n in PASSWORDS} <= set(env)
     for name in MOEMESH:
-        own = name.split("-gpu")[0].replace("-", "_").upper()
-        assert spec["services"][name]["environment"]["MOEMESH_NATS_PASSWORD"].startswith(f"${{{own}_NATS_PASSWORD")
+        env = spec["services"][name]["environment"]
+        wid = WORKER_IDS[name.split("-gpu")[0]]  # each container is one worker, and its own NATS user
+        assert env["MOEMESH_WORKER_ID"] == env["MOEMESH_NATS_USER"] == wid, name
+        own = wid.replace("-", "_").upper()
+        assert env["MOEMESH_NATS_PASSWORD"].startswith(f"${{{own}_NATS_PASSWORD"), name
 
 
 def test_telemetry_is_wired(spec):

@@ -1,5 +1,5 @@
-"""A mesh deployed with its security defaults on: NATS users and permissions from the
-shipped compose/nats/auth.conf, API keys at the gateway, /metrics on its own address,
+"""A mesh deployed with its security defaults on: one NATS user per worker with the
+permissions `moemesh nats-auth` writes for the deployment, API keys at the gateway, /metrics on its own address,
 and `moemesh up --config` reading one deployment file. Then: what each NATS user may do,
 a request end to end, the API key enforced, and no prompt or key in any log or span."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import shutil
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from moemesh.tools.launch.nats_auth import write_auth_conf
 from moemesh.tools.launch.nats_server import find_nats_server
 from moemesh.tools.launch.procs import ProcessGroup, free_port, wait_for_port
-from moemesh.tools.launch.up import Mesh, up_config
+from moemesh.tools.launch.up import Mesh, password_env, up_config
 
-COMPOSE = Path(__file__).resolve().parents[2] / "compose"
-USERS = ["gateway", "prefill", "decode", "balancer", "kv_store", "ops"]
 # Distinctive enough that finding them anywhere can only mean they leaked.
 PROMPT = "Quokka-Zephyr-" + secrets.token_hex(6) + " plans a secret itinerary"
 KEY = "sk-moemesh-right-" + secrets.token_hex(10)
@@ -43,16 +41,7 @@ class Secure:
 def secure(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("secure")
     log_dir = tmp / "logs"
-    passwords = {u: secrets.token_hex(12) for u in USERS}
-    # The shipped user table, included from a server config that only changes where it listens.
-    shutil.copy(COMPOSE / "nats" / "auth.conf", tmp / "auth.conf")
     port = free_port()
-    store = json.dumps(str(tmp / "js"))
-    (tmp / "nats.conf").write_text(f"listen: 127.0.0.1:{port}\njetstream {{ store_dir: {store} }}\n"
-                                   "include ./auth.conf\n")
-    nats = ProcessGroup(log_dir)
-    child = nats.start("nats", [find_nats_server(), "-c", str(tmp / "nats.conf")],
-                       {f"{u.upper()}_NATS_PASSWORD": pw for u, pw in passwords.items()})
     nats_url = f"nats://127.0.0.1:{port}"
     (tmp / "api_keys").write_text(f"# test keys\nsk-another-{secrets.token_hex(4)}\n{KEY}\n")
     metrics_port = free_port()
@@ -70,38 +59,38 @@ balancer = true
 kv_store = true
 
 [gateway]
-nats_user = "gateway"
-nats_password = "{passwords['gateway']}"
 api_keys_file = "{tmp / 'api_keys'}"
 metrics_port = {metrics_port}
 
 [prefill]
-nats_user = "prefill"
-nats_password = "{passwords['prefill']}"
 num_kv_blocks = 256
 staging_mb = 16
 
 [decode]
-nats_user = "decode"
-nats_password = "{passwords['decode']}"
 num_kv_blocks = 256
 staging_mb = 16
 
 [balancer]
-nats_user = "balancer"
-nats_password = "{passwords['balancer']}"
 
 [kv_store]
-nats_user = "kv_store"
-nats_password = "{passwords['kv_store']}"
 capacity_mb = 64
 staging_mb = 16
 """)
+    # The user table written for this deployment, included from a server config that only
+    # says where it listens; every password reaches the server and `moemesh up` by its variable.
+    users = [u.worker_id for u in write_auth_conf(up_config(str(deployment)), tmp / "auth.conf")]
+    passwords = {u: secrets.token_hex(12) for u in users}
+    password_vars = {password_env(u): pw for u, pw in passwords.items()}
+    store = json.dumps(str(tmp / "js"))
+    (tmp / "nats.conf").write_text(f"listen: 127.0.0.1:{port}\njetstream {{ store_dir: {store} }}\n"
+                                   "include ./auth.conf\n")
+    nats = ProcessGroup(log_dir)
+    child = nats.start("nats", [find_nats_server(), "-c", str(tmp / "nats.conf")], password_vars)
     trace = tmp / "trace.jsonl"
     try:
         wait_for_port("127.0.0.1", port, 15, child)
         mesh = Mesh(up_config(str(deployment), model=tiny_model, port=0, log_dir=str(log_dir),
-                              trace_file=str(trace), ready_timeout_s=120))
+                              trace_file=str(trace), ready_timeout_s=120, extra_env=password_vars))
         mesh.start()
     except BaseException:
         nats.stop()
@@ -120,7 +109,8 @@ async def _try(nats_url: str, user: str, password: str, op: str, subject: str) -
     async def on_error(e: Exception) -> None:
         errors.append(str(e))
 
-    nc = await nats.connect(nats_url, user=user, password=password, error_cb=on_error, allow_reconnect=False)
+    nc = await nats.connect(nats_url, user=user, password=password, error_cb=on_error, allow_reconnect=False,
+                            inbox_prefix=f"_INBOX.{user}")
     try:
         if op == "pub":
             await nc.publish(subject, b"probe")
@@ -137,18 +127,20 @@ async def _try(nats_url: str, user: str, password: str, op: str, subject: str) -
 
 
 @pytest.mark.parametrize("user, op, subject, allowed", [
-    ("prefill", "pub", "mm.eplb.x.commit", False),  # only the balancer moves experts
-    ("prefill", "pub", "mm.eplb.x.plan", False),
-    ("decode", "pub", "mm.eplb.x.abort", False),
+    ("prefill-0", "pub", "mm.eplb.x.commit", False),  # only the balancer moves experts
+    ("prefill-0", "pub", "mm.eplb.prefill-0.plan", False),
+    ("decode-0", "pub", "mm.eplb.decode-0.abort", False),
     ("gateway", "pub", "mm.heartbeat.decode.fake", False),  # the gateway cannot pose as a worker
-    ("decode", "pub", "mm.heartbeat.prefill.fake", False),  # nor a worker as another role
+    ("decode-0", "pub", "mm.heartbeat.prefill.fake", False),  # nor a worker as another role
+    ("decode-0", "pub", "mm.heartbeat.decode.decode-1", False),  # nor as another worker of its own
     ("gateway", "sub", "mm.prefill.jobs", False),  # nor steal prompts meant for prefill
     ("balancer", "pub", "mm.prefill.jobs", False),
     ("ops", "pub", "mm.eplb.x.commit", False),
+    ("ops", "sub", "_INBOX.>", False),  # nor read others' replies
     ("balancer", "pub", "mm.eplb.x.commit", True),
-    ("prefill", "pub", "mm.eplb.x.load", True),
-    ("prefill", "pub", "mm.decode.x.kv_ready", True),
-    ("decode", "sub", "mm.eplb.x.commit", True),
+    ("prefill-0", "pub", "mm.eplb.prefill-0.load", True),
+    ("prefill-0", "pub", "mm.decode.x.kv_ready", True),
+    ("decode-0", "sub", "mm.eplb.decode-0.commit", True),
     ("ops", "pub", "mm.eplb.x.rebalance", True),
 ])
 def test_nats_permissions(secure, user, op, subject, allowed):
@@ -157,7 +149,7 @@ def test_nats_permissions(secure, user, op, subject, allowed):
         assert errors == []
     else:
         kind = "publish" if op == "pub" else "subscription"
-        assert any(f'permissions violation for {kind} to "{subject}"' in e.lower() for e in errors), errors
+        assert any(f'permissions violation for {kind} to "{subject}"'.lower() in e.lower() for e in errors), errors
 
 
 def test_commits_reach_ranks_from_the_balancer_only(secure):
@@ -170,14 +162,14 @@ def test_commits_reach_ranks_from_the_balancer_only(secure):
         async def on_commit(msg) -> None:
             got.append(msg.data)
 
-        rank = await nats.connect(secure.nats_url, user="decode", password=pw["decode"])
+        rank = await nats.connect(secure.nats_url, user="decode-0", password=pw["decode-0"])
         try:
-            await rank.subscribe("mm.eplb.i9.commit", cb=on_commit)
+            await rank.subscribe("mm.eplb.decode-0.commit", cb=on_commit)
             await rank.flush()
-            for user, data in (("prefill", b"forged"), ("balancer", b"real")):
+            for user, data in (("prefill-0", b"forged"), ("balancer", b"real")):
                 nc = await nats.connect(secure.nats_url, user=user, password=pw[user], error_cb=_ignore)
                 try:
-                    await nc.publish("mm.eplb.i9.commit", data)
+                    await nc.publish("mm.eplb.decode-0.commit", data)
                     await nc.flush()
                 finally:
                     await nc.close()
@@ -206,7 +198,7 @@ def test_connections_without_the_right_password_are_refused(secure, password):
     with socket.create_connection((host, int(port)), timeout=5) as s:
         f = s.makefile("rb")
         assert f.readline().startswith(b"INFO ")
-        creds = {} if password is None else {"user": "prefill", "pass": password}
+        creds = {} if password is None else {"user": "prefill-0", "pass": password}
         s.sendall(b"CONNECT " + json.dumps({"verbose": False, "pedantic": False, **creds}).encode()
                   + b"\r\nPING\r\n")
         assert f.readline().strip() == b"-ERR 'Authorization Violation'"
@@ -214,7 +206,7 @@ def test_connections_without_the_right_password_are_refused(secure, password):
     with socket.create_connection((host, int(port)), timeout=5) as s:  # the control: the right password
         f = s.makefile("rb")
         f.readline()
-        creds = {"user": "prefill", "pass": secure.passwords["prefill"]}
+        creds = {"user": "prefill-0", "pass": secure.passwords["prefill-0"]}
         s.sendall(b"CONNECT " + json.dumps({"verbose": False, "pedantic": False, **creds}).encode()
                   + b"\r\nPING\r\n")
         assert f.readline().strip() == b"PONG"

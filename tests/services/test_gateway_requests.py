@@ -8,8 +8,9 @@ import nats
 import pytest
 
 from moemesh.services.gateway.config import GatewayConfig
-from moemesh.services.gateway.mesh_client import MeshClient
-from moemesh.shared.protocol.messages import Abort, Ack, Heartbeat, PrefillJob, TokenBatch, TokenEnd, WorkerLoad
+from moemesh.services.gateway.mesh_client import CLIENT_ERROR, MeshClient, Rejected
+from moemesh.shared.protocol.messages import (Abort, Ack, ErrorReply, Heartbeat, PrefillJob, TokenBatch, TokenEnd,
+                                              WorkerLoad)
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.protocol.wire import decode, encode
@@ -91,9 +92,12 @@ def test_a_request_streams_to_its_handle_and_ends_once(nats_url):
         h = await mesh.submit("r1", [1, 2, 3], SamplingParams(max_tokens=4), None)
         (who, job), = fake.jobs
         assert who == "p1" and job.decode_id == "d1" and job.gateway_id == "gw-test" and job.prompt_ids == [1, 2, 3]
-        await fake.nc.publish(S.gateway_tokens("gw-test"), encode(TokenBatch(["r1", "zz"], [7, 8])))
-        await fake.nc.publish(S.gateway_tokens("gw-test"),
-                              encode(TokenBatch(["r1"], [9, 10], [2], [TokenEnd(0, "length")])))
+        await fake.nc.publish(S.gateway_tokens("gw-test", "d1"),
+                              encode(TokenBatch(["r1", "zz"], [7, 8], worker_id="d1")))
+        # Claims another worker than its subject names: dropped on arrival.
+        await fake.nc.publish(S.gateway_tokens("gw-test", "d1"), encode(TokenBatch(["r1"], [666], worker_id="d2")))
+        await fake.nc.publish(S.gateway_tokens("gw-test", "d1"),
+                              encode(TokenBatch(["r1"], [9, 10], [2], [TokenEnd(0, "length")], worker_id="d1")))
         await _until(lambda: h.finish is not None)
         assert h.take() == ([7, 9, 10], [], "length", None)
         h.close()
@@ -143,7 +147,7 @@ def test_a_lost_batch_is_asked_for_again_and_a_repeat_is_dropped(nats_url):
 
         async def send(ids, pos, end=None):
             ends = [TokenEnd(0, end)] if end else []
-            await fake.nc.publish(S.gateway_tokens("gw-test"),
+            await fake.nc.publish(S.gateway_tokens("gw-test", "d1"),
                                   encode(TokenBatch(["r1"], ids, [len(ids)], ends, "d1", positions=[pos])))
 
         await send([7], 0)  # the first token, from prefill
@@ -161,3 +165,43 @@ def test_a_lost_batch_is_asked_for_again_and_a_repeat_is_dropped(nats_url):
         h.close()
 
     _run(nats_url, body)
+
+
+LEAK = "KV transfer failed: no reply on mm.prefill.p1.kv.pull from decode-d1"
+
+
+def test_a_refused_job_tells_the_client_no_worker_ids_or_subjects(nats_url, caplog):
+    async def body(mesh, fake):
+        async def refuse(msg):
+            await msg.respond(encode(ErrorReply(f"duplicate request on mm.decode.d1.kv_ready: {LEAK}", "bad_request")))
+
+        await fake.nc.subscribe(S.prefill_direct("p1"), cb=refuse)
+        await fake.nc.flush()
+        await fake.beat("d1", "decode")
+        await fake.beat("p1", "prefill")
+        await _until(lambda: mesh.live("decode") and mesh.live("prefill"))
+        with pytest.raises(Rejected) as e:
+            await mesh.submit("r1", [1, 2], SamplingParams(max_tokens=4), None)
+        assert "mm." not in str(e.value) and "p1" not in str(e.value) and "d1" not in str(e.value)
+
+    with caplog.at_level("WARNING"):
+        _run(nats_url, body)
+    assert LEAK in caplog.text  # the operator still sees what happened
+
+
+def test_a_failed_request_tells_the_client_no_worker_ids_or_subjects(nats_url, caplog):
+    async def body(mesh, fake):
+        await fake.ack_jobs_on(S.prefill_direct("p1"), "p1")
+        await fake.beat("d1", "decode")
+        await fake.beat("p1", "prefill")
+        await _until(lambda: mesh.live("decode") and mesh.live("prefill"))
+        h = await mesh.submit("r1", [1, 2], SamplingParams(max_tokens=4), None)
+        await fake.nc.publish(S.gateway_tokens("gw-test", "d1"),
+                              encode(TokenBatch(["r1"], [], [0], [TokenEnd(0, "error", LEAK)], worker_id="d1")))
+        await _until(lambda: h.finish is not None)
+        assert h.take() == ([], [], "error", CLIENT_ERROR)
+        h.close()
+
+    with caplog.at_level("WARNING"):
+        _run(nats_url, body)
+    assert LEAK in caplog.text

@@ -217,7 +217,7 @@ def test_client_disconnect_mid_stream_frees_kv_on_both_workers(nats_url, tiny_mo
     lambda m: f"{m.prefix}.prefill.prefill-t.kv.release",
     lambda m: f"{m.prefix}.decode.decode-t.kv_ready",
     lambda m: f"{m.prefix}.worker.decode-t.stats",
-    lambda m: f"{m.prefix}.gateway.gw-t.tokens",
+    lambda m: f"{m.prefix}.gateway.gw-t.tokens.decode-t",
 ], ids=["jobs", "kv_pull", "kv_release", "kv_ready", "stats", "tokens"])
 def test_malformed_nats_messages_get_an_error_and_services_keep_serving(nats_url, tiny_model, tmp_path, subject_of):
     async def go():

@@ -50,7 +50,7 @@ def test_the_store_keeps_a_snapshot_beside_its_blocks_and_serves_only_as_deep_as
             async def on_events(m):
                 seen.append(m.data)
 
-            await nc.subscribe(s.kv_events, cb=on_events)
+            await nc.subscribe(s.kv_events("*"), cb=on_events)
             try:
                 await publish(nc, s.heartbeat("prefill", "w-1"), Heartbeat("w-1", "prefill", "tiny", WorkerLoad(),
                                                                            address=me.address, interval_s=5))

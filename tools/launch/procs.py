@@ -72,7 +72,9 @@ class ProcessGroup:
     log_dir: Path | None = None
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, last: bool = False) -> Child:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, last: bool = False,
+              unset: tuple[str, ...] = ()) -> Child:
+        """env: added to this process's environment; unset: names taken out of the result."""
         out = None
         path = None
         if self.log_dir is not None:
@@ -80,6 +82,8 @@ class ProcessGroup:
             path = self.log_dir / f"{name}.log"
             out = open(path, "ab")
         full_env = dict(os.environ, **(env or {}))
+        for k in unset:
+            full_env.pop(k, None)
         try:
             popen = subprocess.Popen(argv, stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT, env=full_env,
                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)

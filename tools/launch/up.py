@@ -7,6 +7,12 @@ With `--config FILE` (the deployment file, see compose/moemesh.toml) the pool si
 from its [pools] table, the NATS URL and model from [common], the gateway address from
 [gateway]; flags still win. Every service is started with `--config FILE` and reads its
 own tables, so credentials and settings in the file reach the services unchanged.
+
+Every process gets a fixed worker id (gateway, kv_store, balancer, prefill-0, decode-i0-r1,
+...: see `worker_names`), which is also its NATS user name when the mesh runs with
+per-worker NATS credentials (tools/launch/nats_auth.py): a process whose
+`<ID>_NATS_PASSWORD` (see `password_env`) is set in this environment connects as user ID
+with that password, overriding any nats_user of the deployment file.
 """
 
 from __future__ import annotations
@@ -107,8 +113,47 @@ def up_config(config_file: str = "", **flags: Any) -> UpConfig:
 
 @dataclass(frozen=True)
 class Launch:
-    name: str
+    name: str  # also the process's worker id and, with per-worker credentials, its NATS user
     argv: list[str]  # after `python -m`
+
+
+@dataclass(frozen=True)
+class WorkerName:
+    role: str  # gateway | prefill | decode | balancer | kv_store
+    worker_id: str
+    instance: str = ""  # the DEP instance of a rank; "": the worker is its own instance
+    rank: int = 0
+
+
+def password_env(user: str) -> str:
+    """The environment variable that holds user's NATS password: decode-i0-r1 -> DECODE_I0_R1_NATS_PASSWORD."""
+    return user.upper().replace("-", "_") + "_NATS_PASSWORD"
+
+
+def wants_balancer(cfg: UpConfig) -> bool:
+    return bool(cfg.balancer or (cfg.balancer is None and (cfg.decode_dp > 1 or cfg.prefill_dp > 1 or cfg.eplb_redundant)))
+
+
+def worker_names(cfg: UpConfig) -> list[WorkerName]:
+    """Every service process of the mesh, in start order: KV store, workers, balancer, gateway.
+    Pure: launch_plan starts these, and nats_auth gives each its own NATS user."""
+    out = [WorkerName("kv_store", "kv_store")] if cfg.kv_store else []
+    for role, n, dp in (("prefill", cfg.num_prefill, cfg.prefill_dp), ("decode", cfg.num_decode, cfg.decode_dp)):
+        for i in range(n):
+            if dp == 1 and not cfg.eplb_redundant:
+                out.append(WorkerName(role, f"{role}-{i}"))
+            else:
+                out += [WorkerName(role, f"{role}-i{i}-r{r}", f"{role}-i{i}", r) for r in range(dp)]
+    if wants_balancer(cfg):
+        out.append(WorkerName("balancer", "balancer"))
+    out.append(WorkerName("gateway", "gateway"))
+    return out
+
+
+def credentials_env(worker_id: str, environ: dict) -> dict[str, str]:
+    """MOEMESH_NATS_USER/PASSWORD for one process, when environ holds its password; else nothing."""
+    pw = environ.get(password_env(worker_id))
+    return {"MOEMESH_NATS_USER": worker_id, "MOEMESH_NATS_PASSWORD": pw} if pw else {}
 
 
 def ensure_tiny_model(home: Path) -> Path:
@@ -156,8 +201,12 @@ class Mesh:
             self.nats_url = f"nats://127.0.0.1:{port}"
         if self.port == 0:
             self.port = free_port(cfg.host)
+        environ = {**os.environ, **cfg.extra_env}
+        # Each process gets its own password only (as MOEMESH_NATS_PASSWORD), never its peers'.
+        others = tuple(k for k in environ if k.endswith("_NATS_PASSWORD"))
         for launch in launch_plan(cfg, self.model, self.nats_url, self.port):
-            self.group.start(launch.name, [sys.executable, "-m", *launch.argv], cfg.extra_env)
+            env = {**cfg.extra_env, **credentials_env(launch.name, environ)}
+            self.group.start(launch.name, [sys.executable, "-m", *launch.argv], env, unset=others)
         self.wait_ready(cfg.ready_timeout_s)
 
     def wait_ready(self, timeout: float) -> None:
@@ -194,7 +243,7 @@ class Mesh:
 
 
 def launch_plan(cfg: UpConfig, model: str, nats_url: str, port: int) -> list[Launch]:
-    """Every service process of the mesh, in start order: KV store, workers, balancer, gateway.
+    """Every service process of the mesh (worker_names), with its arguments.
 
     Args:
         cfg: the launch settings.
@@ -207,16 +256,22 @@ def launch_plan(cfg: UpConfig, model: str, nats_url: str, port: int) -> list[Lau
         common = ["--config", cfg.config_file, *common]
     traced = common + (["--trace-file", cfg.trace_file] if cfg.trace_file else [])
     extra = _sets(cfg.service_args)
-    out = [Launch("kv_store", ["moemesh.services.kv_store", *common, *_sets(cfg.kv_store_args)])] if cfg.kv_store else []
-    for role, n, dp, own in (("prefill", cfg.num_prefill, cfg.prefill_dp, cfg.prefill_args),
-                             ("decode", cfg.num_decode, cfg.decode_dp, cfg.decode_args)):
-        for i in range(n):
-            for argv, name in instance_argv(role, i, dp, cfg.eplb_redundant):
-                out.append(Launch(name, [f"moemesh.services.{role}", *traced, *argv, *extra, *_sets(own)]))
-    if cfg.balancer or (cfg.balancer is None and (cfg.decode_dp > 1 or cfg.prefill_dp > 1 or cfg.eplb_redundant)):
-        out.append(Launch("balancer", ["moemesh.services.balancer", *common, *_sets(cfg.balancer_args)]))
-    out.append(Launch("gateway", ["moemesh.services.gateway", *traced, "--host", cfg.host, "--port", str(port),
-                                  *_sets(cfg.gateway_args)]))
+    inits: dict[str, str] = {}  # DEP instance -> the address its ranks meet at
+    out = []
+    for w in worker_names(cfg):
+        me = ["--worker-id", w.worker_id]
+        if w.role == "kv_store":
+            out.append(Launch(w.worker_id, ["moemesh.services.kv_store", *common, *me, *_sets(cfg.kv_store_args)]))
+        elif w.role == "balancer":
+            out.append(Launch(w.worker_id, ["moemesh.services.balancer", *common, *me, *_sets(cfg.balancer_args)]))
+        elif w.role == "gateway":
+            out.append(Launch(w.worker_id, ["moemesh.services.gateway", *traced, *me, "--host", cfg.host,
+                                            "--port", str(port), *_sets(cfg.gateway_args)]))
+        else:
+            dp = cfg.prefill_dp if w.role == "prefill" else cfg.decode_dp
+            own = cfg.prefill_args if w.role == "prefill" else cfg.decode_args
+            argv = me + (_rank_sets(w, dp, cfg.eplb_redundant, inits) if w.instance else [])
+            out.append(Launch(w.worker_id, [f"moemesh.services.{w.role}", *traced, *argv, *extra, *_sets(own)]))
     return out
 
 
@@ -224,18 +279,12 @@ def _sets(items) -> list[str]:
     return [a for s in items for a in ("--set", s)]
 
 
-def instance_argv(role: str, index: int, dp: int, redundant: int) -> list[tuple[list[str], str]]:
-    """Arguments for each process of one instance: one, or one per DEP rank."""
-    if dp == 1 and not redundant:
-        return [([], f"{role}-{index}")]
-    inst = f"{role}-i{index}"
-    init = f"tcp://127.0.0.1:{free_port()}"
-    out = []
-    for r in range(dp):
-        sets = [f"dp_size={dp}", f"dp_rank={r}", f"instance_id={inst}", f"dist_init={init}",
-                f"eplb_redundant={redundant}", "expert_parallel=true"]
-        out.append((["--worker-id", f"{inst}-r{r}", *[a for x in sets for a in ("--set", x)]], f"{inst}-r{r}"))
-    return out
+def _rank_sets(w: WorkerName, dp: int, redundant: int, inits: dict[str, str]) -> list[str]:
+    """The settings that make w a rank of its DEP instance."""
+    if w.instance not in inits:
+        inits[w.instance] = f"tcp://127.0.0.1:{free_port()}"
+    return _sets([f"dp_size={dp}", f"dp_rank={w.rank}", f"instance_id={w.instance}", f"dist_init={inits[w.instance]}",
+                  f"eplb_redundant={redundant}", "expert_parallel=true"])
 
 
 def _busy(port: int) -> bool:

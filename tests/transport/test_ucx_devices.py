@@ -1,0 +1,71 @@
+"""Which network devices UCX may use, and so where it listens: the configured ones, the
+environment's, or loopback only; never every interface of the host."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from moemesh.shared.transport.base import TransferState
+from moemesh.shared.transport.ucx import DEFAULT_NET_DEVICES, ucx_options
+
+
+def test_devices_are_always_named():
+    assert ucx_options("", "", {}) == {"NET_DEVICES": DEFAULT_NET_DEVICES, "TLS": "^cma"}
+    assert ucx_options("", "", {"UCX_NET_DEVICES": "eth1", "UCX_TLS": "tcp"}) == {"NET_DEVICES": "eth1"}
+    assert ucx_options("mlx5_0:1", "rc,sm", {"UCX_NET_DEVICES": "eth1"}) == {"NET_DEVICES": "mlx5_0:1", "TLS": "rc,sm"}
+
+
+def _tcp_listeners() -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) this process listens on."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            lines = f.read().splitlines()[1:]
+        for line in lines:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                out.add(cols[1].split(":")[0])
+    return out
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+
+
+@pytest.mark.parametrize("devices", ["lo", ""])  # configured, and the default
+def test_a_tcp_transport_listens_on_loopback_only_and_moves_bytes(devices, monkeypatch):
+    pytest.importorskip("ucxx")
+    from moemesh.shared.transport.ucx import UcxTransport
+
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+
+    async def go():
+        a, b = UcxTransport(devices, "tcp"), UcxTransport(devices, "tcp")
+        await a.start()
+        await b.start()
+        try:
+            assert a._ctx.config["NET_DEVICES"] == "lo" and a._ctx.config["TLS"] == "tcp"
+            listening = _tcp_listeners()
+            assert listening and listening <= LOOPBACK, listening
+            src = np.arange(1 << 20, dtype=np.uint8)
+            dst = np.zeros_like(src)
+            tr = b.post_recv(dst, tag=7)
+            await a.send(b.address, src, 7, timeout=10)
+            await tr.wait(10)
+            assert tr.state == TransferState.SUCCESS and np.array_equal(src, dst)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
