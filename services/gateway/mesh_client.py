@@ -185,6 +185,7 @@ class MeshClient:
                          decode.worker_id, time.time())
         if self.cfg.decode_only_bench:
             subject = self.subjects.decode_bench_job(decode.worker_id)
+            h.next_pos = 1  # the worker makes up the first token (the prompt's last) and never sends it
         else:
             prefill, job.kv_sources = route_prefill(prompt_ids, self.live("prefill"), self.registry.live(None),
                                                     self.kv, self._assigned_prompt)
