@@ -14,7 +14,6 @@ from contextlib import AsyncExitStack
 
 import httpx
 import nats
-import pytest
 
 from moemesh.services.decode.config import DecodeConfig
 from moemesh.services.decode.service import DecodeService
@@ -28,11 +27,12 @@ from moemesh.shared.protocol.messages import (
     Heartbeat, KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, WorkerLoad,
 )
 from moemesh.shared.protocol.prefix_hash import is_snapshot_key, snapshot_key
-from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.protocol.wire import decode
 from moemesh.shared.service.nats_io import publish, request
 from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
+from tests.mesh.test_v4_reuse import TURNS as REUSE_TURNS
+from tests.mesh.test_v4_reuse import _message, _want, no_reuse  # noqa: F401 (no_reuse: a fixture)
 
 _prefixes = iter(range(1_000_000))
 
@@ -108,31 +108,8 @@ def test_the_store_keeps_a_snapshot_beside_its_blocks_and_serves_only_as_deep_as
     asyncio.run(go())
 
 
-TURNS = ["Plan a trip to the mesh of experts", "Add the tool output: rank 3 is hot"]
+TURNS = REUSE_TURNS[:2]
 MAX_TOKENS = 20  # the first answer's decode passes a block boundary
-
-
-def _message(turn: str) -> dict:
-    return {"role": "user", "content": turn + " " + "with context " * 10}
-
-
-@pytest.fixture(scope="module")
-def no_reuse(tiny_v4_model):
-    from moemesh.shared.engine.config import EngineConfig
-    from moemesh.shared.engine.llm import LLM
-
-    return LLM(EngineConfig(model=tiny_v4_model, num_kv_blocks=256, enable_prefix_caching=False))
-
-
-def _want(llm) -> list[str]:
-    msgs, answers = [], []
-    for t in TURNS:
-        msgs.append(_message(t))
-        ids = llm.tokenizer.encode_chat(msgs)
-        a = llm.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0].text
-        answers.append(a)
-        msgs.append({"role": "assistant", "content": a})
-    return answers
 
 
 async def _turn(url: str, msgs: list[dict]) -> str:
@@ -155,7 +132,7 @@ def test_a_conversation_continues_from_the_store_on_workers_that_never_saw_it(na
     """Turn 1 runs on one prefill and one decode worker, which offer the prefix (blocks and
     snapshot) to the store; both go, and turn 2 runs on new workers whose only source is
     the store."""
-    want = _want(no_reuse)
+    want = _want(no_reuse, TURNS, MAX_TOKENS)
 
     async def go():
         prefix, hub = f"v4s{next(_prefixes)}", LoopbackHub()
