@@ -253,7 +253,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     n_out, first, status = 0, True, 499  # 499 until the stream ends (the client left first)
     fast = api.ChunkBytes(req)
     reader = Reader(st.tok, req.params.stop)
-    add = reader.detok.add
+    each = reader.detok.each
     plain = not req.params.stop and req.logprobs is None  # the common case: no per-token extras
     stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
     try:
@@ -274,7 +274,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                 stream_span.add_event("first_token")
             n_out += len(ids)
             if plain and not first and finish is None and error is None:
-                yield b"".join([fast.text(add([t])) for t in ids])
+                yield fast.texts(each(ids))
                 continue
             if not ids and finish is None and error is None:
                 continue

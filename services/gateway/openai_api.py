@@ -247,6 +247,11 @@ class ChunkBytes:
     def text(self, text: str) -> bytes:
         return self._prefix + self._dumps(text) + self._suffix
 
+    def texts(self, texts: list[str]) -> bytes:
+        """One chunk per text, in one write."""
+        prefix, dumps, suffix = self._prefix, self._dumps, self._suffix
+        return b"".join([prefix + dumps(t) + suffix for t in texts])
+
 
 def usage_chunk(req: GenerateRequest, prompt: int, completion: int) -> dict[str, Any]:
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"

@@ -180,6 +180,9 @@ def _batch_to_plain(b: TokenBatch) -> list:
              for e in b.ends], ids_to_wire(b.positions)]
 
 
+_STR = {str}
+
+
 def _batch_from_plain(raw) -> TokenBatch:
     """The compact form, checked column by column: this runs once per step per gateway."""
     try:
@@ -188,7 +191,7 @@ def _batch_from_plain(raw) -> TokenBatch:
         if rest:
             raise ValueError(f"{7 + len(rest)} fields")
         if not (isinstance(sent_at, (int, float)) and isinstance(worker, str) and isinstance(rids, list)
-                and all(type(r) is str for r in rids) and isinstance(ends, list)):
+                and set(map(type, rids)) <= _STR and isinstance(ends, list)):  # C speed: 256 rows a step
             raise TypeError("header")
         token_ids = ids_from_wire(toks, "token_ids")
         if counts is None:
