@@ -111,6 +111,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/health/ready", ready, methods=["GET"]),
             *([] if separate_metrics else [Route("/metrics", metrics_route, methods=["GET"])]),
@@ -297,7 +298,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                 status = 200 if status == 499 else status
                 handle.close("stop_string" if reader.stopped_by_string else None)
                 if req.include_usage:
-                    parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out)))
+                    parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out, handle.cached_tokens)))
                 parts.append(b"data: [DONE]\n\n")
                 yield b"".join(parts)
                 break
@@ -367,12 +368,23 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
     done(200)
     lp = api.logprobs_payload(req, st.tok, lps)
-    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp),
+    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, handle.cached_tokens),
                         headers={"X-Request-Id": req.request_id, "X-Moemesh-Worker": handle.decode_id})
 
 
 async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_entry(_state(request))]})
+
+
+async def model(request: Request) -> JSONResponse:
     st = _state(request)
+    name = request.path_params["model"]
+    if name != st.cfg.model_name:
+        raise api.ApiError(404, f"The model {name!r} does not exist", "model", code="model_not_found")
+    return JSONResponse(_model_entry(st))
+
+
+def _model_entry(st: GatewayState) -> dict:
     entry = {"id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "moemesh",
              "max_model_len": st.max_model_len}
     engines = sorted({hb.engine for hb in st.mesh.live("decode") + st.mesh.live("prefill")})
@@ -380,7 +392,7 @@ async def models(request: Request) -> JSONResponse:
         entry["moemesh_engines"] = engines  # a mock engine must never pass for the real model
     if st.cfg.decode_only_bench:
         entry["moemesh_mode"] = "decode-only-bench"
-    return JSONResponse({"object": "list", "data": [entry]})
+    return entry
 
 
 def _readiness(st: GatewayState) -> dict:

@@ -211,8 +211,10 @@ def _with_logprobs(p: SamplingParams, n: int) -> SamplingParams:
 
 
 # ---- responses -------------------------------------------------------------------------
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """cached: prompt tokens whose KV was reused (prefix cache, other workers, the KV store)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def chunk(req: GenerateRequest, text: str, finish: str | None, first: bool = False,
@@ -253,14 +255,14 @@ class ChunkBytes:
         return b"".join([prefix + dumps(t) + suffix for t in texts])
 
 
-def usage_chunk(req: GenerateRequest, prompt: int, completion: int) -> dict[str, Any]:
+def usage_chunk(req: GenerateRequest, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model, "choices": [],
-            "usage": usage(prompt, completion)}
+            "usage": usage(prompt, completion, cached)}
 
 
 def final(req: GenerateRequest, text: str, finish: str, prompt: int, completion: int,
-          logprobs: Any = None) -> dict[str, Any]:
+          logprobs: Any = None, cached: int = 0) -> dict[str, Any]:
     if req.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                   "logprobs": logprobs}
@@ -269,7 +271,7 @@ def final(req: GenerateRequest, text: str, finish: str, prompt: int, completion:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [choice], "usage": usage(prompt, completion)}
+            "choices": [choice], "usage": usage(prompt, completion, cached)}
 
 
 def logprobs_payload(req: GenerateRequest, tok: Tokenizer, lps: list) -> Any:

@@ -106,6 +106,13 @@ def openapi_document(model_name: str, vocab_size: int, max_model_len: int) -> di
             "/v1/chat/completions": post("Chat completion", "createChatCompletion", chat),
             "/v1/models": {"get": {"summary": "Served models", "operationId": "listModels",
                                    "responses": {"200": {"description": "model list"}}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One served model", "operationId": "retrieveModel",
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string", "enum": [model_name]}}],
+                "responses": {"200": {"description": "the model"},
+                              "404": {"description": "no such model", "content": {"application/json": {
+                                  "schema": {"$ref": "#/components/schemas/Error"}}}}}}},
             "/health": {"get": {"summary": "Liveness, with readiness details",
                                 "responses": {"200": {"description": "alive"}}}},
             "/health/ready": {"get": {"summary": "Readiness: a prefill and a decode worker are alive",

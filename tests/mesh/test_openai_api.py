@@ -47,7 +47,7 @@ def test_completions_and_chat_stream_and_non_stream(mesh, offline, request_clean
     r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
-    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.prompt_tokens_details.cached_tokens == 0
     chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True,
                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -120,6 +120,10 @@ def test_malformed_http_and_unsupported_shapes(mesh):
 
 def test_models_health_metrics_openapi(mesh):
     assert httpx.get(mesh.url + "/v1/models").json()["data"][0]["id"] == "tiny"
+    m = _client(mesh).models.retrieve("tiny")  # the official client's own call
+    assert m.id == "tiny" and m.object == "model"
+    r = httpx.get(mesh.url + "/v1/models/other/model", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     h = httpx.get(mesh.url + "/health").json()
     assert h["status"] == "ok" and h["ready"] and h["workers"] == {"prefill": 1, "decode": 1}
     assert httpx.get(mesh.url + "/health/ready").status_code == 200
