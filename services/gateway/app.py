@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from moemesh.services.gateway import openai_api as api
+from moemesh.services.gateway import choices, openai_api as api
 from moemesh.services.gateway.auth import ApiKeyMiddleware, load_api_keys
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
@@ -78,7 +78,8 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         await mesh.start()
         max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         st = GatewayState(cfg, mesh, tok, max_model_len, get_tracer(provider, "moemesh.gateway", root=True), metrics,
-                          mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len))
+                          mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len,
+                                                            cfg.max_n))
         st.m = {
             "requests": metrics.counter("requests_total", "HTTP requests by route and status",
                                         ("route", "status")),
@@ -179,11 +180,16 @@ async def _generate(request: Request, kind: str) -> Response:
     handle = None
     try:
         headers = inject_headers(context=trace.set_span_in_context(span))
-        handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
+        if req.n == 1:
+            handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
+        else:  # one handle per choice, read as one (choices.py)
+            handle = await st.mesh.submit_choices(req.request_id, req.prompt_ids, req.params, headers, req.n)
         span.set_attribute("decode.id", handle.decode_id)
         if req.stream:
-            return EventStream(_sse(st, req, handle, span, t0, done), handle,
-                               {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id})
+            body = _sse(st, req, handle, span, t0, done) if req.n == 1 else choices.sse(st, req, handle, span, t0, done)
+            return EventStream(body, handle, {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id})
+        if req.n > 1:
+            return await choices.collect(request, st, req, handle, span, t0, done)
         return await _collect(request, st, req, handle, span, t0, done)
     except NoWorkers as e:
         done(503)
@@ -230,7 +236,8 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
                            "messages" if kind == "chat" else "prompt", code="context_length_exceeded")
     if st.inflight >= st.cfg.max_inflight:  # others were admitted while this one was parsed
         raise _at_capacity(st)
-    span.set_attributes({"request.id": req.request_id, "prompt.tokens": n, "max_tokens": m, "stream": req.stream})
+    span.set_attributes({"request.id": req.request_id, "prompt.tokens": n, "max_tokens": m, "stream": req.stream,
+                         "choices": req.n})
     return req
 
 
@@ -240,7 +247,7 @@ def _parse(raw: bytes, st: GatewayState, kind: str) -> api.GenerateRequest:
     except orjson.JSONDecodeError as e:
         raise api.ApiError(400, f"request body is not valid JSON: {e}") from None
     parse = api.parse_chat if kind == "chat" else api.parse_completion
-    return parse(body, st.tok, st.cfg.default_max_tokens, st.vocab_size)
+    return parse(body, st.tok, st.cfg.default_max_tokens, st.vocab_size, st.cfg.max_n)
 
 
 def _at_capacity(st: GatewayState) -> api.ApiError:

@@ -35,6 +35,7 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # number of alternatives per token, when requested
+    n: int = 1  # choices, each sampled on its own from the one prompt (shared/protocol/forks.py)
     request_id: str = field(default_factory=lambda: f"{random.getrandbits(128):032x}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -44,7 +45,7 @@ class GenerateRequest:
 
 
 UNSUPPORTED = {  # parameter -> the one value we can honour (null means the same)
-    "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
+    "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
     "tools": None, "tool_choice": None, "functions": None, "logit_bias": None,
 }
 
@@ -88,6 +89,13 @@ def _names(types: tuple) -> str:
     names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
              dict: "an object"}
     return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
+
+
+def _n(body: dict, max_n: int) -> int:
+    n = _get(body, "n", (int,), 1)
+    if not 1 <= n <= max_n:
+        raise ApiError(400, f"'n' must be in [1, {max_n}] on this server, got {n}", "n")
+    return n
 
 
 def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") -> tuple[SamplingParams, dict]:
@@ -135,7 +143,8 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
                     "include_usage": bool(stream_opts.get("include_usage", False))}
 
 
-def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None) -> GenerateRequest:
+def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
+                     max_n: int = 1) -> GenerateRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     model = _get(body, "model", (str,), None)
@@ -163,10 +172,11 @@ def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_s
         raise ApiError(400, "'logprobs' must be in [0, 20]", "logprobs")
     if lp is not None:
         params = _with_logprobs(params, lp)
-    return GenerateRequest("completion", model, ids, params, logprobs=lp, **opts)
+    return GenerateRequest("completion", model, ids, params, logprobs=lp, n=_n(body, max_n), **opts)
 
 
-def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None) -> GenerateRequest:
+def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
+               max_n: int = 1) -> GenerateRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     model = _get(body, "model", (str,), None)
@@ -201,7 +211,7 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
     if _get(body, "logprobs", (bool,), False):
         lp = top
         params = _with_logprobs(params, lp)
-    return GenerateRequest("chat", model, ids, params, logprobs=lp, **opts)
+    return GenerateRequest("chat", model, ids, params, logprobs=lp, n=_n(body, max_n), **opts)
 
 
 def _with_logprobs(p: SamplingParams, n: int) -> SamplingParams:
@@ -218,15 +228,15 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
 
 
 def chunk(req: GenerateRequest, text: str, finish: str | None, first: bool = False,
-          logprobs: Any = None) -> dict[str, Any]:
+          logprobs: Any = None, index: int = 0) -> dict[str, Any]:
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text or first:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
 
@@ -236,14 +246,14 @@ class ChunkBytes:
     built once per request: per token, only the text is serialised. Other chunks go
     through chunk() and the general serialiser."""
 
-    def __init__(self, req: GenerateRequest):
+    def __init__(self, req: GenerateRequest, index: int = 0):
         import orjson
 
         self._dumps = orjson.dumps
         head = self._dumps({"id": req.response_id, "object": "chat.completion.chunk" if req.kind == "chat"
                             else "text_completion", "created": req.created, "model": req.model})[:-1]
         key = b'"delta":{"content":' if req.kind == "chat" else b'"text":'
-        self._prefix = b"data: " + head + b',"choices":[{"index":0,' + key
+        self._prefix = b"data: " + head + b',"choices":[{"index":' + str(index).encode() + b',' + key
         self._suffix = (b'},' if req.kind == "chat" else b',') + b'"finish_reason":null,"logprobs":null}]}\n\n'
 
     def text(self, text: str) -> bytes:
@@ -263,15 +273,22 @@ def usage_chunk(req: GenerateRequest, prompt: int, completion: int, cached: int 
 
 def final(req: GenerateRequest, text: str, finish: str, prompt: int, completion: int,
           logprobs: Any = None, cached: int = 0) -> dict[str, Any]:
+    return final_choices(req, [(text, finish, logprobs)], prompt, completion, cached)
+
+
+def final_choices(req: GenerateRequest, choices: list[tuple[str, str, Any]], prompt: int, completion: int,
+                  cached: int = 0) -> dict[str, Any]:
+    """choices: (text, finish reason, logprobs payload) by index; completion: their tokens, all."""
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": logprobs}
+        out = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": lp} for i, (text, finish, lp) in enumerate(choices)]
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        out = [{"index": i, "text": text, "finish_reason": finish, "logprobs": lp}
+               for i, (text, finish, lp) in enumerate(choices)]
         obj = "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [choice], "usage": usage(prompt, completion, cached)}
+            "choices": out, "usage": usage(prompt, completion, cached)}
 
 
 def logprobs_payload(req: GenerateRequest, tok: Tokenizer, lps: list) -> Any:

@@ -21,8 +21,9 @@ def _int(lo: int, hi: int, **kw) -> dict:
     return {"type": "integer", "minimum": lo, "maximum": hi, **kw}
 
 
-def _sampling(max_tokens_key: str, max_model_len: int) -> dict:
+def _sampling(max_tokens_key: str, max_model_len: int, max_n: int) -> dict:
     return {
+        "n": _opt(_int(1, max_n, description="choices, sampled from one prefill of the prompt")),
         max_tokens_key: _opt(_int(1, max_model_len, description=_CONTEXT)),
         "temperature": _opt({"type": "number", "minimum": 0, "maximum": 100}),
         "top_p": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
@@ -37,7 +38,6 @@ def _sampling(max_tokens_key: str, max_model_len: int) -> dict:
         "stop_token_ids": _opt({"type": "array", "items": _int(0, INT32_MAX), "maxItems": 1024,
                                 "description": "extension"}),
         # Accepted only at the one value this server honours (openai_api.UNSUPPORTED).
-        "n": _opt({"const": 1}),
         "best_of": _opt({"const": 1}),
         "presence_penalty": _opt({"const": 0}),
         "frequency_penalty": _opt({"const": 0}),
@@ -67,7 +67,7 @@ _STREAM = {"text/event-stream": {"schema": {
 _POST_ERRORS = _errors(400, 404, 408, 413, 429, 500, 503)
 
 
-def openapi_document(model_name: str, vocab_size: int, max_model_len: int) -> dict:
+def openapi_document(model_name: str, vocab_size: int, max_model_len: int, max_n: int = 1) -> dict:
     model = {"type": "string", "enum": [model_name]}
     ids = {"type": "array", "minItems": 1, "items": _int(0, vocab_size - 1)}
     text_part = {"type": "object", "required": ["type", "text"],
@@ -80,13 +80,13 @@ def openapi_document(model_name: str, vocab_size: int, max_model_len: int) -> di
         "prompt": {"oneOf": [{"type": "string"}, ids,
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]},
-        "logprobs": _opt(_int(0, 20)), **_sampling("max_tokens", max_model_len)}}
+        "logprobs": _opt(_int(0, 20)), **_sampling("max_tokens", max_model_len, max_n)}}
     chat = {"type": "object", "required": ["model", "messages"], "properties": {
         "model": model,
         "messages": {"type": "array", "minItems": 1, "items": message},
         "logprobs": _opt({"type": "boolean"}),
         "top_logprobs": _opt(_int(0, 20)),
-        **_sampling("max_completion_tokens", max_model_len),
+        **_sampling("max_completion_tokens", max_model_len, max_n),
         "max_tokens": _opt(_int(1, max_model_len, description="used when max_completion_tokens is absent"))}}
 
     def post(summary: str, op: str, schema: dict) -> dict:

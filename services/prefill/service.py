@@ -10,6 +10,11 @@ Request lifecycle here:
 4. pulled: the decode worker sends KVPull for them; their blocks are gathered end to end
    into staging memory, sent over UCX as one message, and freed.
    Or expired (no pull before the lease ends), or aborted: the blocks are freed.
+
+A job of n > 1 (parallel sampling) is n requests here from the start, named and seeded
+by protocol/forks.py: each has its own state, span, first token, lease and hand-off, and
+is aborted on its own. Only the engine sees them as one prompt (engine/fork.py), which it
+computes once; each child's hand-off then moves the prompt's KV for that child.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from opentelemetry import trace
 
@@ -26,6 +31,7 @@ from moemesh.services.prefill.leases import LeaseTable
 from moemesh.shared.engine import block_io
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats, request_outputs
+from moemesh.shared.protocol.forks import MAX_N, fork_ids, fork_params
 from moemesh.shared.protocol.prefix_hash import chain
 from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
@@ -40,6 +46,7 @@ from moemesh.shared.protocol.messages import (
     KVReadyReply,
     KVRelease,
     PrefillJob,
+    WireSampling,
 )
 from moemesh.shared.kv.events import KVPeers
 from moemesh.shared.service.lifecycle import AsyncService
@@ -128,6 +135,9 @@ class PrefillService(AsyncService):
         gateway's wait for an acknowledgement, which would turn a busy worker into a 503."""
         if self.rt.draining:
             return ErrorReply("worker is draining", "unavailable")
+        max_n = min(MAX_N, self.rt.engine.cfg.max_num_seqs)
+        if not 1 <= job.n <= max_n:
+            return ErrorReply(f"n must be in [1, {max_n}] here, got {job.n}", "bad_request")
         try:
             params = job.sampling.to_params()
             self.rt.engine.check_request(job.prompt_ids, params)  # reads only fixed limits: safe off the engine thread
@@ -135,19 +145,23 @@ class PrefillService(AsyncService):
             return ErrorReply(str(e), "bad_request")
         except RequestError as e:
             return ErrorReply(str(e), "bad_request")
-        if job.request_id in self.jobs:
+        jobs = _children(job, params)
+        if any(j.request_id in self.jobs for j in jobs):
             return ErrorReply(f"duplicate request id {job.request_id!r}", "bad_request")
-        if job.request_id in self.aborted:  # the client left while its job was on the way
+        jobs = [j for j in jobs if j.request_id not in self.aborted]  # the client left while the job was on the way
+        if not jobs:
             return ErrorReply("request was aborted", "bad_request")
-        span = self.rt.tracer.start_span("prefill", context=ctx, attributes={
-            "request.id": job.request_id, "prompt.tokens": len(job.prompt_ids), "worker.id": self.rt.worker_id})
-        queued_ns = time.time_ns()
-        queue = self.rt.tracer.start_span("queue.wait", context=trace.set_span_in_context(span), start_time=queued_ns)
-        self.jobs[job.request_id] = JobState(job, span, time.monotonic(), queue, queued_ns=queued_ns)
-        self.rt.spawn(self._admit(job, params), f"admit-{job.request_id}")
+        for j in jobs:
+            span = self.rt.tracer.start_span("prefill", context=ctx, attributes={
+                "request.id": j.request_id, "prompt.tokens": len(j.prompt_ids), "worker.id": self.rt.worker_id})
+            queued_ns = time.time_ns()
+            queue = self.rt.tracer.start_span("queue.wait", context=trace.set_span_in_context(span),
+                                              start_time=queued_ns)
+            self.jobs[j.request_id] = JobState(j, span, time.monotonic(), queue, queued_ns=queued_ns)
+        self.rt.spawn(self._admit(job, params, jobs), f"admit-{job.request_id}")
         return Ack(worker_id=self.rt.worker_id)
 
-    async def _admit(self, job: PrefillJob, params) -> None:
+    async def _admit(self, job: PrefillJob, params, jobs: list[PrefillJob]) -> None:
         rid = job.request_id
         cached: list[int] = []
         try:
@@ -163,25 +177,31 @@ class PrefillService(AsyncService):
             def add(e) -> bool:
                 # Runs on the engine thread, in order with aborts: a job aborted while its
                 # prefix was being pulled is no longer in self.jobs and is never added.
-                if rid not in self.jobs:
+                live = [j for j in jobs if j.request_id in self.jobs]
+                if not live:
                     block_io.release(e, cached)
                     return False
-                e.add_request(rid, job.prompt_ids, params, cached_blocks=cached)
+                if job.n == 1:
+                    e.add_request(rid, job.prompt_ids, params, cached_blocks=cached)
+                else:
+                    e.add_request(rid, job.prompt_ids, params, cached_blocks=cached,
+                                  forks=[(j.request_id, j.sampling.to_params()) for j in live])
                 return True
 
             await self.rt.loop.call(add)
         except Exception as e:
             if cached:
                 await self.rt.loop.call(lambda eng: block_io.release(eng, cached))
-            st = self.jobs.pop(rid, None)
-            if st is None:
-                return
-            log.warning("prefill of %s could not start: %s", rid, e)
-            st.phase.end()
-            st.span.set_status(trace.StatusCode.ERROR, str(e))
-            st.span.end()
             msg = str(e) if isinstance(e, RequestError) else f"prefill could not start: {type(e).__name__}: {e}"
-            self.rt.tokens.add(job.gateway_id, rid, [], "error", msg)
+            for j in jobs:
+                st = self.jobs.pop(j.request_id, None)
+                if st is None:
+                    continue
+                log.warning("prefill of %s could not start: %s", j.request_id, e)
+                st.phase.end()
+                st.span.set_status(trace.StatusCode.ERROR, str(e))
+                st.span.end()
+                self.rt.tokens.add(job.gateway_id, j.request_id, [], "error", msg)
             await self.rt.tokens.flush()
 
     async def _on_outputs(self, step: StepOutputs, stats: StepStats) -> None:
@@ -374,3 +394,11 @@ class PrefillService(AsyncService):
                 st.span.add_event("aborted", {"reason": a.reason})
                 st.span.end()
                 await self.rt.loop.call(lambda e, r=rid: e.abort(r))
+
+
+def _children(job: PrefillJob, params) -> list[PrefillJob]:
+    """The requests a job stands for: itself, or its n children, each a job of its own."""
+    if job.n == 1:
+        return [job]
+    return [replace(job, request_id=cid, sampling=WireSampling.from_params(fork_params(params, i)), n=1)
+            for i, cid in enumerate(fork_ids(job.request_id, job.n))]

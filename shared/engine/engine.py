@@ -28,6 +28,7 @@ from moemesh.shared.checkpoint.loader import load_model
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.drafter import Drafter
+from moemesh.shared.engine.fork import can_fork, make_children, take_copy
 from moemesh.shared.engine.hybrid_batch import HybridBatcher
 from moemesh.shared.engine.hybrid_cache import HybridKVCache
 from moemesh.shared.engine.kv_cache import KVCache
@@ -109,6 +110,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.blocks, self.snapshots)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
+        self._parent_of: dict[str, str] = {}  # child request id -> its parent's, until the fork
         self.eos_ids = set(mcfg.eos_token_ids)
         self._eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.drafter = Drafter(self.model, self.kv.forward_arg, cfg.block_size, self.num_spec, self.max_model_len,
@@ -173,13 +175,18 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
-        cached_blocks: list[int] = (),
+        cached_blocks: list[int] = (), forks: list[tuple[str, SamplingParams]] = (),
     ) -> None:
         """output_ids: tokens already generated elsewhere (a decode worker recomputing a
         prompt whose KV transfer failed); they are recomputed with the prompt.
         cached_blocks: blocks (references already held, handed over to the request) that
-        hold the KV of the prompt's first len(cached_blocks) full blocks."""
-        if request_id in self.seqs or request_id in self.held:
+        hold the KV of the prompt's first len(cached_blocks) full blocks.
+        forks: parallel sampling, the (request id, params) of n children: request_id
+        computes the prompt once and forks into them (engine/fork.py); every output is
+        theirs. `params` is then unused."""
+        if forks:
+            return self._add_parent(request_id, list(prompt_ids), list(forks), list(cached_blocks))
+        if request_id in self.seqs or request_id in self.held or request_id in self._parent_of:
             raise RequestError(f"duplicate request id {request_id!r}")
         self.check_request(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, num_prompt_tokens=len(prompt_ids))
@@ -203,12 +210,58 @@ class LLMEngine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
+    def _add_parent(self, request_id: str, prompt_ids: list[int], forks: list[tuple[str, SamplingParams]],
+                    cached_blocks: list[int]) -> None:
+        ids = [request_id] + [rid for rid, _ in forks]
+        if len(set(ids)) < len(ids) or any(r in self.seqs or r in self.held or r in self._parent_of for r in ids):
+            raise RequestError(f"duplicate request id among {ids!r}")
+        if len(forks) > self.cfg.max_num_seqs:
+            raise RequestError(f"n = {len(forks)} is more than the {self.cfg.max_num_seqs} sequences a step "
+                               f"holds here", "n")
+        for _, p in forks:
+            self.check_request(prompt_ids, p)
+        if len(forks) == 1 or self.hybrid or not can_fork(len(prompt_ids)):
+            # V4 (its children would need copies of the parent's ring) and one-token prompts:
+            # the children compute the prompt each.
+            for i, (rid, p) in enumerate(forks):
+                self.add_request(rid, prompt_ids, p, cached_blocks=cached_blocks if i == 0 else ())
+            return
+        keep = (len(prompt_ids) - 2) // self.cfg.block_size  # the parent computes up to P-2
+        if len(cached_blocks) > keep:
+            self.blocks.free(cached_blocks[keep:])
+            cached_blocks = cached_blocks[:keep]
+        self.add_request(request_id, prompt_ids, forks[0][1], cached_blocks=cached_blocks)
+        self.seqs[request_id].forks = forks
+        for rid, _ in forks:
+            self._parent_of[rid] = request_id
+
     def abort(self, request_id: str) -> bool:
+        """A request, a parent (with its children), or one child of a parent not forked yet."""
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
+            for rid, _ in seq.forks:
+                self._parent_of.pop(rid, None)
             self.scheduler.finish(seq, FinishReason.ABORT)
             return True
+        parent_id = self._parent_of.pop(request_id, None)
+        if parent_id is not None:
+            parent = self.seqs[parent_id]
+            parent.forks = [f for f in parent.forks if f[0] != request_id]
+            if not parent.forks:
+                self.abort(parent_id)
+            return True
         return self.release(request_id)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """The parent has computed its prompt but the last position: its children take its
+        place (engine/fork.py)."""
+        children = make_children(parent, self.blocks, self._last_slot)
+        self.scheduler.fork(parent, children)
+        del self.seqs[parent.request_id]
+        for child in children:
+            self._parent_of.pop(child.request_id, None)
+            self.seqs[child.request_id] = child
+        return children
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -354,9 +407,18 @@ class LLMEngine:
             if c.token_ids[-1] == PLACEHOLDER:  # its input is what the step in flight samples
                 fill_rows.append(c.row + q - 1)
                 fill_from.append(seq.sample_row)
+            if seq.cow_src >= 0:  # a child's first step: its copy of the parent's tail block first
+                step.release.append(seq.cow_src)
+                step.copies.append(take_copy(seq, bs))
             end = seq.num_computed = c.start + q
             if end // bs > seq.num_registered:
                 register.append((seq, end))
+            if seq.forks:  # a parent samples nothing; once at P-1 it forks, and child 0 registers
+                if end == seq.num_tokens - 1:
+                    children = self._fork(seq)
+                    if register and register[-1][0] is seq:
+                        register[-1] = (children[0], end)
+                continue
             if end == len(seq.token_ids):  # it reaches its newest token: it samples the next
                 rows.append(c.row + q - 1)
                 seq.sample_step, seq.sample_row = sid, len(seqs)
@@ -415,6 +477,8 @@ class LLMEngine:
         for seq, end in step.register:
             if seq.status is SeqStatus.RUNNING:
                 self._register(seq, end)
+        if step.release:  # the children's copies of their parent's tail block are made
+            self.blocks.free(step.release)
         if step.restores:
             self._unpin(step.restores)
         if step.snapshots:
@@ -462,9 +526,10 @@ class LLMEngine:
         p = seq.params
         n_out = slot + 1 - seq.num_prompt_tokens
         extra = Finished(0)
-        if slot == seq.num_prompt_tokens:  # its prompt is done
-            self.num_prompt_tokens_total += seq.num_prompt_tokens
-            self.num_cached_tokens_total += seq.num_cached_tokens
+        if slot == seq.num_prompt_tokens:  # its prompt is done (once for a parent's children)
+            if not seq.fork_index:
+                self.num_prompt_tokens_total += seq.num_prompt_tokens
+                self.num_cached_tokens_total += seq.num_cached_tokens
             extra.num_prompt_tokens, extra.num_cached_tokens = seq.num_prompt_tokens, seq.num_cached_tokens
         if step.token_logprobs is not None and step.token_logprobs[i] is not None:
             extra.logprobs = [step.token_logprobs[i]]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moemesh.shared.engine import sampler
+from moemesh.shared.engine.fork import copy_blocks, take_copy
 from moemesh.shared.engine.outputs import RequestOutput, StepStats
 from moemesh.shared.engine.runner import Chunk, build_batch
 from moemesh.shared.engine.sequence import FinishReason, Sequence
@@ -45,6 +46,11 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
         if restores:
             eng.kv.copy_rings([r[:2] for r in restores])
             eng._unpin(restores)
+    # Children's first steps: their copies of the parent's tail block (engine/fork.py).
+    cow = [c.seq.cow_src for c in chunks if c.seq.cow_src >= 0]
+    if cow:
+        copy_blocks(eng.kv.forward_arg, [take_copy(c.seq, eng.cfg.block_size) for c in chunks
+                                         if c.seq.cow_src >= 0])
     hidden = eng.model(batch, eng.kv.forward_arg)
     t3 = time.perf_counter()
     st.forward_s = t3 - t2
@@ -56,6 +62,12 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
     if eng.use_mtp and (mtp_work or eng.lockstep):
         eng.drafter.propose(mtp_work, hidden)
         st.draft_s = time.perf_counter() - t4
+    if cow:
+        eng.blocks.free(cow)
+    for c in chunks:  # after the drafts: the MTP layer's KV of the parent's positions is in its blocks
+        seq = c.seq
+        if seq.forks and seq.num_computed == seq.num_tokens - 1:
+            eng._fork(seq)
     if snaps:  # after the drafts: the MTP layer's rows are part of a snapshot
         ends = [(c.seq.num_computed, max(c.start + c.q_len, c.seq.num_computed + eng.num_spec)) for c in chunks]
         taken = eng._snapshot_plan(chunks, ends, rings)
@@ -121,7 +133,7 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
         seq.num_computed = c.start + (c.q_len - (row_of[id(c)][1] - 1)) + (len(toks) - 1)
         eng._register(seq, pending=toks[:-1])  # accepted drafts are computed but not yet appended
         first = seq.num_output_tokens == 0  # its prompt is done
-        if first:
+        if first and not seq.fork_index:  # a parent's children count it once
             eng.num_prompt_tokens_total += seq.num_prompt_tokens
             eng.num_cached_tokens_total += seq.num_cached_tokens
         lp = _logprobs(seq, logits, row_of[id(c)][0], toks)

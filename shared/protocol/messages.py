@@ -51,6 +51,9 @@ class PrefillJob:
     decode_id: str  # the decode worker the gateway chose
     arrival_time: float = 0.0
     kv_sources: list["KVSource"] = field(default_factory=list)  # holders of longer cached prefixes
+    # Parallel sampling: n > 1 forks the prompt into n requests of their own, named and
+    # seeded by protocol/forks.py (fork_id, fork_params); request_id names only the job.
+    n: int = 1
 
 
 @dataclass
