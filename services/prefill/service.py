@@ -14,7 +14,10 @@ Request lifecycle here:
 A job of n > 1 (parallel sampling) is n requests here from the start, named and seeded
 by protocol/forks.py: each has its own state, span, first token, lease and hand-off, and
 is aborted on its own. Only the engine sees them as one prompt (engine/fork.py), which it
-computes once; each child's hand-off then moves the prompt's KV for that child.
+computes once. The children held in one step move as one KVReadyItem under one lease
+(the first child's, the others its `forks`): the prompt's KV once, then the block each
+owns (engine/fork_io.py). The lease goes when it is pulled, or expires, or when every
+child in it is aborted. (A DeepSeek-V4 engine's children move one by one.)
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 
 from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.leases import LeaseTable
-from moemesh.shared.engine import block_io
+from moemesh.shared.engine import block_io, fork_io
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats, request_outputs
 from moemesh.shared.protocol.forks import MAX_N, fork_ids, fork_params
@@ -41,6 +44,7 @@ from moemesh.shared.protocol.messages import (
     Heartbeat,
     KVPull,
     KVPullReply,
+    KVFork,
     KVReady,
     KVReadyItem,
     KVReadyReply,
@@ -73,6 +77,7 @@ class Handoff:
     lease: object
     output_ids: list[int]
     draft_ids: list[int]  # MTP drafts for the decode worker's first step
+    forks: list["Handoff"] = field(default_factory=list)  # children whose KV moves with this one's
 
 
 @dataclass
@@ -83,6 +88,7 @@ class JobState:
     phase: trace.Span  # "queue.wait" until first scheduled, then "prefill.batch"
     scheduled: bool = False
     queued_ns: int = 0
+    parent: str = ""  # a child's: the job it was forked from (its prompt's KV may move with its siblings')
 
 
 class PrefillService(AsyncService):
@@ -157,7 +163,8 @@ class PrefillService(AsyncService):
             queued_ns = time.time_ns()
             queue = self.rt.tracer.start_span("queue.wait", context=trace.set_span_in_context(span),
                                               start_time=queued_ns)
-            self.jobs[j.request_id] = JobState(j, span, time.monotonic(), queue, queued_ns=queued_ns)
+            self.jobs[j.request_id] = JobState(j, span, time.monotonic(), queue, queued_ns=queued_ns,
+                                               parent=job.request_id if job.n > 1 else "")
         self.rt.spawn(self._admit(job, params, jobs), f"admit-{job.request_id}")
         return Ack(worker_id=self.rt.worker_id)
 
@@ -217,7 +224,8 @@ class PrefillService(AsyncService):
                 st.phase = self.rt.tracer.start_span(
                     "prefill.batch", context=trace.set_span_in_context(st.span), start_time=t,
                     attributes={"batch.num_tokens": stats.num_tokens, "batch.num_seqs": stats.num_seqs})
-        handoffs: dict[str, list] = {}  # decode worker -> what it is to pull
+        held: dict[str, list[Handoff]] = {}  # by the job they move with (children of one prompt move as one)
+        together = fork_io.together(rt.engine)
         for out in outputs:
             st = self.jobs.pop(out.request_id, None)
             if st is None:
@@ -231,14 +239,19 @@ class PrefillService(AsyncService):
                           logprobs=out.logprobs or None, position=out.position,
                           cached_tokens=out.num_cached_tokens if out.num_prompt_tokens else None)
             if out.prefill_done:
-                seq = rt.engine.held_sequence(job.request_id)
-                n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)
-                nbytes = rt.kv_spec.nbytes(n_blocks)
-                lease = self.leases.grant(job, n_blocks, nbytes)
-                handoffs.setdefault(job.decode_id, []).append(
-                    Handoff(job, span, lease, list(out.new_token_ids), rt.engine.held_drafts(job.request_id)))
+                h = Handoff(job, span, None, list(out.new_token_ids), rt.engine.held_drafts(job.request_id))
+                held.setdefault(st.parent if st.parent and together else job.request_id, []).append(h)
             else:
                 span.end()
+        handoffs: dict[str, list[Handoff]] = {}  # decode worker -> what it is to pull
+        for h, *forks in held.values():
+            seq = rt.engine.held_sequence(h.job.request_id)
+            n_blocks = fork_io.num_blocks(seq.num_prompt_tokens, 1 + len(forks), rt.engine.cfg.block_size) \
+                if forks else rt.engine.blocks.blocks_for(seq.num_computed)
+            h.lease = self.leases.grant(h.job, n_blocks, rt.kv_spec.nbytes(n_blocks),
+                                        forks=[f.job.request_id for f in forks])
+            h.forks = forks
+            handoffs.setdefault(h.job.decode_id, []).append(h)
         await rt.tokens.flush()
         for decode_id, group in handoffs.items():
             rt.spawn(self._hand_off(decode_id, group), f"handoff-{decode_id}")
@@ -250,7 +263,9 @@ class PrefillService(AsyncService):
         rt = self.rt
         ready = KVReady(rt.worker_id, rt.transport.address, rt.kv_spec.wire, [
             KVReadyItem(h.job.request_id, h.job.prompt_ids, h.output_ids, h.job.sampling, h.job.gateway_id,
-                        h.lease.lease_id, h.lease.num_blocks, h.lease.nbytes, traceparent_of(h.span), h.draft_ids)
+                        h.lease.lease_id, h.lease.num_blocks, h.lease.nbytes, traceparent_of(h.span), h.draft_ids,
+                        [KVFork(f.job.request_id, f.output_ids, f.job.sampling, traceparent_of(f.span), f.draft_ids)
+                         for f in h.forks])
             for h in group], self.cfg.lease_timeout_s)
         others = [hb.worker_id for hb in self.peers.live("decode") if hb.worker_id != decode_id]
         err: Exception | None = None
@@ -270,16 +285,19 @@ class PrefillService(AsyncService):
                     break
             log.warning("decode worker %s did not take %d requests: %s", candidate, len(group), err)
         for h in group:
-            rid = h.job.request_id
-            if taken_by is not None and rid not in refused:
-                h.span.add_event("kv_ready_sent", {"decode.id": taken_by, "kv.bytes": h.lease.nbytes})
-                h.span.end()
-                continue
-            why = refused.get(rid) or f"decode worker {decode_id} unavailable: {err}"
-            h.span.set_status(trace.StatusCode.ERROR, f"handoff failed: {why}")
-            h.span.end()
-            self._free_lease_soon(rid)
-            rt.tokens.add(h.job.gateway_id, rid, [], "error", why)
+            for m in (h, *h.forks):
+                rid = m.job.request_id
+                if taken_by is not None and rid not in refused:
+                    m.span.add_event("kv_ready_sent", {"decode.id": taken_by, "kv.bytes": h.lease.nbytes})
+                    m.span.end()
+                    continue
+                why = refused.get(rid) or f"decode worker {decode_id} unavailable: {err}"
+                m.span.set_status(trace.StatusCode.ERROR, f"handoff failed: {why}")
+                m.span.end()
+                h.lease.live.discard(rid)
+                rt.tokens.add(m.job.gateway_id, rid, [], "error", why)
+            if not h.lease.live:  # nobody is to pull it
+                self._free_lease_soon(h.job.request_id)
         await rt.tokens.flush()
 
     # ---- KV pulls -----------------------------------------------------------------
@@ -327,9 +345,9 @@ class PrefillService(AsyncService):
                     # the engine, not between its steps: a pull never waits behind a long prefill.
                     # A small one is cheaper here than a thread's round trip.
                     if item.nbytes <= INLINE_EXPORT_BYTES:
-                        engine.export_kv(item.request_id, dst)
+                        _export(engine, lease, dst)
                     else:
-                        await asyncio.to_thread(engine.export_kv, item.request_id, dst)
+                        await asyncio.to_thread(_export, engine, lease, dst)
                 off += item.nbytes
             if self.cfg.debug_kv_fault != "drop":
                 await rt.transport.send(p.decode_address, slot.buffer(), p.tag, self.cfg.transfer_timeout_s)
@@ -362,7 +380,8 @@ class PrefillService(AsyncService):
         lease = self.leases.pop(request_id)
         if lease is None:
             return None
-        fut = self.rt.loop.post(lambda e: e.release(request_id), f"freeing the KV of {request_id}")
+        ids = lease.request_ids
+        fut = self.rt.loop.post(lambda e: [e.release(r) for r in ids], f"freeing the KV of {request_id}")
         e = self.rt.engine
         if e.blocks.enable_caching:  # the prompt's blocks stay cached here; offer them to the store
             self.rt.kv_sharing.push_soon(chain(lease.job.prompt_ids, e.cfg.block_size, e.kv_identity))
@@ -379,21 +398,32 @@ class PrefillService(AsyncService):
     async def _gateway_gone(self, gateway_id: str) -> None:
         self.rt.tokens.forget(gateway_id)
         mine = {rid for rid, st in self.jobs.items() if st.job.gateway_id == gateway_id}
-        mine |= {rid for rid, lease in self.leases.by_request.items() if lease.job.gateway_id == gateway_id}
+        mine |= {rid for lease in self.leases.by_request.values() if lease.job.gateway_id == gateway_id
+                 for rid in lease.request_ids}
         if mine:
             await self._on_abort(Abort(sorted(mine), "gateway gone"), None, None)
 
     async def _on_abort(self, a: Abort, msg, ctx) -> None:
         for rid in a.request_ids:
             self.aborted.add(rid)  # its job may still be on the way
-            if rid in self.leases.by_request and not self.leases.by_request[rid].pulling:
-                await self._free_lease(rid)
+            lease = self.leases.of(rid)
+            if lease is not None and not lease.pulling:
+                lease.live.discard(rid)
+                if not lease.live:  # the last of the requests whose KV it holds
+                    await self._free_lease(lease.job.request_id)
             st = self.jobs.pop(rid, None)
             if st is not None:
                 st.phase.end()
                 st.span.add_event("aborted", {"reason": a.reason})
                 st.span.end()
                 await self.rt.loop.call(lambda e, r=rid: e.abort(r))
+
+
+def _export(engine, lease, dst) -> None:
+    if lease.forks:
+        fork_io.export(engine, lease.request_ids, dst)
+    else:
+        engine.export_kv(lease.job.request_id, dst)
 
 
 def _children(job: PrefillJob, params) -> list[PrefillJob]:

@@ -333,6 +333,29 @@ class LLMEngine:
         plus the tokens sampled there (at least the first). draft_ids: the MTP drafts the
         prefill side proposed after the last of them (held_drafts), for the first step to
         verify; those past this engine's num_spec or the request's budget are dropped."""
+        self.check_prefilled(request_id, token_ids, num_prompt_tokens, params, draft_ids)
+        n_blocks = self.blocks.blocks_for(num_prompt_tokens)
+        if tuple(kv.shape) != self.kv_shape(n_blocks):
+            raise RequestError(f"KV buffer has shape {tuple(kv.shape)}, {self.kv_shape(n_blocks)} expected "
+                               f"for {n_blocks} blocks")
+        if not self.can_import(num_prompt_tokens):
+            raise NoCapacity(f"{n_blocks} KV blocks needed, {self.blocks.num_free_blocks} free")
+        block_ids, ring = self.blocks.allocate(n_blocks), -1
+        try:
+            if self.hybrid:
+                ring = self.blocks.take_ring()
+                self.kv.import_(block_ids, ring, num_prompt_tokens, kv)
+            else:
+                self.kv.import_blocks(block_ids, kv)
+        except Exception:
+            self.blocks.free(block_ids)
+            if ring >= 0:
+                self.blocks.give_ring(ring)
+            raise
+        self.run_prefilled(request_id, token_ids, num_prompt_tokens, params, block_ids, ring, draft_ids)
+
+    def check_prefilled(self, request_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
+                        draft_ids: list[int] = ()) -> None:
         if request_id in self.seqs:
             raise RequestError(f"duplicate request id {request_id!r}")
         self.check_request(token_ids[:num_prompt_tokens], params)
@@ -340,26 +363,14 @@ class LLMEngine:
             raise RequestError("a prefilled request must carry its first sampled token")
         if draft_ids and not all(0 <= d < self.model_config.vocab_size for d in draft_ids):
             raise RequestError(f"draft token ids must be in [0, {self.model_config.vocab_size})")
-        n_blocks = self.blocks.blocks_for(num_prompt_tokens)
-        if tuple(kv.shape) != self.kv_shape(n_blocks):
-            raise RequestError(f"KV buffer has shape {tuple(kv.shape)}, {self.kv_shape(n_blocks)} expected "
-                               f"for {n_blocks} blocks")
-        if not self.can_import(num_prompt_tokens):
-            raise NoCapacity(f"{n_blocks} KV blocks needed, {self.blocks.num_free_blocks} free")
+
+    def run_prefilled(self, request_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
+                      block_ids: list[int], ring: int = -1, draft_ids: list[int] = ()) -> None:
+        """A checked prefilled request whose prompt KV is in block_ids (references handed
+        over to it) joins the running sequences."""
         seq = Sequence(request_id, list(token_ids), params, num_prompt_tokens=num_prompt_tokens)
         seq.last_slot = self._last_slot(seq)
-        seq.block_ids = self.blocks.allocate(n_blocks)
-        try:
-            if self.hybrid:
-                seq.ring = self.blocks.take_ring()
-                self.kv.import_(seq.block_ids, seq.ring, num_prompt_tokens, kv)
-            else:
-                self.kv.import_blocks(seq.block_ids, kv)
-        except Exception:
-            self.blocks.free(seq.block_ids)
-            if seq.ring >= 0:
-                self.blocks.give_ring(seq.ring)
-            raise
+        seq.block_ids, seq.ring = block_ids, ring
         seq.num_computed = len(token_ids) - 1
         if self.use_mtp:
             seq.draft_ids = list(draft_ids[: min(self.num_spec, self.drafter.budget(seq))])

@@ -81,6 +81,20 @@ class KVReadyItem:
     # MTP drafts for the first decode step: the prefill worker proposes them from the last
     # prompt position's hidden state, which the decode worker never has.
     draft_ids: list[int] = field(default_factory=list)
+    forks: list["KVFork"] = field(default_factory=list)  # children whose KV moves with this one
+
+
+@dataclass
+class KVFork:
+    """Parallel sampling: a child of the same prompt as its KVReadyItem (protocol/forks.py)
+    whose KV moves with it. The item's buffer then holds the prompt's shared full blocks
+    once, followed by the last block of the item's own request and of each fork, in order
+    (shared/engine/fork_io.py); num_blocks and nbytes count them all."""
+    request_id: str
+    output_ids: list[int]
+    sampling: WireSampling
+    traceparent: str = ""
+    draft_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -176,3 +176,38 @@ def test_a_prefill_engine_holds_each_child_with_the_prompt_kv(tiny_engine_factor
     got = run_whole(dec)
     assert all(firsts[c] + got[c]["ids"] == want for c in fork_ids("r", 3))
     assert pre.blocks.num_free_blocks == pre.blocks.num_blocks
+
+
+@pytest.mark.parametrize("spec", [0, None], ids=["plain", "mtp"])
+def test_children_move_to_decode_as_one_buffer(tiny_engine_factory, spec):
+    """engine/fork_io.py: the prompt's shared blocks once, then each child's last block;
+    the decode engine files the shared blocks once (a reference per child) and goes on
+    as the offline engine does. A child aborted on the way is left out."""
+    from moemesh.shared.engine import fork_io
+
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = _solo(tiny_engine_factory, p, num_speculative_tokens=spec)
+    pre = tiny_engine_factory(role="prefill", num_speculative_tokens=spec)
+    pre.add_request("r", PROMPT, p, forks=_forks("r", 3, p))
+    firsts = {k: v["ids"] for k, v in run_whole(pre).items()}
+    kids = fork_ids("r", 3)
+    buf = fork_io.export(pre, kids)
+    drafts = {c: pre.held_drafts(c) for c in kids}
+    s = fork_io.num_shared(len(PROMPT), pre.cfg.block_size)
+    assert tuple(buf.shape) == pre.kv_shape(s + 3) == pre.kv_shape(fork_io.num_blocks(len(PROMPT), 3, 16))
+    for cid in kids:  # each child's own export is the shared blocks and its last block
+        torch.testing.assert_close(pre.export_kv(cid), buf[:, list(range(s)) + [s + kids.index(cid)]])
+        pre.release(cid)
+    assert pre.blocks.num_free_blocks == pre.blocks.num_blocks
+
+    dec = tiny_engine_factory(role="decode", num_speculative_tokens=spec)
+    members = [(c, PROMPT + firsts[c], p, drafts[c]) for c in kids]
+    assert fork_io.can_import(dec, len(PROMPT), 2)
+    fork_io.add(dec, members, len(PROMPT), buf, skip={"r-1"})
+    a, c = dec.seqs["r-0"], dec.seqs["r-2"]
+    assert "r-1" not in dec.seqs and a.block_ids[:s] == c.block_ids[:s] and a.block_ids[s] != c.block_ids[s]
+    assert dec.blocks.ref_count(a.block_ids[0]) == 2
+    got = run_whole(dec)
+    assert firsts["r-0"] + got["r-0"]["ids"] == want and firsts["r-2"] + got["r-2"]["ids"] == want
+    dec.blocks.check()
+    assert dec.blocks.num_free_blocks == dec.blocks.num_blocks

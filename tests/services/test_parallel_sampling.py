@@ -10,6 +10,7 @@ import json
 from contextlib import AsyncExitStack
 
 import httpx
+import nats
 import openai
 
 from moemesh.services.decode.config import DecodeConfig
@@ -19,6 +20,9 @@ from moemesh.services.gateway.service import GatewayService
 from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
 from moemesh.shared.protocol.forks import fork_seed
+from moemesh.shared.protocol.messages import KVReady
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.protocol.wire import decode
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
 from tests.services.test_in_process import _all_free, _wait_free, mesh
@@ -45,9 +49,20 @@ def test_n_choices_stream_and_collect_from_one_prefill(nats_url, tiny_model, tin
             c = _client(m.url)
             pre = m.prefill.rt.engine
             before = pre.num_prompt_tokens_total
+            nc = await nats.connect(nats_url)
+            seen: list[KVReady] = []
+
+            async def spy(msg):
+                seen.append(decode(msg.data, KVReady))
+
+            sub = await nc.subscribe(Subjects(m.prefix).decode_kv_ready("decode-t"), cb=spy)
+            await nc.flush()
             r = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, n=3,
                                            extra_body={"ignore_eos": True})
             prefilled = pre.num_prompt_tokens_total - before
+            await sub.unsubscribe()
+            await nc.close()
+            spec = m.prefill.rt.kv_spec
             # Streamed chat, choices interleaved, each told apart by its index.
             texts, reasons, usage = {}, {}, None
             stream = await c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, n=2,
@@ -67,13 +82,18 @@ def test_n_choices_stream_and_collect_from_one_prefill(nats_url, tiny_model, tin
                                                   seed=fork_seed(11, i)) for i in range(3)]
             await c.close()
             await _wait_free(m)
-            return r, prefilled, texts, reasons, usage, seeded, singles
+            return r, prefilled, texts, reasons, usage, seeded, singles, seen, spec
 
-    r, prefilled, texts, reasons, usage, seeded, singles = asyncio.run(go())
+    r, prefilled, texts, reasons, usage, seeded, singles, seen, spec = asyncio.run(go())
     assert [ch.index for ch in r.choices] == [0, 1, 2]
     assert [ch.text for ch in r.choices] == [want] * 3 and {ch.finish_reason for ch in r.choices} == {"length"}
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 24)
     assert prefilled == n_prompt  # the prompt was prefilled once, not per choice
+    # ... and its KV moved once: one item, the shared blocks and each child's last block.
+    items = [i for ready in seen for i in ready.items]
+    assert [(i.request_id, [f.request_id for f in i.forks]) for i in items] == \
+        [(r.id.removeprefix("cmpl-") + "-0", [r.id.removeprefix("cmpl-") + f"-{k}" for k in (1, 2)])]
+    assert items[0].nbytes == spec.nbytes((n_prompt - 1) // spec.block_size + 3)
     assert texts == {0: want_chat, 1: want_chat} and reasons == {0: "length", 1: "length"}
     assert usage.completion_tokens == 12 and usage.prompt_tokens == len(chat_ids)
     assert [ch.text for ch in seeded.choices] == [s.choices[0].text for s in singles]
