@@ -80,6 +80,18 @@ def test_n_choices_stream_and_collect_from_one_prefill(nats_url, tiny_model, tin
                                                 n=3)
             singles = [await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1,
                                                   seed=fork_seed(11, i)) for i in range(3)]
+            # A stop string ends each choice where its text has it (and aborts that child alone).
+            stop = want[4:7]
+            cut, cut_reasons = {}, {}
+            stream = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, n=2,
+                                                stop=[stop], stream=True, extra_body={"ignore_eos": True})
+            async for part in stream:
+                for ch in part.choices:
+                    cut[ch.index] = cut.get(ch.index, "") + ch.text
+                    if ch.finish_reason:
+                        cut_reasons[ch.index] = ch.finish_reason
+            assert cut == {0: want[: want.index(stop)], 1: want[: want.index(stop)]}
+            assert cut_reasons == {0: "stop", 1: "stop"}
             await c.close()
             await _wait_free(m)
             return r, prefilled, texts, reasons, usage, seeded, singles, seen, spec
@@ -188,3 +200,15 @@ def test_each_choice_of_a_dead_decode_worker_moves_on_its_own(nats_url, tiny_mod
     moved = next(float(line.split()[-1]) for line in metrics.splitlines()
                  if line.startswith("moemesh_request_migrations_total "))
     assert 0 < moved <= 3
+
+
+def test_a_lease_of_children_goes_with_the_last_of_them():
+    from moemesh.services.prefill.leases import LeaseTable
+    from moemesh.shared.protocol.messages import PrefillJob, WireSampling
+
+    t = LeaseTable(30.0)
+    lease = t.grant(PrefillJob("r-0", [1, 2], WireSampling(), "gw", "dec"), 3, 300, forks=["r-1", "r-2"])
+    assert lease.request_ids == ["r-0", "r-1", "r-2"] and t.of("r-2") is lease and t.of("r-0") is lease
+    lease.live.discard("r-0")
+    assert t.of("r-1") is lease and lease.live == {"r-1", "r-2"}
+    assert t.pop("r-0") is lease and t.of("r-1") is None and not t.by_request
