@@ -410,7 +410,7 @@ class LLMEngine:
         step.stats = st
         sid = step.step_id
         seqs, slots, params, rows = step.seqs, step.slots, step.params, []
-        fill_rows, fill_from, register = [], [], []
+        fill_rows, fill_from, register, forked = [], [], [], []
         bs = self.cfg.block_size
         for c in chunks:
             seq = c.seq
@@ -425,6 +425,7 @@ class LLMEngine:
             if end // bs > seq.num_registered:
                 register.append((seq, end))
             if seq.forks:  # a parent samples nothing; once at P-1 it forks, and child 0 registers
+                forked += [rid for rid, _ in seq.forks]  # a worker's view: its children were scheduled
                 if end == seq.num_tokens - 1:
                     children = self._fork(seq)
                     if register and register[-1][0] is seq:
@@ -454,7 +455,7 @@ class LLMEngine:
             step.restores = self._restores(chunks)
             step.snapshots = self._snapshot_plan(chunks, [(c.start + c.q_len,) * 2 for c in chunks])
         st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
-        st.scheduled = [c.seq.request_id for c in chunks]
+        st.scheduled = [c.seq.request_id for c in chunks] + forked
         t2 = time.perf_counter()
         st.schedule_s, st.prepare_s = t1 - t0, t2 - t1
         return step

@@ -38,6 +38,8 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
     batch = build_batch(chunks, eng.cfg.block_size, eng.device, eng.batcher)
     st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
     st.scheduled = [c.seq.request_id for c in chunks]
+    if eng._parent_of:  # a parent's chunk: to a worker, its children were scheduled
+        st.scheduled += [rid for c in chunks for rid, _ in c.seq.forks]
     t2 = time.perf_counter()
     st.prepare_s = t2 - t1
     snaps = eng.snapshots is not None

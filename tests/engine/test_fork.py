@@ -31,6 +31,7 @@ def test_children_share_the_full_blocks_copy_the_tail_and_free_everything(tiny_e
     while "r" in eng.seqs:  # the parent computes the prompt but its last position, then forks
         eng.step()
         assert eng.last_stats.num_tokens <= len(PROMPT) - 1 - computed
+        assert set(fork_ids("r", 3)) <= set(eng.last_stats.scheduled)  # what a worker's trace sees
         computed += eng.last_stats.num_tokens
     assert computed == len(PROMPT) - 1
     kids = [eng.seqs[c] for c in fork_ids("r", 3)]
