@@ -255,6 +255,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     fast = api.ChunkBytes(req)
     reader = Reader(st.tok, req.params.stop)
     each = reader.detok.each
+    cont = req.continuous_usage
     plain = not req.params.stop and req.logprobs is None  # the common case: no per-token extras
     stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
     try:
@@ -273,9 +274,14 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
             if ids and first:
                 st.m["ttft"].observe(time.perf_counter() - t0)
                 stream_span.add_event("first_token")
+            n_sent = n_out  # tokens in the chunks before this take (continuous usage counts on from it)
             n_out += len(ids)
             if plain and not first and finish is None and error is None:
-                yield fast.texts(each(ids))
+                if cont:
+                    cached = handle.cached_tokens
+                    yield b"".join([fast.counted(t, n_sent + i, cached) for i, t in enumerate(each(ids), 1)])
+                else:
+                    yield fast.texts(each(ids))
                 continue
             if not ids and finish is None and error is None:
                 continue
@@ -287,11 +293,15 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                     parts.append(_sse_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]}))
                     end = True
                     break
+                n_sent += ev.token
                 if not (first or ev.finish or ev.logprob):
-                    parts.append(fast.text(ev.text))
+                    parts.append(fast.counted(ev.text, n_sent, handle.cached_tokens) if cont else fast.text(ev.text))
                 else:
                     lp = api.logprobs_payload(req, st.tok, [ev.logprob] if ev.logprob else [])
-                    parts.append(_sse_data(api.chunk(req, ev.text, ev.finish, first, lp)))
+                    c = api.chunk(req, ev.text, ev.finish, first, lp)
+                    if cont:
+                        c["usage"] = api.usage(len(req.prompt_ids), n_sent, handle.cached_tokens)
+                    parts.append(_sse_data(c))
                 first = False
                 end = ev.finish is not None
             if end:

@@ -55,6 +55,17 @@ def test_completions_and_chat_stream_and_non_stream(mesh, offline, request_clean
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_continuous_usage_counts_every_chunk(mesh):
+    # vLLM's stream_options.continuous_usage_stats: a client counts tokens per chunk exactly
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 9, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", mesh.url + "/v1/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert counts[-1] == 9 and counts[:9] == list(range(1, 10))  # the finish chunk repeats the count
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 9
+
+
 def test_32_concurrent_streams_match_the_offline_engine(mesh, offline):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     want = [o.text for o in offline.generate(PROMPTS, params)]
