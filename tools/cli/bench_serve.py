@@ -15,6 +15,7 @@ _DEFAULT_LENGTHS = {
     "fixed": ("512", "128"),
     "prefix": ("uniform:32-256", "uniform:32-256"),
     "agentic": ("uniform:512-2048", "uniform:64-256"),
+    "dataset": ("1", "uniform:32-256"),  # ISL: the file's; OSL: where the file has none
 }
 
 
@@ -27,10 +28,14 @@ def register(bsub) -> None:
     s.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
     s.add_argument("--api-key", default=None)
     s.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
-                   help="tokenizer.json (or its directory) for exact prompt lengths and chunk token counts")
+                   help="tokenizer.json (or its directory) for exact prompt lengths (tokens are counted "
+                        "from the server's usage, never by tokenizing its output)")
     s.add_argument("--words-per-token", type=float, default=1.0,
                    help="length estimate without --tokenizer (default 1.0 for the built-in word list)")
     s.add_argument("--workload", choices=list(_DEFAULT_LENGTHS), default="random")
+    s.add_argument("--dataset-path", default=None, metavar="FILE",
+                   help="with --workload dataset: JSONL ({\"prompt\": ..., \"output_len\": ...} per line) "
+                        "or a ShareGPT JSON file")
     s.add_argument("--isl", default=None,
                    help="input length: N, uniform:LO-HI, normal:MEAN,STD, lognormal:MEDIAN,SIGMA")
     s.add_argument("--osl", default=None, help="output length (max_tokens), same forms as --isl")
@@ -52,6 +57,9 @@ def register(bsub) -> None:
                    help="send ignore_eos so outputs run to max_tokens (a common server extension)")
     s.add_argument("--stream-usage", action=argparse.BooleanOptionalAction, default=True,
                    help="send stream_options.include_usage to get exact token counts")
+    s.add_argument("--continuous-usage", action=argparse.BooleanOptionalAction, default=True,
+                   help="also ask for usage on every chunk (stream_options.continuous_usage_stats) "
+                        "to count each chunk's tokens exactly")
     s.add_argument("--worker-header", default="x-moemesh-worker",
                    help="response header naming the worker that served a request ('' to ignore)")
     s.add_argument("--temperature", type=float, default=None)
@@ -94,13 +102,14 @@ def build_config(args: argparse.Namespace):
         kind=args.workload, num_requests=args.num_requests, isl=LengthDist.parse(args.isl or isl),
         osl=LengthDist.parse(args.osl or osl), num_prefix_groups=args.num_prefix_groups,
         prefix_len=args.prefix_len, num_sessions=args.num_sessions, turns=LengthDist.parse(args.turns),
-        tool_len=LengthDist.parse(args.tool_len), words_per_token=args.words_per_token)
+        tool_len=LengthDist.parse(args.tool_len), words_per_token=args.words_per_token,
+        dataset_path=args.dataset_path)
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
     client = ClientConfig(
         url=args.url, endpoint=args.endpoint, model=args.model, ignore_eos=args.ignore_eos,
-        stream_usage=args.stream_usage, api_key=args.api_key, timeout_s=args.timeout_s,
+        stream_usage=args.stream_usage, continuous_usage=args.continuous_usage, api_key=args.api_key, timeout_s=args.timeout_s,
         worker_header=args.worker_header, temperature=args.temperature, extra_body=extra)
     if args.sweep:
         mode, values = parse_sweep(args.sweep)
