@@ -24,15 +24,16 @@ def register(bsub) -> None:
                         description="Streams requests to URL and reports TTFT, TPOT, ITL, end-to-end "
                                     "latency, throughput and goodput. See docs/benchmarks.md.")
     s.add_argument("--url", required=True, help="server base URL, e.g. http://localhost:8000")
-    s.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    s.add_argument("--endpoint", choices=["completions", "chat"], default="completions", help="which API to call")
     s.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     s.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
                    help="tokenizer.json (or its directory) for exact prompt lengths (tokens are counted "
                         "from the server's usage, never by tokenizing its output)")
     s.add_argument("--words-per-token", type=float, default=1.0,
                    help="length estimate without --tokenizer (default 1.0 for the built-in word list)")
-    s.add_argument("--workload", choices=list(_DEFAULT_LENGTHS), default="random")
+    s.add_argument("--workload", choices=list(_DEFAULT_LENGTHS), default="random",
+                   help="request stream shape (dataset: prompts from --dataset-path)")
     s.add_argument("--dataset-path", default=None, metavar="FILE",
                    help="with --workload dataset: JSONL ({\"prompt\": ..., \"output_len\": ...} per line) "
                         "or a ShareGPT JSON file")
@@ -40,7 +41,8 @@ def register(bsub) -> None:
                    help="input length: N, uniform:LO-HI, normal:MEAN,STD, lognormal:MEDIAN,SIGMA")
     s.add_argument("--osl", default=None, help="output length (max_tokens), same forms as --isl")
     s.add_argument("--num-requests", type=int, default=100, help="per point (random, fixed, prefix)")
-    s.add_argument("--num-prefix-groups", type=int, default=4)
+    s.add_argument("--num-prefix-groups", type=int, default=4,
+                   help="prefix workload: groups of requests that share a prefix")
     s.add_argument("--prefix-len", type=int, default=1024, help="tokens of each group's shared prefix")
     s.add_argument("--num-sessions", type=int, default=8, help="agentic sessions per point")
     s.add_argument("--turns", default="4", help="agentic turns per session, same forms as --isl")
@@ -48,11 +50,12 @@ def register(bsub) -> None:
     s.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (inf: all at once)")
     s.add_argument("--concurrency", type=int, default=None,
                    help="sessions in flight; with --rate, a cap on them")
-    s.add_argument("--sweep", default=None, metavar="concurrency=1,4,16|rate=1,2,4")
+    s.add_argument("--sweep", default=None, metavar="concurrency=1,4,16|rate=1,2,4",
+                   help="one measured point per value")
     s.add_argument("--warmup", type=int, default=0, help="requests sent first and not counted")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--slo-ttft-ms", type=float, default=None)
-    s.add_argument("--slo-tpot-ms", type=float, default=None)
+    s.add_argument("--seed", type=int, default=0, help="the same seed and config give the same request stream")
+    s.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput target for time to first token")
+    s.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput target for time per output token")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos so outputs run to max_tokens (a common server extension)")
     s.add_argument("--stream-usage", action=argparse.BooleanOptionalAction, default=True,
@@ -62,13 +65,14 @@ def register(bsub) -> None:
                         "to count each chunk's tokens exactly")
     s.add_argument("--worker-header", default="x-moemesh-worker",
                    help="response header naming the worker that served a request ('' to ignore)")
-    s.add_argument("--temperature", type=float, default=None)
+    s.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature to send (default: the server's)")
     s.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     s.add_argument("--timeout-s", type=float, default=600.0, help="connect/read timeout per request")
     s.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                    help="recorded in the result's config, e.g. skew=zipf0.69 (repeatable)")
     s.add_argument("--out-dir", default=None, help="default bench-results/serve-<timestamp>")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=run)
 
 
@@ -109,7 +113,8 @@ def build_config(args: argparse.Namespace):
         raise ValueError("--extra-body must be a JSON object")
     client = ClientConfig(
         url=args.url, endpoint=args.endpoint, model=args.model, ignore_eos=args.ignore_eos,
-        stream_usage=args.stream_usage, continuous_usage=args.continuous_usage, api_key=args.api_key, timeout_s=args.timeout_s,
+        stream_usage=args.stream_usage, continuous_usage=args.continuous_usage, api_key=args.api_key,
+        timeout_s=args.timeout_s,
         worker_header=args.worker_header, temperature=args.temperature, extra_body=extra)
     if args.sweep:
         mode, values = parse_sweep(args.sweep)
