@@ -40,7 +40,7 @@ from moemesh.services.gateway.sse import EventStream
 from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.service.metrics_http import MetricsServer
-from moemesh.shared.telemetry.metrics import Metrics
+from moemesh.shared.telemetry.metrics import REQUEST_LATENCY_BUCKETS, Metrics
 from moemesh.shared.telemetry.propagation import extract_context, inject_headers
 from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
@@ -73,7 +73,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         provider = setup_tracing("moemesh-gateway", cfg.trace_file or None, cfg.otlp_endpoint or None)
         tok = Tokenizer(cfg.model)
         mcfg = ModelConfig.from_dir(cfg.model)
-        metrics = Metrics()
+        metrics = Metrics(const_labels={"model_name": cfg.model_name})
         mesh = MeshClient(cfg, gateway_id, metrics)
         await mesh.start()
         max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
@@ -82,8 +82,10 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         st.m = {
             "requests": metrics.counter("requests_total", "HTTP requests by route and status",
                                         ("route", "status")),
-            "ttft": metrics.histogram("ttft_seconds", "time to first token"),
-            "e2e": metrics.histogram("request_seconds", "request latency, end to end"),
+            "ttft": metrics.histogram("ttft_seconds", "time to first token", buckets=REQUEST_LATENCY_BUCKETS),
+            "e2e": metrics.histogram("request_seconds", "request latency, end to end", buckets=REQUEST_LATENCY_BUCKETS),
+            "itl": metrics.histogram("inter_token_latency_seconds",
+                                     "a streamed request's mean gap between tokens after the first (one per request)"),
             "tokens": metrics.counter("output_tokens_total", "tokens streamed to clients"),
             "inflight": metrics.gauge("inflight_requests", "admitted requests in flight"),
         }
@@ -252,6 +254,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     """Everything that arrived for the stream since the last write goes out in one write,
     one SSE event per token."""
     n_out, first, status = 0, True, 499  # 499 until the stream ends (the client left first)
+    t_first = 0.0
     fast = api.ChunkBytes(req)
     reader = Reader(st.tok, req.params.stop)
     each = reader.detok.each
@@ -272,7 +275,8 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                 break
             ids, lps, finish, error = handle.take()
             if ids and first:
-                st.m["ttft"].observe(time.perf_counter() - t0)
+                t_first = time.perf_counter()
+                st.m["ttft"].observe(t_first - t0)
                 stream_span.add_event("first_token")
             n_sent = n_out  # tokens in the chunks before this take (continuous usage counts on from it)
             n_out += len(ids)
@@ -315,6 +319,8 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
             yield b"".join(parts)
     finally:
         st.m["tokens"].inc(n_out)  # once per request, not per token
+        if status == 200 and n_out > 1:
+            st.m["itl"].observe((time.perf_counter() - t_first) / (n_out - 1))
         if not handle.closed:  # the client went away (or the stream broke): stop the work
             handle.close("client")
             stream_span.add_event("client_disconnected")

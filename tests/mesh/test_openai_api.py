@@ -140,6 +140,11 @@ def test_models_health_metrics_openapi(mesh):
     assert httpx.get(mesh.url + "/health/ready").status_code == 200
     m = httpx.get(mesh.url + "/metrics").text
     assert "moemesh_ttft_seconds_bucket" in m and "moemesh_requests_total" in m
+    # vLLM-level: model_name on every moemesh series, process metrics, per-request ITL, hours-long requests
+    assert 'moemesh_inter_token_latency_seconds_count{model_name="tiny"}' in m
+    assert 'moemesh_request_seconds_bucket{le="7680.0",model_name="tiny"}' in m
+    assert "process_cpu_seconds_total" in m and "python_gc_objects_collected_total" in m
+    assert all('model_name="tiny"' in line for line in m.splitlines() if line.startswith("moemesh_"))
     spec = httpx.get(mesh.url + "/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"]
 
