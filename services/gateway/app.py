@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from moemesh.services.gateway import openai_api as api
+from moemesh.services.gateway import span_attrs as attrs
 from moemesh.services.gateway.auth import ApiKeyMiddleware, load_api_keys
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
@@ -153,6 +154,8 @@ async def _generate(request: Request, kind: str) -> Response:
     route = request.scope["path"]
     ctx = extract_context(request.headers)
     span = st.tracer.start_span(f"POST {route}", context=ctx, kind=trace.SpanKind.SERVER)
+    if span.is_recording():
+        span.set_attributes(attrs.http_request("POST", route, request.url.scheme, request.scope.get("server"), kind))
     t0 = time.perf_counter()
     try:
         req = await _admit(request, st, kind, span)
@@ -160,6 +163,7 @@ async def _generate(request: Request, kind: str) -> Response:
         err = e if isinstance(e, api.ApiError) else _internal(e, "admitting a request")
         span.set_status(trace.StatusCode.ERROR, err.message)
         span.set_attribute("http.status_code", err.status)
+        span.set_attributes(attrs.http_response(err.status))
         span.end()
         st.m["requests"].labels(route, str(err.status)).inc()
         raise err from None
@@ -176,6 +180,7 @@ async def _generate(request: Request, kind: str) -> Response:
         st.m["requests"].labels(route, str(status)).inc()
         st.m["e2e"].observe(time.perf_counter() - t0)
         span.set_attribute("http.status_code", status)
+        span.set_attributes(attrs.http_response(status))
         span.end()
 
     handle = None
@@ -233,6 +238,8 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
     if st.inflight >= st.cfg.max_inflight:  # others were admitted while this one was parsed
         raise _at_capacity(st)
     span.set_attributes({"request.id": req.request_id, "prompt.tokens": n, "max_tokens": m, "stream": req.stream})
+    if span.is_recording():
+        span.set_attributes(attrs.gen_ai_request(req))
     return req
 
 
@@ -254,7 +261,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     """Everything that arrived for the stream since the last write goes out in one write,
     one SSE event per token."""
     n_out, first, status = 0, True, 499  # 499 until the stream ends (the client left first)
-    t_first = 0.0
+    t_first, finished_as = 0.0, None
     fast = api.ChunkBytes(req)
     reader = Reader(st.tok, req.params.stop)
     each = reader.detok.each
@@ -308,6 +315,8 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                     parts.append(_sse_data(c))
                 first = False
                 end = ev.finish is not None
+                if end:
+                    finished_as = ev.finish
             if end:
                 status = 200 if status == 499 else status
                 handle.close("stop_string" if reader.stopped_by_string else None)
@@ -326,6 +335,8 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
             stream_span.add_event("client_disconnected")
         stream_span.set_attribute("completion.tokens", n_out)
         stream_span.end()
+        if span.is_recording():
+            span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, finished_as, handle.cached_tokens))
         done(status)
 
 
@@ -382,6 +393,8 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
     if error:
         done(500)
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
+    if span.is_recording():
+        span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, finish, handle.cached_tokens))
     done(200)
     lp = api.logprobs_payload(req, st.tok, lps)
     return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, handle.cached_tokens),

@@ -183,3 +183,10 @@ def test_one_request_is_one_trace_across_all_services(mesh):
     assert parent("queue.wait") == "prefill" and parent("prefill.batch") == "prefill"
     dec = next(s for s in mine if s["name"] == "decode")
     assert [e["name"] for e in dec["events"]].count("step") == dec["attributes"]["decode.steps"]
+    # the HTTP and generative-AI semantic conventions on the request's span
+    a = roots[0]["attributes"]
+    assert (a["http.request.method"], a["http.route"], a["http.response.status_code"]) == \
+        ("POST", "/v1/chat/completions", 200)
+    assert (a["gen_ai.operation.name"], a["gen_ai.request.model"], a["gen_ai.request.max_tokens"]) == ("chat", "tiny", 4)
+    assert a["gen_ai.usage.output_tokens"] == 4 and a["gen_ai.usage.input_tokens"] > 0
+    assert a["gen_ai.response.finish_reasons"] == ["length"] and a["gen_ai.response.id"].startswith("chatcmpl-")
