@@ -62,7 +62,7 @@ class BalancerService(AsyncService):
         if self.cfg.auto:
             self._tasks.spawn(self._watch(), "eplb-watch")
         if self.cfg.metrics_port >= 0:
-            self._http = MetricsServer(self.metrics.render, lambda: {"status": "ok",
+            self._http = MetricsServer(self.metrics, lambda: {"status": "ok",
                                                                      "instances": list(self.instances)},
                                        self.cfg.metrics_host, self.cfg.metrics_port)
             await self._http.start()

@@ -97,7 +97,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             log.warning("no API keys set and listening on %s: the API is open to anyone who can reach it", cfg.host)
         metrics_http = None
         if separate_metrics:
-            metrics_http = MetricsServer(metrics.render, lambda: {"status": "ok", **_readiness(st)},
+            metrics_http = MetricsServer(metrics, lambda: {"status": "ok", **_readiness(st)},
                                          cfg.metrics_host, cfg.metrics_port)
             await metrics_http.start()
             log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, metrics_http.port)

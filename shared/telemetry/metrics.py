@@ -53,7 +53,11 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """Returns the `/metrics` body and its Content-Type."""
-        return generate_latest(_Labelled(self.registry, self.namespace + "_", self.const_labels)), CONTENT_TYPE_LATEST
+        return generate_latest(self.exposition()), CONTENT_TYPE_LATEST
+
+    def exposition(self) -> "_Labelled":
+        """What a scrape sees (a collector for prometheus_client's exposition functions)."""
+        return _Labelled(self.registry, self.namespace + "_", self.const_labels)
 
     def _get(self, cls: type, name: str, doc: str, labels: Sequence[str], **kw):
         labels = tuple(labels)
