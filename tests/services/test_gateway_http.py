@@ -179,3 +179,17 @@ def test_a_service_sets_its_own_log_level_over_an_earlier_setup():
         assert root.level == logging.INFO
     finally:
         root.setLevel(before)
+
+
+def test_the_serving_worker_is_named_in_a_header_only_when_asked_for():
+    """Benchmarks split throughput per worker by x-moemesh-worker; clients otherwise never
+    learn internal worker ids."""
+    from types import SimpleNamespace
+
+    from moemesh.services.gateway.app import _headers
+
+    req, handle = SimpleNamespace(request_id="cmpl-1"), SimpleNamespace(decode_id="decode-7")
+    off = SimpleNamespace(cfg=GatewayConfig(model="m"))
+    on = SimpleNamespace(cfg=GatewayConfig(model="m", worker_header=True))
+    assert _headers(off, req, handle) == {"x-request-id": "cmpl-1"}
+    assert _headers(on, req, handle) == {"x-request-id": "cmpl-1", "x-moemesh-worker": "decode-7"}
