@@ -88,6 +88,9 @@ class MeshClient:
         self.registry = WorkerRegistry(miss_factor=2.0, min_timeout_s=1.0, owner_prunes=True)
         self._draining: dict[str, tuple[float, float]] = {}  # worker -> (last beat, silence that means dead)
         self.handles: dict[str, Handle] = {}
+        # Requests whose job is on its way and not yet taken: _send_job's own fallbacks see
+        # them through a worker's death, and a migration then would send a second job.
+        self._sending: set[str] = set()
         self._assigned: dict[str, int] = defaultdict(int)
         self._assigned_prompt: dict[str, int] = defaultdict(int)
         self.kv = KVIndex()
@@ -205,6 +208,7 @@ class MeshClient:
             subject = self.subjects.prefill_direct(prefill.worker_id)
             h.prefill_id = prefill.worker_id
             self._assigned_prompt[prefill.worker_id] += len(prompt_ids)
+        self._sending.add(request_id)
         try:
             try:
                 await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, h.headers)
@@ -227,6 +231,8 @@ class MeshClient:
             if e.reply.code == "unavailable":
                 raise NoWorkers("no worker can take the request now") from None
             raise Rejected("the request was refused by the serving workers") from None
+        finally:
+            self._sending.discard(request_id)
 
     # ---- migration ----------------------------------------------------------------------
     def _suspect(self, worker_id: str, why: str) -> None:
@@ -259,6 +265,7 @@ class MeshClient:
         # A dead prefill worker strands what has not reached its decode worker: no first
         # token yet, or the first token only (its KV may never have been handed off).
         moving = [h for h in self.handles.values() if not h.closed and h.finish is None
+                  and h.request_id not in self._sending
                   and (h.decode_id in dead or (h.prefill_id in dead and h.next_pos <= 1))]
         for w in sorted(dead):
             n = sum(1 for h in moving if w in (h.decode_id, h.prefill_id))
