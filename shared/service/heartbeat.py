@@ -125,11 +125,13 @@ class WorkerRegistry:
         (it gets no new work), and it is dead after SUSPECT_MISS_FACTOR of its intervals
         without a beat. A beat it sends after this clears the suspicion.
 
+        While held, nothing is suspect: a request fails then because our own link is down.
+
         Returns:
             True when it is newly suspect (a known worker that was not already).
         """
         lw = self.workers.get(worker_id)
-        if lw is None or lw.suspect_since is not None:
+        if lw is None or lw.suspect_since is not None or self._held:
             return False
         lw.suspect_since = time.monotonic() if now is None else now
         return True

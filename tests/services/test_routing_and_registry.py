@@ -50,6 +50,8 @@ def test_a_suspect_gets_no_new_work_at_once_and_dies_sooner_unless_it_beats_agai
     r.suspect("c", now=3.1)
     r.observe(_hb("c", 0), now=3.7)  # sent after it was found gone: it is back
     assert not r.is_suspect("c") and "c" in _ids(r.live("decode", now=3.7))
+    r.hold()  # our own link is down: a failed request says nothing about the worker
+    assert not r.suspect("c", now=3.8) and not r.is_suspect("c")
 
 
 def test_live_leaves_the_silent_out_but_only_prune_forgets_them_when_the_owner_prunes():
