@@ -130,7 +130,8 @@ def test_queued_jobs_of_a_dead_prefill_worker_move_and_finish_whole(nats_url, ti
 
             t0 = time.monotonic()
             tasks = [asyncio.create_task(_complete(url, "the same prompt", MAX_TOKENS)) for _ in range(STREAMS)]
-            await _until(lambda: len(mesh.handles) == STREAMS and victim.jobs)
+            # Every job taken (acknowledged), some of them by the victim.
+            await _until(lambda: len(mesh.handles) == STREAMS and not mesh._sending and victim.jobs)
             held = len(victim.jobs)
             assert all(h.next_pos == 0 for h in mesh.handles.values() if h.prefill_id == "prefill-z")
             await _kill(victim)
