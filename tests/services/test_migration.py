@@ -4,9 +4,9 @@ streamed so far; every client gets its whole answer and a normal end. A worker f
 gone before its heartbeats lapse (nobody answers on its subject) gets no new requests,
 and a request its prefill worker hands elsewhere is not moved again.
 
-The mock engine's token at each position is a function of the position alone, so the
-same prompt gives the same text on any worker, after any number of moves: a lost or
-repeated token shows as a text that differs from the others."""
+At temperature 0 the mock engine's token at each position is a function of the position
+alone, so the same prompt gives the same text on any worker, after any number of moves:
+a lost or repeated token shows as a text that differs from the others."""
 
 from __future__ import annotations
 
@@ -129,7 +129,8 @@ def test_queued_jobs_of_a_dead_prefill_worker_move_and_finish_whole(nats_url, ti
             await _until(lambda: len(mesh.live("prefill")) == 2 and mesh.live("decode"))
 
             t0 = time.monotonic()
-            tasks = [asyncio.create_task(_complete(url, "the same prompt", MAX_TOKENS)) for _ in range(STREAMS)]
+            tasks = [asyncio.create_task(_complete(url, "the same prompt", MAX_TOKENS, temperature=0))
+                     for _ in range(STREAMS)]
             # Every job taken (acknowledged), some of them by the victim.
             await _until(lambda: len(mesh.handles) == STREAMS and not mesh._sending and victim.jobs)
             held = len(victim.jobs)
@@ -174,11 +175,11 @@ def test_a_request_for_a_decode_worker_that_just_died_is_handed_to_another_and_n
             mesh = gw.state.mesh
             await _until(lambda: len(mesh.live("decode")) == 2 and mesh.live("prefill"))
             await _kill(victim)
-            first = asyncio.create_task(_complete(url, "the same prompt", MAX_TOKENS))
+            first = asyncio.create_task(_complete(url, "the same prompt", MAX_TOKENS, temperature=0))
             await _until(lambda: any(h.decode_id == "decode-b" for h in mesh.handles.values()))
             assert [hb.worker_id for hb in mesh.live("decode")] == ["decode-b"]  # before its beats lapse
             first = await first
-            after = await _complete(url, "the same prompt", MAX_TOKENS)
+            after = await _complete(url, "the same prompt", MAX_TOKENS, temperature=0)
             return first, after, gw.state.metrics.render()[0].decode()
 
     with caplog.at_level("WARNING"):
