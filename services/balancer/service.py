@@ -36,7 +36,7 @@ class BalancerService(AsyncService):
         self.subjects = Subjects(cfg.subject_prefix)
         self.instances: dict[str, InstanceView] = {}
         self.deciders: dict[str, Decider] = {}
-        self.metrics = Metrics()
+        self.metrics = Metrics(const_labels={"model_name": cfg.model_name} if cfg.model_name else None)
         m = self.metrics
         self.g_ratio = m.gauge("eplb_balance_ratio", "instance balance ratio, mean/max rank load",
                                ("instance", "model"))

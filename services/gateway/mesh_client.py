@@ -312,11 +312,30 @@ class MeshClient:
             self._take_handoffs(batch)
         if not pos:  # a worker that does not number its rows: taken as they come
             return self._take_unnumbered(batch, now)
-        ends = {e.row for e in batch.ends}
-        took: dict[int, int] = {}  # for rows with an end: how many of its ids were new (-1: a gap)
         gaps: list[Handle] = []
         toks, counts = batch.token_ids, batch.counts
         refused = 0
+        if counts is None and not batch.ends:  # most steps: one id per row, nothing ends
+            for rid, t, p in zip(rids, toks, pos):
+                h = handles.get(rid)
+                if h is not None:
+                    if w != h.decode_id and w != h.prefill_id:
+                        refused += 1
+                    elif p == h.next_pos:
+                        h.ids.append(t)
+                        h.next_pos = p + 1
+                        h.last_seen = now
+                        h.wake()
+                    elif p > h.next_pos:  # a batch went missing
+                        gaps.append(h)
+            if gaps:
+                self.c_gaps.inc(len(gaps))
+                self.ask_resend(gaps)
+            if refused:
+                self._refuse(w, refused)
+            return
+        ends = {e.row for e in batch.ends}
+        took: dict[int, int] = {}  # for rows with an end: how many of its ids were new (-1: a gap)
         i = 0
         for row, rid in enumerate(rids):
             n = 1 if counts is None else counts[row]

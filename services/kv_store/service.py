@@ -56,7 +56,7 @@ class KVStoreService(AsyncService):
         self.mem = MemoryTier(cfg.capacity_mb << 20)
         self.disk = DiskTier(cfg.disk_dir, cfg.disk_capacity_mb << 20) if cfg.disk_dir else None
         self.peers = KVPeers()
-        self.metrics = m = Metrics()
+        self.metrics = m = Metrics(const_labels={"model_name": cfg.model_name} if cfg.model_name else None)
         self.c_blocks = m.counter("kv_store_blocks_total", "fetch lookups by outcome", ("outcome",))
         self.c_bytes = m.counter("kv_store_transfer_bytes_total", "block bytes moved", ("direction",))
         self.c_evict = m.counter("kv_store_evictions_total", "blocks evicted", ("tier",))

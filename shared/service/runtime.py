@@ -65,7 +65,7 @@ class WorkerRuntime:
         self.role = role
         self.worker_id = cfg.worker_id
         self.subjects = Subjects(cfg.subject_prefix)
-        self.metrics = Metrics()
+        self.metrics = Metrics(const_labels={"model_name": cfg.model_name})
         self.draining = False
         self._on_outputs = on_outputs
         self._given_engine = engine

@@ -49,6 +49,14 @@ class IncrementalDetokenizer:
             self._prefix, self._read = self._read, len(self.ids)
         return self._release(new)
 
+    def each(self, new_ids: list[int]) -> list[str]:
+        """add([i]) for each id in turn, as one call: a stream writes a chunk per token, and
+        the common case (byte-level, no stop strings) is then one pass over the ids."""
+        if self.stopped or self.stop or self._pieces is None:
+            return [self.add([i]) for i in new_ids]
+        pieces, n, dec = self._pieces, len(self._pieces), self._utf8.decode
+        return [dec(pieces[i] if 0 <= i < n else b"") for i in new_ids]
+
     def flush(self) -> str:
         """At the end of a request: release whatever was held back, minus any stop string."""
         if self.stopped:
