@@ -189,8 +189,7 @@ async def _generate(request: Request, kind: str) -> Response:
         handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
         span.set_attribute("decode.id", handle.decode_id)
         if req.stream:
-            return EventStream(_sse(st, req, handle, span, t0, done), handle,
-                               {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id})
+            return EventStream(_sse(st, req, handle, span, t0, done), handle, _headers(st, req, handle))
         return await _collect(request, st, req, handle, span, t0, done)
     except NoWorkers as e:
         done(503)
@@ -398,7 +397,13 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
     done(200)
     lp = api.logprobs_payload(req, st.tok, lps)
     return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, handle.cached_tokens),
-                        headers={"X-Request-Id": req.request_id, "X-Moemesh-Worker": handle.decode_id})
+                        headers=_headers(st, req, handle))
+
+
+def _headers(st: GatewayState, req: api.GenerateRequest, handle) -> dict[str, str]:
+    if st.cfg.worker_header:  # opt-in, for benchmarks: it names an internal worker
+        return {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id}
+    return {"x-request-id": req.request_id}
 
 
 async def models(request: Request) -> JSONResponse:

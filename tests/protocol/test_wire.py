@@ -20,6 +20,9 @@ def test_round_trip_keeps_every_field():
     assert decode(encode(batch), TokenBatch) == batch
     one_each = TokenBatch(["a", "b"], [7, 8], worker_id="w")
     assert decode(encode(one_each), TokenBatch) == one_each
+    notice = TokenBatch(["a"], [7], [1], worker_id="p", positions=[0], handoffs={"a": "d2"})
+    assert decode(encode(notice), TokenBatch) == notice
+    assert len(msgpack.unpackb(encode(one_each))) == 7  # no hand-offs: what a gateway before them reads
 
 
 @pytest.mark.parametrize("raw,needle", [
@@ -29,6 +32,8 @@ def test_round_trip_keeps_every_field():
     ([0.0, "w", ["a"], b"\x01\x00\x00\x00", None, [[3, "stop", None, None]]], "end of row 3"),
     ([0.0, "w", [1], b"\x01\x00\x00\x00", None, []], "header"),
     ([0.0, "w"], "malformed"),
+    ([0.0, "w", ["a"], b"\x01\x00\x00\x00", None, [], b"", {"a": 5}], "handoffs"),
+    ([0.0, "w", ["a"], b"\x01\x00\x00\x00", None, [], b"", {}, 1], "9 fields"),
 ])
 def test_a_malformed_token_batch_is_one_protocol_error(raw, needle):
     with pytest.raises(ProtocolError, match=needle):

@@ -121,6 +121,7 @@ def test_a_request_streams_through_prefill_kv_handoff_and_decode(nats_url, tiny_
             async with httpx.AsyncClient(timeout=30) as c:
                 r = await c.post(m.url + "/v1/completions", json=body)
             assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            assert "x-moemesh-worker" not in r.headers  # internal names stay inside (worker_header: opt-in)
             await _wait_free(m)
             return r.text, m.prefill.rt.metrics.render()[0], m.decode.rt.metrics.render()[0]
 
