@@ -21,7 +21,8 @@ from moemesh.shared.config.loader import load
 from moemesh.tools.cli.main import main as cli_main
 from moemesh.tools.launch.nats_auth import identities
 from moemesh.tools.launch.up import password_env, up_config, worker_names
-
+from tests.deploy.kustomize import (container, deployment_file, env_of, one, pod_env, ranks, render, secret_keys,
+                                    worker_ids, workloads, write_secrets)
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "compose" / "k8s"
@@ -30,47 +31,6 @@ KUBERNETES_VERSIONS = ["1.28.0", kv.latest_version()]
 SERVICES = {"gateway": "gateway", "prefill": "prefill", "decode": "decode", "balancer": "balancer",
             "kv-store": "kv_store"}  # component label -> python -m moemesh.services.<module>
 CONFIG = "/etc/moemesh/moemesh.toml"
-
-
-def render(root: Path) -> list[dict]:
-    """What `kubectl apply -k root` applies, for what kustomization.yaml uses: resources,
-    the namespace, ConfigMaps from files and Secrets from env files and files (names
-    without kustomize's hash suffix)."""
-    k = yaml.safe_load((root / "kustomization.yaml").read_text())
-    out = [d for r in k["resources"] for d in yaml.safe_load_all((root / r).read_text()) if d]
-
-    def key_and_path(spec: str) -> tuple[str, Path]:
-        key, _, path = spec.rpartition("=")
-        return key or Path(path).name, root / path
-
-    for g in k.get("configMapGenerator", []):
-        data = dict((key, p.read_text()) for key, p in map(key_and_path, g["files"]))
-        out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": g["name"]}, "data": data})
-    for g in k.get("secretGenerator", []):
-        raw = dict((key, p.read_bytes()) for key, p in map(key_and_path, g.get("files", [])))
-        for env in g.get("envs", []):
-            for line in (root / env).read_text().splitlines():
-                if line.strip() and not line.startswith("#"):
-                    key, _, value = line.partition("=")
-                    raw[key] = value.encode()
-        data = {key: base64.b64encode(v).decode() for key, v in raw.items()}
-        out.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": g["name"]},
-                    "data": data})
-    for d in out:
-        if d["kind"] != "Namespace":
-            d["metadata"]["namespace"] = k["namespace"]
-    return out
-
-
-def write_secrets(root: Path) -> dict[str, str]:
-    """secrets/ as docs/deployment.md has the operator write it: one password per user of
-    the deployment's NATS table, and an API key."""
-    users = identities(up_config(str(root / "moemesh.toml")))
-    passwords = {password_env(u.worker_id): f"pw-{u.worker_id}" for u in users}
-    (root / "secrets").mkdir(exist_ok=True)
-    (root / "secrets" / "nats-passwords.env").write_text("".join(f"{k}={v}\n" for k, v in passwords.items()))
-    (root / "secrets" / "api_keys").write_text("sk-test\n")
-    return passwords
 
 
 @pytest.fixture(scope="module")
@@ -86,62 +46,6 @@ def tree(tmp_path_factory) -> Path:
 def objects(tree) -> list[dict]:
     return render(tree)
 
-
-def _one(objects, kind: str, name: str) -> dict:
-    (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
-    return found
-
-
-def _workloads(objects) -> list[dict]:
-    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")
-            and o["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/name") == "moemesh"]
-
-
-def _container(w: dict) -> dict:
-    (c,) = w["spec"]["template"]["spec"]["containers"]
-    return c
-
-
-def _env(c: dict) -> dict[str, dict]:
-    return {e["name"]: e for e in c.get("env", [])}
-
-
-def _toml(objects) -> str:
-    return _one(objects, "ConfigMap", "moemesh-config")["data"]["moemesh.toml"]
-
-
-def _secret_keys(objects, name: str) -> set[str]:
-    return set(_one(objects, "Secret", name)["data"])
-
-
-def _ranks(w: dict) -> range:
-    return range(w["spec"]["replicas"]) if w["kind"] == "StatefulSet" else range(1)
-
-
-def pod_env(w: dict, rank: int) -> dict[str, str]:
-    """The literal environment of one pod (a StatefulSet's pod `rank`) as Kubernetes
-    makes it: fieldRefs to the pod's name and labels resolved, then $(VAR) references,
-    in order (a reference to a later or unknown variable stays as written)."""
-    labels = dict(w["spec"]["template"]["metadata"]["labels"])
-    name = w["metadata"]["name"]
-    if w["kind"] == "StatefulSet":
-        labels["apps.kubernetes.io/pod-index"] = str(rank)
-        name = f"{name}-{rank}"
-    fields = {"metadata.name": name, **{f"metadata.labels['{k}']": v for k, v in labels.items()}}
-    out: dict[str, str] = {}
-    for var, e in _env(_container(w)).items():
-        if "value" in e:
-            out[var] = re.sub(r"\$\((\w+)\)", lambda m: out.get(m.group(1), m.group(0)), e["value"])
-        elif "fieldRef" in e.get("valueFrom", {}):
-            out[var] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
-    return out
-
-
-def _worker_ids(w: dict) -> list[str]:
-    return [pod_env(w, r)["MOEMESH_WORKER_ID"] for r in _ranks(w)]
-
-
-# ---- schema -------------------------------------------------------------------------------
 
 def assert_valid(o: dict, version: str) -> None:
     """Strict: a field the schema does not know is an error, as `kubectl apply` makes it."""
@@ -161,11 +65,11 @@ def test_every_object_is_valid_for_kubernetes(objects, version):
 
 
 def test_the_validator_rejects_what_kubernetes_would(objects):
-    gateway = _one(objects, "Deployment", "gateway")
+    gateway = one(objects, "Deployment", "gateway")
     typo = {**gateway, "spec": {**gateway["spec"], "replica": 1}}
     with pytest.raises(kv.ValidationError):
         kv.validate(typo, KUBERNETES_VERSIONS[0], strict=True)
-    c = dict(_container(gateway), readinessProbe={"httpGet": {"path": "/health/ready"}})  # no port
+    c = dict(container(gateway), readinessProbe={"httpGet": {"path": "/health/ready"}})  # no port
     pod = {**gateway["spec"]["template"]["spec"], "containers": [c]}
     broken = {**gateway, "spec": {**gateway["spec"], "template": {**gateway["spec"]["template"], "spec": pod}}}
     with pytest.raises(kv.ValidationError):
@@ -201,11 +105,11 @@ def test_every_service_of_the_mesh_runs(objects):
     services = {p.parent.name for p in (REPO / "services").glob("*/__main__.py")}
     assert set(SERVICES.values()) == services, "a service without a manifest, or a manifest without a service"
     by_role = {}
-    for w in _workloads(objects):
+    for w in workloads(objects):
         role = w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
         assert w["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
         by_role.setdefault(role, []).append(w)
-        argv = " ".join(_container(w).get("command", []) + _container(w).get("args", []))
+        argv = " ".join(container(w).get("command", []) + container(w).get("args", []))
         assert f"python -m moemesh.services.{SERVICES[role]} --config {CONFIG}" in argv, w["metadata"]["name"]
     assert set(by_role) == set(SERVICES)
     assert [w["kind"] for w in by_role["decode"]] == ["StatefulSet"]
@@ -214,11 +118,11 @@ def test_every_service_of_the_mesh_runs(objects):
 def test_the_pods_are_the_workers_of_the_deployment_file(objects, tmp_path):
     """One pod per worker that [pools] names, each with that worker's id; one identity
     never runs twice (replicas 1 and Recreate for the single workers)."""
-    (tmp_path / "moemesh.toml").write_text(_toml(objects))
+    (tmp_path / "moemesh.toml").write_text(deployment_file(objects))
     want = sorted(w.worker_id for w in worker_names(up_config(str(tmp_path / "moemesh.toml"))))
     have = []
-    for w in _workloads(objects):
-        have += _worker_ids(w)
+    for w in workloads(objects):
+        have += worker_ids(w)
         if w["kind"] == "Deployment":
             assert w["spec"]["replicas"] == 1 and w["spec"]["strategy"]["type"] == "Recreate", w["metadata"]["name"]
     assert sorted(have) == want
@@ -231,22 +135,22 @@ def test_nats_auth_conf_is_what_moemesh_nats_auth_writes(capsys, monkeypatch):
 
 
 def test_the_secret_holds_a_password_for_every_nats_user(objects, tmp_path):
-    (tmp_path / "moemesh.toml").write_text(_toml(objects))
+    (tmp_path / "moemesh.toml").write_text(deployment_file(objects))
     users = identities(up_config(str(tmp_path / "moemesh.toml")))
-    assert _secret_keys(objects, "moemesh-nats-passwords") == {password_env(u.worker_id) for u in users}
-    nats = _container(_one(objects, "StatefulSet", "nats"))
+    assert secret_keys(objects, "moemesh-nats-passwords") == {password_env(u.worker_id) for u in users}
+    nats = container(one(objects, "StatefulSet", "nats"))
     assert nats["envFrom"] == [{"secretRef": {"name": "moemesh-nats-passwords"}}]  # the server reads them all
 
 
 def test_each_worker_connects_as_itself_with_only_its_own_password(objects):
-    for w in _workloads(objects):
-        c, spec = _container(w), w["spec"]["template"]["spec"]
+    for w in workloads(objects):
+        c, spec = container(w), w["spec"]["template"]["spec"]
         assert "envFrom" not in c, w["metadata"]["name"]
-        env = _env(c)
-        for r in _ranks(w):
+        env = env_of(c)
+        for r in ranks(w):
             literal = pod_env(w, r)
             assert literal["MOEMESH_NATS_USER"] == literal["MOEMESH_WORKER_ID"], w["metadata"]["name"]
-        ids = _worker_ids(w)
+        ids = worker_ids(w)
         if "MOEMESH_NATS_PASSWORD" in env:  # a single worker: a secretKeyRef to its own key
             (wid,) = ids
             ref = env["MOEMESH_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
@@ -269,19 +173,19 @@ def test_each_worker_connects_as_itself_with_only_its_own_password(objects):
 def test_decode_ranks_get_their_rank_and_a_stable_rendezvous(objects):
     from moemesh.services.decode.config import DecodeConfig
 
-    sts = _one(objects, "StatefulSet", "decode-i0")
-    svc = _one(objects, "Service", sts["spec"]["serviceName"])
+    sts = one(objects, "StatefulSet", "decode-i0")
+    svc = one(objects, "Service", sts["spec"]["serviceName"])
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
     assert sts["spec"]["podManagementPolicy"] == "Parallel"  # rank 0 is ready only once all have joined
     toml = K8S / "moemesh.toml"
-    for r in _ranks(sts):
+    for r in ranks(sts):
         cfg = load(DecodeConfig, "decode", toml, environ=pod_env(sts, r))
         assert (cfg.dp_rank, cfg.dp_size, cfg.instance) == (r, sts["spec"]["replicas"], sts["metadata"]["name"])
         assert cfg.worker_id == f"{cfg.instance}-r{r}"  # nats-auth's name for the rank
         host, port = re.fullmatch(r"tcp://([\w.-]+):(\d+)", cfg.dist_init).groups()
         assert host == f"{sts['metadata']['name']}-0.{svc['metadata']['name']}"  # pod 0, through the Service
-        assert int(port) in {p["containerPort"] for p in _container(sts)["ports"]}
+        assert int(port) in {p["containerPort"] for p in container(sts)["ports"]}
         assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
 
 
@@ -290,13 +194,13 @@ def _load_all(objects, tmp_path) -> list[tuple[dict, int, object]]:
 
     classes = dict(_service_configs())
     toml = tmp_path / "moemesh.toml"
-    toml.write_text(_toml(objects))
+    toml.write_text(deployment_file(objects))
     keys = tmp_path / "api_keys"
     keys.write_text("sk-test\n")
     out = []
-    for w in _workloads(objects):
+    for w in workloads(objects):
         section = SERVICES[w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]]
-        for r in _ranks(w):
+        for r in ranks(w):
             env = {k: v for k, v in pod_env(w, r).items() if k.startswith("MOEMESH_")}
             out.append((w, r, load(classes[section], section, toml, environ=env)))
     return out
@@ -306,7 +210,7 @@ def test_the_configmap_toml_is_valid_for_every_pod(objects, tmp_path):
     """Each pod's service loads the ConfigMap's file with the pod's environment: the NATS
     URL is the nats Service, metrics and probes agree on the port, and files it names are
     where the pod mounts them."""
-    nats = _one(objects, "Service", "nats")
+    nats = one(objects, "Service", "nats")
     loaded = _load_all(objects, tmp_path)
     assert {w["metadata"]["name"] for w, _, _ in loaded} >= {"gateway", "prefill-0", "decode-i0", "balancer",
                                                               "kv-store"}
@@ -315,9 +219,9 @@ def test_the_configmap_toml_is_valid_for_every_pod(objects, tmp_path):
         host, port = re.fullmatch(r"nats://([\w.-]+):(\d+)", cfg.nats_url).groups()
         assert host == nats["metadata"]["name"] and int(port) in {p["port"] for p in nats["spec"]["ports"]}, name
         assert cfg.nats_password == ""  # from the Secret at start, never the file
-        ports = {p["name"]: p["containerPort"] for p in _container(w)["ports"]}
+        ports = {p["name"]: p["containerPort"] for p in container(w)["ports"]}
         assert ports["metrics"] == cfg.metrics_port and cfg.metrics_host == "0.0.0.0", name
-        mounts = {m["mountPath"]: m for m in _container(w)["volumeMounts"]}
+        mounts = {m["mountPath"]: m for m in container(w)["volumeMounts"]}
         assert mounts["/etc/moemesh"]["readOnly"] and CONFIG.startswith("/etc/moemesh/"), name
         if getattr(cfg, "model", "") and name != "balancer" and name != "kv-store":
             assert any(cfg.model.startswith(m + "/") for m in mounts), name
@@ -342,7 +246,7 @@ def test_probes_point_at_endpoints_the_services_serve(objects, tmp_path):
     for w, r, cfg in _load_all(objects, tmp_path):
         if r:
             continue
-        c = _container(w)
+        c = container(w)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         probes = {k: c[k]["httpGet"] for k in ("startupProbe", "readinessProbe", "livenessProbe")}
         assert set(probes) == {"startupProbe", "readinessProbe", "livenessProbe"}, w["metadata"]["name"]
@@ -366,8 +270,8 @@ def test_probes_point_at_endpoints_the_services_serve(objects, tmp_path):
 
 
 def test_workers_get_a_gpu_and_nothing_else_does(objects):
-    for w in _workloads(objects):
-        c = _container(w)
+    for w in workloads(objects):
+        c = container(w)
         role = w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
         if role in ("prefill", "decode"):
@@ -382,12 +286,12 @@ def test_ucx_runs_on_the_pod_network(objects, tmp_path):
     for w, _, cfg in _load_all(objects, tmp_path):
         if hasattr(cfg, "ucx_net_devices"):  # every service that moves KV bytes
             assert cfg.ucx_net_devices == "eth0" and cfg.ucx_tls == "tcp", w["metadata"]["name"]
-    env = _env(_container(_one(objects, "StatefulSet", "decode-i0")))
+    env = env_of(container(one(objects, "StatefulSet", "decode-i0")))
     assert env["GLOO_SOCKET_IFNAME"]["value"] == env["NCCL_SOCKET_IFNAME"]["value"] == "eth0"
 
 
 def test_every_pod_passes_the_restricted_pod_security_standard(objects):
-    ns = _one(objects, "Namespace", "moemesh")
+    ns = one(objects, "Namespace", "moemesh")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     for o in objects:
         if o["kind"] not in ("Deployment", "StatefulSet"):
@@ -405,12 +309,12 @@ def test_every_pod_passes_the_restricted_pod_security_standard(objects):
 
 
 def test_the_nats_cluster_routes_to_every_member(objects):
-    sts = _one(objects, "StatefulSet", "nats")
-    conf = _one(objects, "ConfigMap", "nats-config")["data"]["nats.conf"]
+    sts = one(objects, "StatefulSet", "nats")
+    conf = one(objects, "ConfigMap", "nats-config")["data"]["nats.conf"]
     routes = re.findall(r"nats://([\w.-]+):6222", conf)
     assert sts["spec"]["replicas"] == 3
     assert routes == [f"nats-{i}.{sts['spec']['serviceName']}" for i in range(3)]
-    headless = _one(objects, "Service", sts["spec"]["serviceName"])
+    headless = one(objects, "Service", sts["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
     assert "include ./auth.conf" in conf
     anti = sts["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
@@ -424,9 +328,9 @@ def test_nats_server_accepts_the_cluster_config(objects, tmp_path):
         exe = find_nats_server()
     except NatsServerNotFound as e:
         pytest.skip(str(e))
-    for key, text in _one(objects, "ConfigMap", "nats-config")["data"].items():
+    for key, text in one(objects, "ConfigMap", "nats-config")["data"].items():
         (tmp_path / key).write_text(text)
-    secret = _one(objects, "Secret", "moemesh-nats-passwords")["data"]
+    secret = one(objects, "Secret", "moemesh-nats-passwords")["data"]
     env = {k: base64.b64decode(v).decode() for k, v in secret.items()}
     env["POD_NAME"] = "nats-0"
     r = subprocess.run([exe, "-t", "-c", str(tmp_path / "nats.conf")], capture_output=True, text=True, env=env,
@@ -444,10 +348,10 @@ def test_in_cluster_prometheus_names_jobs_as_the_alerts_do(objects):
     (job,) = prom["scrape_configs"]
     relabel = {r.get("target_label"): r for r in job["relabel_configs"]}
     assert relabel["job"]["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
-    components = {w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] for w in _workloads(objects)}
+    components = {w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] for w in workloads(objects)}
     alerts = (REPO / "compose" / "prometheus" / "alerts.yml").read_text()
     used = {j for m in re.findall(r'job=~?"([^"]+)"', alerts) for j in m.split("|")}
     assert used <= components
-    for w in _workloads(objects):
+    for w in workloads(objects):
         ann = w["spec"]["template"]["metadata"]["annotations"]
         assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "9100"
