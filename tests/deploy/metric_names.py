@@ -1,5 +1,5 @@
-"""The metrics the services export, read from their source, and the ones the dashboard
-and alert rules expect before they exist (docs/deployment.md), for the deployment tests.
+"""The metrics the services export, read from their source, for the deployment tests
+that check the dashboard's and the alert rules' queries.
 
 A metric is declared as `metrics.counter("name", "doc", ("label", ...))` (or histogram,
 gauge) on shared/telemetry/metrics.py's `Metrics`, whose namespace prefixes `moemesh_`;
@@ -16,9 +16,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 KINDS = {"counter": "counter", "histogram": "histogram", "gauge": "gauge", "summary": "summary",
          "Counter": "counter", "Histogram": "histogram", "Gauge": "gauge", "Summary": "summary"}
-# The label Prometheus adds to every scraped series, and the one a histogram's buckets carry.
-TARGET_LABELS = frozenset({"job", "instance"})
-EXPECTED_HEADING = "metrics the dashboard expects that are added by issue 18 item 4"
+# The labels every moemesh series has beside its own: Prometheus's target labels, and
+# model_name, which `Metrics` adds to every sample when it renders them.
+TARGET_LABELS = frozenset({"job", "instance", "model_name"})
 
 
 @dataclass(frozen=True)
@@ -66,22 +66,6 @@ def exported() -> dict[str, Metric]:
             if kind == "counter" and not name.endswith("_total"):
                 name += "_total"  # prometheus_client exposes every counter with _total
             out[name] = Metric(name, kind, frozenset(labels or ()))
-    return out
-
-
-def expected(doc: Path = REPO / "docs" / "deployment.md") -> dict[str, Metric]:
-    """The table under the heading EXPECTED_HEADING: | `name` | kind | `label`, ... | what |."""
-    out: dict[str, Metric] = {}
-    inside = False
-    for line in doc.read_text().splitlines():
-        if line.startswith("#"):
-            inside = EXPECTED_HEADING in line.lower()
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")] if inside and line.startswith("|") else []
-        if len(cells) >= 3 and cells[0].startswith("`moemesh_"):
-            name = cells[0].strip("`")
-            labels = frozenset(re.findall(r"`(\w+)`", cells[2]))
-            out[name] = Metric(name, cells[1], labels)
     return out
 
 

@@ -6,7 +6,6 @@ ConfigMap's deployment file is valid for every service with each pod's environme
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import re
 import shutil
@@ -233,15 +232,13 @@ def test_the_configmap_toml_is_valid_for_every_pod(objects, tmp_path):
 def test_probes_point_at_endpoints_the_services_serve(objects, tmp_path):
     from moemesh.services.gateway.app import build_app
     from moemesh.services.gateway.auth import OPEN_PATHS
-    from moemesh.shared.service.metrics_http import MetricsServer
+    from starlette.testclient import TestClient
 
-    async def worker_status(path: str) -> int:
-        async with MetricsServer(lambda: (b"", "text/plain"), lambda: {"status": "ok"}, "127.0.0.1", 0) as srv:
-            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-            writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-            line = await reader.readline()
-            writer.close()
-            return int(line.split()[1])
+    from moemesh.shared.service import metrics_http
+    from moemesh.shared.telemetry.metrics import Metrics
+
+    # What a worker, the balancer and the KV store serve on metrics_port.
+    worker = TestClient(metrics_http.build_app(Metrics(), lambda: {"status": "ok"}))
 
     for w, r, cfg in _load_all(objects, tmp_path):
         if r:
@@ -259,7 +256,7 @@ def test_probes_point_at_endpoints_the_services_serve(objects, tmp_path):
         else:
             for p in probes.values():
                 assert ports[p["port"]] == cfg.metrics_port, w["metadata"]["name"]
-                assert asyncio.run(worker_status(p["path"])) == 200, (w["metadata"]["name"], p["path"])
+                assert worker.get(p["path"]).status_code == 200, (w["metadata"]["name"], p["path"])
     for o in objects:  # no probe names a port its container does not have
         if o["kind"] in ("Deployment", "StatefulSet"):
             for c in o["spec"]["template"]["spec"]["containers"]:
