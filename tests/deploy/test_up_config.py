@@ -147,6 +147,8 @@ def test_the_compose_deployment_file_is_valid_for_every_service(section, cls):
     assert cfg.nats_user == ""  # each container's own, from docker-compose.yml (MOEMESH_NATS_USER)
     assert cfg.metrics_port == 9100 and cfg.otlp_endpoint.startswith("http://otel-collector:")
     assert cfg.nats_password == ""  # secrets come from the environment, never the file
+    if hasattr(cfg, "ucx_net_devices"):  # moves KV bytes: other containers reach it on eth0, not loopback
+        assert (cfg.ucx_net_devices, cfg.ucx_tls) == ("eth0", "tcp"), section
 
 
 @pytest.mark.parametrize("section, cls", _service_configs())
