@@ -77,7 +77,7 @@ def test_streams_of_a_dead_decode_worker_move_and_finish_whole(nats_url, tiny_mo
     assert not bad, bad[:2]
     assert [r["choices"][0]["finish_reason"] for r in results] == ["length"] * STREAMS
     assert [r["usage"]["completion_tokens"] for r in results] == [MAX_TOKENS] * STREAMS
-    assert took < 20  # 150 steps are 3 s; nothing waited for a 60 s timeout
+    assert took < 45  # 150 steps are 3 s; nothing waited for the 60 s timeout (loose: a loaded machine is slow)
     moved = next(float(line.split()[-1]) for line in metrics.splitlines()
                  if line.startswith(("moemesh_request_migrations_total ", "moemesh_request_migrations_total{")))
     assert 0 < moved <= STREAMS
@@ -147,7 +147,7 @@ def test_queued_jobs_of_a_dead_prefill_worker_move_and_finish_whole(nats_url, ti
     assert [r["choices"][0]["finish_reason"] for r in results] == ["length"] * STREAMS
     assert [r["usage"]["completion_tokens"] for r in results] == [MAX_TOKENS] * STREAMS
     assert len({r["choices"][0]["text"] for r in results}) == 1  # every token, in place, on any worker
-    assert took < 20  # nothing waited for a timeout
+    assert took < 45  # nothing waited for the 60 s timeout (loose: a loaded machine is slow)
     assert held <= _metric(metrics, "moemesh_request_migrations_total") <= STREAMS
 
 
