@@ -18,6 +18,7 @@ from opentelemetry import trace
 from starlette.responses import JSONResponse, Response
 
 from moemesh.services.gateway import openai_api as api
+from moemesh.services.gateway import span_attrs as attrs
 from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Choices, Reader
 
 
@@ -34,7 +35,9 @@ async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, don
     readers = [Reader(st.tok, req.params.stop) for _ in range(n)]
     fast = [api.ChunkBytes(req, i) for i in range(n)]
     first = [True] * n
-    n_out, status, open_, seen = 0, 499, n, False
+    finishes: list[str | None] = [None] * n
+    cont, n_prompt = req.continuous_usage, len(req.prompt_ids)
+    n_out, n_sent, status, open_, seen = 0, 0, 499, n, False  # n_sent: tokens in chunks written (all choices)
     stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span),
                                        attributes={"choices": n})
     try:
@@ -64,13 +67,19 @@ async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, don
                         parts.append(_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]}))
                         failed = True
                         break
+                    n_sent += ev.token
                     if not (first[i] or ev.finish or ev.logprob):
-                        parts.append(fast[i].text(ev.text))
+                        parts.append(fast[i].counted(ev.text, n_sent, group.cached_tokens) if cont
+                                     else fast[i].text(ev.text))
                     else:
                         lp = api.logprobs_payload(req, st.tok, [ev.logprob] if ev.logprob else [])
-                        parts.append(_data(api.chunk(req, ev.text, ev.finish, first[i], lp, i)))
+                        c = api.chunk(req, ev.text, ev.finish, first[i], lp, i)
+                        if cont:  # counts so far, every choice's
+                            c["usage"] = api.usage(n_prompt, n_sent, group.cached_tokens)
+                        parts.append(_data(c))
                     first[i] = False
                     if ev.finish is not None:
+                        finishes[i] = ev.finish
                         h.close("stop_string" if readers[i].stopped_by_string else None)
                         open_ -= 1
                         break
@@ -84,7 +93,7 @@ async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, don
             if not open_:
                 status = 200
                 if req.include_usage:
-                    parts.append(_data(api.usage_chunk(req, len(req.prompt_ids), n_out, group.cached_tokens)))
+                    parts.append(_data(api.usage_chunk(req, n_prompt, n_out, group.cached_tokens)))
                 parts.append(b"data: [DONE]\n\n")
             if parts:
                 yield b"".join(parts)
@@ -95,10 +104,19 @@ async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, don
             stream_span.add_event("client_disconnected")
         stream_span.set_attribute("completion.tokens", n_out)
         stream_span.end()
+        _usage_attrs(span, req, n_out, finishes, group)
         done(status)
 
 
-async def collect(request, st, req: api.GenerateRequest, group: Choices, span, t0: float, done) -> Response:
+def _usage_attrs(span, req: api.GenerateRequest, n_out: int, finishes: list[str | None], group: Choices) -> None:
+    if span.is_recording():
+        span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, None, group.cached_tokens))
+        if all(finishes):
+            span.set_attribute("gen_ai.response.finish_reasons", list(finishes))
+
+
+async def collect(request, st, req: api.GenerateRequest, group: Choices, span, t0: float, done,
+                  headers: dict[str, str]) -> Response:
     n = len(group.handles)
 
     async def gather():
@@ -160,6 +178,7 @@ async def collect(request, st, req: api.GenerateRequest, group: Choices, span, t
     if error:
         done(500)
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
+    _usage_attrs(span, req, n_out, [f for _, f, _ in choices], group)
     done(200)
     return JSONResponse(api.final_choices(req, choices, len(req.prompt_ids), n_out, group.cached_tokens),
-                        headers={"X-Request-Id": req.request_id, "X-Moemesh-Worker": group.decode_id})
+                        headers=headers)

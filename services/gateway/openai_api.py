@@ -34,6 +34,7 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
     logprobs: int | None = None  # number of alternatives per token, when requested
     n: int = 1  # choices, each sampled on its own from the one prompt (shared/protocol/forks.py)
     request_id: str = field(default_factory=lambda: f"{random.getrandbits(128):032x}")
@@ -48,6 +49,9 @@ UNSUPPORTED = {  # parameter -> the one value we can honour (null means the same
     "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
     "tools": None, "tool_choice": None, "functions": None, "logit_bias": None,
 }
+
+
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 
 
 def _honoured(v, ok) -> bool:
@@ -108,8 +112,12 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
     if not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "'stop' must be a string or an array of non-empty strings", "stop")
     stream_opts = _get(body, "stream_options", (dict,), {})
-    if not isinstance(stream_opts.get("include_usage", False), bool):
-        raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options")
+    for k, v in stream_opts.items():
+        if k not in STREAM_OPTIONS:
+            raise ApiError(400, f"'stream_options.{k}' is not supported by this server (it takes "
+                                f"{' and '.join(STREAM_OPTIONS)})", "stream_options")
+        if not isinstance(v, bool):
+            raise ApiError(400, f"'stream_options.{k}' must be a boolean", "stream_options")
     max_tokens = _get(body, max_key, (int,), None)
     if max_key != "max_tokens":  # checked even when max_completion_tokens wins over it
         legacy = _get(body, "max_tokens", (int,), None)
@@ -140,7 +148,8 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
             param, message = max_key, message.replace("max_tokens", max_key, 1)
         raise ApiError(400, message, param) from None
     return params, {"stream": _get(body, "stream", (bool,), False),
-                    "include_usage": bool(stream_opts.get("include_usage", False))}
+                    "include_usage": stream_opts.get("include_usage", False),
+                    "continuous_usage": stream_opts.get("continuous_usage_stats", False)}
 
 
 def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
@@ -254,7 +263,11 @@ class ChunkBytes:
                             else "text_completion", "created": req.created, "model": req.model})[:-1]
         key = b'"delta":{"content":' if req.kind == "chat" else b'"text":'
         self._prefix = b"data: " + head + b',"choices":[{"index":' + str(index).encode() + b',' + key
-        self._suffix = (b'},' if req.kind == "chat" else b',') + b'"finish_reason":null,"logprobs":null}]}\n\n'
+        tail = (b'},' if req.kind == "chat" else b',') + b'"finish_reason":null,"logprobs":null}]'
+        self._suffix = tail + b'}\n\n'
+        # continuous usage: the chunk ends with the counts so far (as usage() writes them)
+        n_prompt = self._n_prompt = len(req.prompt_ids)
+        self._usage = tail + b',"usage":{"prompt_tokens":%d,"completion_tokens":' % n_prompt
 
     def text(self, text: str) -> bytes:
         return self._prefix + self._dumps(text) + self._suffix
@@ -263,6 +276,12 @@ class ChunkBytes:
         """One chunk per text, in one write."""
         prefix, dumps, suffix = self._prefix, self._dumps, self._suffix
         return b"".join([prefix + dumps(t) + suffix for t in texts])
+
+    def counted(self, text: str, n: int, cached: int) -> bytes:
+        """text's chunk with usage after n completion tokens (stream_options.continuous_usage_stats)."""
+        return (self._prefix + self._dumps(text) + self._usage
+                + b'%d,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}}\n\n'
+                % (n, self._n_prompt + n, cached))
 
 
 def usage_chunk(req: GenerateRequest, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:

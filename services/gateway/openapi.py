@@ -32,7 +32,8 @@ def _sampling(max_tokens_key: str, max_model_len: int, max_n: int) -> dict:
         "stop": _opt({"oneOf": [{"type": "string", "minLength": 1},
                                 {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]}),
         "stream": _opt({"type": "boolean"}),
-        "stream_options": _opt({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
+        "stream_options": _opt({"type": "object", "additionalProperties": False, "properties": {
+            "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}}),
         "ignore_eos": _opt({"type": "boolean", "description": "extension"}),
         "min_tokens": _opt(_int(0, INT32_MAX, description=f"extension; at most {max_tokens_key}")),
         "stop_token_ids": _opt({"type": "array", "items": _int(0, INT32_MAX), "maxItems": 1024,
