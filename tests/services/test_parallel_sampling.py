@@ -137,7 +137,7 @@ def test_a_client_that_leaves_frees_every_choice(nats_url, tiny_model, tmp_path)
     asyncio.run(go())
 
 
-def test_errors_name_n_and_best_of(nats_url, tiny_model, tmp_path):
+def test_errors_name_n_and_best_of_and_usage_counts_every_choice(nats_url, tiny_model, tmp_path):
     async def go():
         async with mesh(nats_url, tiny_model, tmp_path, engine="mock", mock_step_ms=1.0) as m:
             async with httpx.AsyncClient(timeout=30) as c:
@@ -147,11 +147,20 @@ def test_errors_name_n_and_best_of(nats_url, tiny_model, tmp_path):
                     out.append((r.status_code, r.json()["error"]["param"]))
                 r = await c.post(m.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "n": 16,
                                                                   "max_tokens": 2})
-                return out, r.status_code, len(r.json()["choices"])
+                # continuous usage: every chunk counts the tokens sent so far, of every choice
+                body = {"model": "tiny", "prompt": "x", "n": 2, "max_tokens": 5, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+                async with c.stream("POST", m.url + "/v1/completions", json=body) as s:
+                    events = [json.loads(line[6:]) async for line in s.aiter_lines() if line.startswith("data: {")]
+                return out, r.status_code, len(r.json()["choices"]), events
 
-    out, status, n = asyncio.run(go())
+    out, status, n, events = asyncio.run(go())
     assert out == [(400, "n"), (400, "n"), (400, "n"), (400, "best_of")]
     assert (status, n) == (200, 16)
+    tokens = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"] is None]
+    assert [e["usage"]["completion_tokens"] for e in tokens] == list(range(1, 11))
+    assert sorted(e["choices"][0]["index"] for e in tokens) == [0] * 5 + [1] * 5
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 10
 
 
 def test_each_choice_of_a_dead_decode_worker_moves_on_its_own(nats_url, tiny_model, tmp_path):
