@@ -38,6 +38,7 @@ from moemesh.services.gateway.openapi import openapi_document
 from moemesh.services.gateway.slow_clients import read_body
 from moemesh.services.gateway.sse import EventStream
 from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
+from moemesh.services.gateway.tool_calls import ToolCallParser
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.telemetry.metrics import Metrics
@@ -254,7 +255,9 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     fast = api.ChunkBytes(req)
     reader = Reader(st.tok, req.params.stop)
     each = reader.detok.each
-    plain = not req.params.stop and req.logprobs is None  # the common case: no per-token extras
+    # the common case: no per-token extras
+    plain = not req.params.stop and req.logprobs is None and req.tools is None
+    calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
     stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
     try:
         while True:
@@ -279,7 +282,20 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
             if not ids and finish is None and error is None:
                 continue
             parts, end = [], False
+            k = 0  # the id of each token event, for the tool-call parser (it finds the markers by id)
             for ev in reader.events(ids, lps, finish, error):
+                if calls is not None and not ev.error:
+                    tid = -1
+                    if ev.token:
+                        tid, k = ids[k], k + 1
+                    if first:
+                        parts.append(_sse_data(api.chunk(req, "", None, True)))
+                        first = False
+                    parts += [_sse_data(api.delta_chunk(req, d)) for d in calls.feed(tid, ev.text)]
+                    if ev.finish:
+                        parts.append(_sse_data(api.chunk(req, "", api.tool_finish(ev.finish, calls.calls))))
+                        end = True
+                    continue
                 if ev.error:
                     stream_span.set_status(trace.StatusCode.ERROR, ev.error)
                     status = 500
@@ -320,23 +336,33 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
     async def gather():
         reader = Reader(st.tok, req.params.stop)
         text, n_out, lps, first = [], 0, [], True
+        calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
         while True:
             if await handle.wait() is TIMED_OUT:
                 handle.close("timeout")
                 return "".join(text), n_out, lps, "error", \
-                    f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted"
+                    f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted", None
             ids, wire_lps, finish, error = handle.take()
             if first and ids:
                 st.m["ttft"].observe(time.perf_counter() - t0)
                 first = False
             n_out += len(ids)
+            k = 0
             for ev in reader.events(ids, wire_lps, finish, error):
-                text.append(ev.text)
+                if calls is None:
+                    text.append(ev.text)
+                else:  # the content is what the parser finds outside the calls
+                    tid = -1
+                    if ev.token:
+                        tid, k = ids[k], k + 1
+                    text += [d.content for d in calls.feed(tid, ev.text) if d.content]
                 if ev.logprob is not None:
                     lps.append(ev.logprob)
                 if ev.finish:
                     handle.close("stop_string" if reader.stopped_by_string else None)
-                    return "".join(text), n_out, lps, ev.finish, ev.error
+                    if calls is not None:
+                        return "".join(text), n_out, lps, api.tool_finish(ev.finish, calls.calls), ev.error, calls.calls
+                    return "".join(text), n_out, lps, ev.finish, ev.error, None
 
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
@@ -356,7 +382,7 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
         done(499)
         return Response(status_code=499)
     try:
-        text, n_out, lps, finish, error = work.result()
+        text, n_out, lps, finish, error, tool_calls = work.result()
     except Exception:
         handle.close("client")
         done(500)
@@ -367,7 +393,7 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
     done(200)
     lp = api.logprobs_payload(req, st.tok, lps)
-    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp),
+    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, tool_calls),
                         headers={"X-Request-Id": req.request_id, "X-Moemesh-Worker": handle.decode_id})
 
 

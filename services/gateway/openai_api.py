@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from moemesh.shared.protocol.sampling import INT32_MAX, SamplingParamError, SamplingParams
+from moemesh.services.gateway.structured import FormatError, grammar_of
+from moemesh.services.gateway.tool_calls import Delta, ToolError, Tools, parse_tools
+from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParamError, SamplingParams
 from moemesh.shared.tokenizer.tokenizer import Tokenizer, TokenizerError
 
 
@@ -35,6 +37,7 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # number of alternatives per token, when requested
+    tools: Tools | None = None  # set when the answer may hold tool calls (chat only)
     request_id: str = field(default_factory=lambda: f"{random.getrandbits(128):032x}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -45,8 +48,9 @@ class GenerateRequest:
 
 UNSUPPORTED = {  # parameter -> the one value we can honour (null means the same)
     "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
-    "tools": None, "tool_choice": None, "functions": None, "logit_bias": None,
+    "functions": None, "function_call": None, "logit_bias": None,
 }
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 def _honoured(v, ok) -> bool:
@@ -90,10 +94,21 @@ def _names(types: tuple) -> str:
     return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
 
 
-def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") -> tuple[SamplingParams, dict]:
+def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
+            grammar: GrammarSpec | None = None) -> tuple[SamplingParams, dict]:
+    """grammar: a constraint the caller built (forced tool calls); response_format gives
+    one otherwise, and the two together are refused."""
     for name, ok in UNSUPPORTED.items():
         if name in body and not _honoured(body[name], ok):
             raise ApiError(400, f"'{name}' is not supported by this server (use {ok!r} or leave it out)", name)
+    try:
+        fmt = grammar_of(body.get("response_format"))
+    except FormatError as e:
+        raise ApiError(400, f"'response_format' {e}", "response_format") from None
+    if fmt is not None and grammar is not None:
+        raise ApiError(400, "'response_format' cannot be combined with a tool_choice that forces a tool call",
+                       "response_format")
+    grammar = grammar or fmt
     stop = _get(body, "stop", (str, list), [])
     if isinstance(stop, str):
         stop = [stop]
@@ -125,6 +140,7 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
             stop_token_ids=tuple(_ints(_get(body, "stop_token_ids", (list,), []))),
             ignore_eos=_get(body, "ignore_eos", (bool,), False),
             min_tokens=min_tokens,
+            grammar=grammar,
         )
     except SamplingParamError as e:
         param, message = e.param, str(e)
@@ -157,6 +173,9 @@ def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_s
     else:
         raise ApiError(400, "'prompt' must be a string, an array of token ids, or a one-element array of either",
                        "prompt")
+    for name in CHAT_ONLY:
+        if body.get(name) is not None:
+            raise ApiError(400, f"'{name}' is supported on /v1/chat/completions only", name)
     params, opts = _common(body, default_max_tokens)
     lp = _get(body, "logprobs", (int,), None)
     if lp is not None and not 0 <= lp <= 20:
@@ -175,25 +194,16 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", "messages")
-    norm = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
-            raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is supported
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        norm.append({"role": role, "content": content})
     try:
-        ids = tok.encode_chat(norm)
+        tools = parse_tools(body, tok)
+    except ToolError as e:
+        raise ApiError(400, str(e), e.param) from None
+    norm = [_message(i, m) for i, m in enumerate(messages)]
+    try:
+        ids = tok.encode_chat(norm, tools=tools.tools if tools else None)
     except TokenizerError as e:
         raise ApiError(400, str(e), "messages") from None
-    params, opts = _common(body, default_max_tokens, "max_completion_tokens")
+    params, opts = _common(body, default_max_tokens, "max_completion_tokens", tools.grammar() if tools else None)
     lp = None
     top = _get(body, "top_logprobs", (int,), 0)
     if not 0 <= top <= 20:  # checked even without logprobs: the request asked for something
@@ -201,7 +211,42 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
     if _get(body, "logprobs", (bool,), False):
         lp = top
         params = _with_logprobs(params, lp)
-    return GenerateRequest("chat", model, ids, params, logprobs=lp, **opts)
+    return GenerateRequest("chat", model, ids, params, logprobs=lp, tools=tools, **opts)
+
+
+def _message(i: int, m) -> dict:
+    """One chat message as the template reads it: role, content text, and an assistant's
+    tool_calls or a tool result's tool_call_id."""
+    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+        raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", "messages")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text is supported
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+        content = "".join(p["text"] for p in content)
+    calls = m.get("tool_calls") if m["role"] == "assistant" else None
+    if content is None and calls:
+        content = ""
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+    role = "system" if m["role"] == "developer" else m["role"]
+    out = {"role": role, "content": content}
+    if calls is not None:
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments", ""), str) for c in calls):
+            raise ApiError(400, f"messages[{i}].tool_calls must be an array of "
+                                f"{{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
+                           "messages")
+        out["tool_calls"] = [{"id": c.get("id", ""), "type": "function",
+                              "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", "")}}
+                             for c in calls]
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id", ""), str):
+            raise ApiError(400, f"messages[{i}].tool_call_id must be a string", "messages")
+        out["tool_call_id"] = m.get("tool_call_id", "")
+    return out
 
 
 def _with_logprobs(p: SamplingParams, n: int) -> SamplingParams:
@@ -227,6 +272,22 @@ def chunk(req: GenerateRequest, text: str, finish: str | None, first: bool = Fal
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
+
+
+def delta_chunk(req: GenerateRequest, d: Delta, first: bool = False) -> dict[str, Any]:
+    """A chat chunk for one piece of an answer that may hold tool calls: content text, a
+    call's start (its id, type and name) or a piece of its arguments, as OpenAI streams them."""
+    if not d.call_id and d.index < 0:
+        return chunk(req, d.content, None, first)
+    call: dict[str, Any] = {"index": d.index}
+    if d.call_id:
+        call.update(id=d.call_id, type="function", function={"name": d.name, "arguments": d.arguments})
+    else:
+        call["function"] = {"arguments": d.arguments}
+    delta: dict[str, Any] = {"role": "assistant", "content": None} if first else {}
+    delta["tool_calls"] = [call]
+    return {"id": req.response_id, "object": "chat.completion.chunk", "created": req.created, "model": req.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]}
 
 
 class ChunkBytes:
@@ -260,16 +321,23 @@ def usage_chunk(req: GenerateRequest, prompt: int, completion: int) -> dict[str,
 
 
 def final(req: GenerateRequest, text: str, finish: str, prompt: int, completion: int,
-          logprobs: Any = None) -> dict[str, Any]:
+          logprobs: Any = None, tool_calls: list[dict] | None = None) -> dict[str, Any]:
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": logprobs}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message.update(content=text or None, tool_calls=tool_calls)
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
             "choices": [choice], "usage": usage(prompt, completion)}
+
+
+def tool_finish(finish: str | None, calls: list[dict]) -> str | None:
+    """OpenAI's finish reason for an answer that ended in tool calls."""
+    return "tool_calls" if finish == "stop" and calls else finish
 
 
 def logprobs_payload(req: GenerateRequest, tok: Tokenizer, lps: list) -> Any:

@@ -52,6 +52,7 @@ class PlannedStep:
     # DeepSeek-V4 prefix reuse: ring copies (source, destination, ...) before and after the forward.
     restores: list = field(default_factory=list)  # snapshots into the rings of sequences starting on them
     snapshots: list = field(default_factory=list)  # (ring, snapshot ring, sequence, boundary)
+    grammar: object = None  # GrammarRows: the constrained rows and their matchers; None: no constrained row
     stats: object = None  # the engine's StepStats for this step
     step_id: int = field(default_factory=lambda: next(_step_ids))
     # Set by run():
@@ -93,7 +94,12 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> 
         rows = hidden[: step.num_rows] if step.sample_rows is None else hidden[step.sample_rows]
         logits = model.compute_logits(rows)
         t2 = time.perf_counter()
+        gram = step.grammar
+        if gram is not None:  # the matchers hold every token sampled before, this thread having fed them
+            gram.runtime.mask(logits, gram.rows)
         sampled = sampler.sample(logits, step.params, step.generators or [None] * step.num_rows)
+        if gram is not None:
+            gram.runtime.advance(gram.rows, sampled)
         if step.logprobs is not None:
             step.token_logprobs = sampler.logprobs_of(logits, sampled, step.logprobs)
         t3 = time.perf_counter()

@@ -68,6 +68,7 @@ class Sequence:
     sample_step: int = -1
     sample_row: int = -1
     last_slot: int = 1 << 62  # index in token_ids of its last token by length (set by the engine)
+    matcher: object = None  # structured output: its grammar state (engine/grammar.py), None when free
 
     def __post_init__(self):
         if self.num_prompt_tokens < 0:

@@ -89,19 +89,29 @@ class Tokenizer:
                 return None
         return pieces
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """tools: OpenAI's `tools` array; the template writes them (and the call format)
+        where the model expects them, as Hugging Face's apply_chat_template does."""
         if self._compiled is None:
             raise TokenizerError("this model has no chat template")
-        return self._compiled.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            return self._compiled.render(
+                messages=messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except Exception as e:  # a template's own raise_exception, or a field it needs and lacks
+            raise TokenizerError(f"the chat template cannot render these messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template writes the BOS itself, so the tokenizer must not add another.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
 
 def _decoder_type(tok_file: Path) -> str | None:

@@ -1,0 +1,141 @@
+"""Structured output where tokens are chosen: a token bitmask per constrained row.
+
+Glossary:
+- matcher: one request's position in its grammar (an llguidance LLMatcher). It has
+  consumed exactly the request's output tokens so far; it is advanced on the device
+  thread right after each sampling, and nowhere else while the request runs.
+- bitmask: [rows, ceil(V / 32)] int32, bit v of a row set when token v may come next.
+
+N = constrained rows, V = vocabulary, W = ceil(V / 32).
+
+Only the constrained rows of a step pay anything: a step whose plan has no constrained
+row carries no GrammarRows and runs exactly as before. For those that do, the masks of
+all of them are computed in one library call (its own threads, the GIL released), the
+masked logits are written with one indexed assignment, and all matchers advance in one
+call after sampling.
+
+The state is rebuilt, not shipped: a worker that takes a request over (a decode worker
+after the hand-off, a recompute after a failed transfer) makes a matcher from the spec in
+the request's sampling parameters and feeds it the tokens generated so far.
+
+MTP drafts are checked against the grammar: the target's row for draft j is masked with
+the state after drafts 0..j-1, so a draft the grammar forbids has probability 0 and is
+rejected by verification like any other; the drafts consumed to compute those masks are
+rolled back to the ones accepted.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+from moemesh.shared.grammar.compile import GrammarError, check
+from moemesh.shared.protocol.sampling import GrammarSpec
+
+
+@dataclass
+class GrammarRows:
+    """A planned step's constrained sampling rows: (row in the step's logits, matcher)."""
+    runtime: "GrammarRuntime"
+    rows: list[tuple[int, LLMatcher]]
+
+
+class GrammarRuntime:
+    def __init__(self, model_dir: str, vocab_size: int, eos_ids: set[int]):
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self._tokenizer: LLTokenizer | None = None
+        self._executor: LLExecutor | None = None
+        # bit b of an int32 word; the sign bit is bit 31
+        self._bits = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
+
+    @property
+    def tokenizer(self) -> LLTokenizer:
+        """Built on the first constrained request (about a second for a 129k vocabulary),
+        once per process and checkpoint."""
+        if self._tokenizer is None:
+            self._tokenizer = _tokenizer(self.model_dir, self.vocab_size, tuple(self.eos_ids))
+        return self._tokenizer
+
+    def matcher(self, spec: GrammarSpec, output_ids: list[int] = ()) -> LLMatcher:
+        """A matcher that has consumed output_ids. Raises GrammarError."""
+        grammar = check(spec, self.tokenizer)
+        m = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise GrammarError(m.get_error())
+        if output_ids and not m.consume_tokens(list(output_ids)):
+            raise GrammarError("the tokens generated so far do not match the grammar")
+        return m
+
+    # ---- plain rows ------------------------------------------------------------------
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, LLMatcher]]) -> None:
+        """Forbidden tokens of the given rows of logits [R, V] to -inf, in place."""
+        bitmask = torch.empty(len(rows), self._width, dtype=torch.int32)  # [N, W]
+        if self._executor is None:
+            self._executor = LLExecutor()
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, (_, m) in enumerate(rows)], bitmask.data_ptr(),
+                                               self._width * 4, len(rows))
+        idx = torch.tensor([r for r, _ in rows], dtype=torch.long, device=logits.device)
+        self._apply(logits, idx, bitmask)
+
+    def advance(self, rows: list[tuple[int, LLMatcher]], sampled: torch.Tensor) -> None:
+        """Feed each row's matcher the token sampled for it. A matcher whose grammar is
+        done takes nothing more: its request ends with the end-of-sequence token it just
+        sampled (or a step planned before that landed samples a row that is thrown away)."""
+        toks = sampled.tolist() if len(rows) > 1 or sampled.numel() > 1 else [int(sampled)]
+        live = [(m, toks[r]) for r, m in rows if not m.is_stopped()]
+        if live:
+            if self._executor is None:
+                self._executor = LLExecutor()
+            self._executor.consume_token_par(live)
+
+    # ---- MTP drafts --------------------------------------------------------------------
+    def mask_drafts(self, logits: torch.Tensor, matcher: LLMatcher, drafts: list[int]) -> int:
+        """logits [k+1, V]: row j scores the token after drafts[:j]. Masks each row that
+        verification may read with the state after drafts[:j], consuming the drafts the
+        grammar allows on the way. Returns how many were consumed (a prefix of drafts); a
+        later draft is forbidden by the mask of its row, so verification rejects it there
+        and never reads the rows after it."""
+        n_ok = 0 if matcher.is_stopped() else matcher.validate_tokens(drafts)
+        bitmask = torch.empty(n_ok + 1, self._width, dtype=torch.int32)  # [n_ok+1, W]
+        for j in range(n_ok + 1):
+            matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), self._width * 4)
+            if j < n_ok:
+                matcher.consume_token(drafts[j])
+        self._apply(logits, torch.arange(n_ok + 1, device=logits.device), bitmask)
+        return n_ok
+
+    def settle(self, matcher: LLMatcher, num_consumed: int, tokens: list[int]) -> None:
+        """After verification: tokens = the accepted drafts then one token from the target.
+        Roll back the consumed drafts that were rejected, then feed the last token."""
+        num_accepted = len(tokens) - 1
+        if num_consumed > num_accepted:
+            matcher.rollback(num_consumed - num_accepted)
+        if not matcher.is_stopped():
+            matcher.consume_token(tokens[-1])
+
+    # ---- helpers -----------------------------------------------------------------------
+    @property
+    def _width(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    def _apply(self, logits: torch.Tensor, idx: torch.Tensor, bitmask: torch.Tensor) -> None:
+        V = logits.shape[1]
+        bm = bitmask.to(logits.device, non_blocking=True)
+        allowed = (bm[:, :, None] & self._bits.to(logits.device)).ne_(0).view(len(bm), -1)[:, :V]  # [N, V]
+        logits[idx] = logits[idx].masked_fill_(~allowed, float("-inf"))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: str, vocab_size: int, eos_ids: tuple[int, ...]) -> LLTokenizer:
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise GrammarError(f"structured output needs the checkpoint's tokenizer.json, and {path} is missing")
+    # n_vocab: the model's (often padded) vocabulary, so the masks match its logits; ids
+    # past the tokenizer's own have no text and are never allowed.
+    return LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=list(eos_ids))
