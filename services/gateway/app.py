@@ -112,6 +112,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/health/ready", ready, methods=["GET"]),
             *([] if separate_metrics else [Route("/metrics", metrics_route, methods=["GET"])]),
@@ -255,6 +256,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     fast = api.ChunkBytes(req)
     reader = Reader(st.tok, req.params.stop)
     each = reader.detok.each
+    cont = req.continuous_usage
     # the common case: no per-token extras
     plain = not req.params.stop and req.logprobs is None and req.tools is None
     calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
@@ -275,9 +277,14 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
             if ids and first:
                 st.m["ttft"].observe(time.perf_counter() - t0)
                 stream_span.add_event("first_token")
+            n_sent = n_out  # tokens in the chunks before this take (continuous usage counts on from it)
             n_out += len(ids)
             if plain and not first and finish is None and error is None:
-                yield fast.texts(each(ids))
+                if cont:
+                    cached = handle.cached_tokens
+                    yield b"".join([fast.counted(t, n_sent + i, cached) for i, t in enumerate(each(ids), 1)])
+                else:
+                    yield fast.texts(each(ids))
                 continue
             if not ids and finish is None and error is None:
                 continue
@@ -288,13 +295,17 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                     tid = -1
                     if ev.token:
                         tid, k = ids[k], k + 1
-                    if first:
-                        parts.append(_sse_data(api.chunk(req, "", None, True)))
-                        first = False
-                    parts += [_sse_data(api.delta_chunk(req, d)) for d in calls.feed(tid, ev.text)]
+                    n_sent += ev.token
+                    out = [api.chunk(req, "", None, True)] if first else []
+                    first = False
+                    out += [api.delta_chunk(req, d) for d in calls.feed(tid, ev.text)]
                     if ev.finish:
-                        parts.append(_sse_data(api.chunk(req, "", api.tool_finish(ev.finish, calls.calls))))
+                        out.append(api.chunk(req, "", api.tool_finish(ev.finish, calls.calls)))
                         end = True
+                    for c in out:
+                        if cont:
+                            c["usage"] = api.usage(len(req.prompt_ids), n_sent, handle.cached_tokens)
+                        parts.append(_sse_data(c))
                     continue
                 if ev.error:
                     stream_span.set_status(trace.StatusCode.ERROR, ev.error)
@@ -302,18 +313,22 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                     parts.append(_sse_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]}))
                     end = True
                     break
+                n_sent += ev.token
                 if not (first or ev.finish or ev.logprob):
-                    parts.append(fast.text(ev.text))
+                    parts.append(fast.counted(ev.text, n_sent, handle.cached_tokens) if cont else fast.text(ev.text))
                 else:
                     lp = api.logprobs_payload(req, st.tok, [ev.logprob] if ev.logprob else [])
-                    parts.append(_sse_data(api.chunk(req, ev.text, ev.finish, first, lp)))
+                    c = api.chunk(req, ev.text, ev.finish, first, lp)
+                    if cont:
+                        c["usage"] = api.usage(len(req.prompt_ids), n_sent, handle.cached_tokens)
+                    parts.append(_sse_data(c))
                 first = False
                 end = ev.finish is not None
             if end:
                 status = 200 if status == 499 else status
                 handle.close("stop_string" if reader.stopped_by_string else None)
                 if req.include_usage:
-                    parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out)))
+                    parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out, handle.cached_tokens)))
                 parts.append(b"data: [DONE]\n\n")
                 yield b"".join(parts)
                 break
@@ -393,12 +408,24 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
     done(200)
     lp = api.logprobs_payload(req, st.tok, lps)
-    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, tool_calls),
+    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, handle.cached_tokens,
+                                  tool_calls),
                         headers={"X-Request-Id": req.request_id, "X-Moemesh-Worker": handle.decode_id})
 
 
 async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_entry(_state(request))]})
+
+
+async def model(request: Request) -> JSONResponse:
     st = _state(request)
+    name = request.path_params["model"]
+    if name != st.cfg.model_name:
+        raise api.ApiError(404, f"The model {name!r} does not exist", "model", code="model_not_found")
+    return JSONResponse(_model_entry(st))
+
+
+def _model_entry(st: GatewayState) -> dict:
     entry = {"id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "moemesh",
              "max_model_len": st.max_model_len}
     engines = sorted({hb.engine for hb in st.mesh.live("decode") + st.mesh.live("prefill")})
@@ -406,7 +433,7 @@ async def models(request: Request) -> JSONResponse:
         entry["moemesh_engines"] = engines  # a mock engine must never pass for the real model
     if st.cfg.decode_only_bench:
         entry["moemesh_mode"] = "decode-only-bench"
-    return JSONResponse({"object": "list", "data": [entry]})
+    return entry
 
 
 def _readiness(st: GatewayState) -> dict:

@@ -208,7 +208,8 @@ class PrefillService(AsyncService):
             span.set_attribute("prefill.first_token", out.new_token_ids[0] if out.new_token_ids else -1)
             reason = out.finish_reason.value if out.finished else None
             rt.tokens.add(job.gateway_id, job.request_id, out.new_token_ids, reason,
-                          logprobs=out.logprobs or None, position=out.position)
+                          logprobs=out.logprobs or None, position=out.position,
+                          cached_tokens=out.num_cached_tokens if out.num_prompt_tokens else None)
             if out.prefill_done:
                 seq = rt.engine.held_sequence(job.request_id)
                 n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)

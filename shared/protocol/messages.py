@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moemesh.shared.protocol.sampling import GrammarSpec, SamplingParams
+from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParams
 from moemesh.shared.protocol.tokens import (
     TokenLogprob, ids_from_wire, ids_to_wire, logprobs_from_plain, logprobs_to_plain,
 )
@@ -158,6 +158,7 @@ class TokenEnd:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int | None = None  # with a request's first token: its prompt tokens found cached
 
 
 @dataclass
@@ -183,8 +184,8 @@ class TokenBatch:
 def _batch_to_plain(b: TokenBatch) -> list:
     return [b.sent_at, b.worker_id, b.request_ids, ids_to_wire(b.token_ids),
             None if b.counts is None else ids_to_wire(b.counts),
-            [[e.row, e.finish_reason, e.error, None if e.logprobs is None else logprobs_to_plain(e.logprobs)]
-             for e in b.ends], ids_to_wire(b.positions)]
+            [[e.row, e.finish_reason, e.error, None if e.logprobs is None else logprobs_to_plain(e.logprobs),
+              *(() if e.cached_tokens is None else (e.cached_tokens,))] for e in b.ends], ids_to_wire(b.positions)]
 
 
 _STR = {str}
@@ -212,11 +213,13 @@ def _batch_from_plain(raw) -> TokenBatch:
         if positions and (len(positions) != len(rids) or min(positions) < 0):
             raise ValueError("positions do not match the rows")
         out = []
-        for row, finish, error, lps in ends:
+        for row, finish, error, lps, *more in ends:  # more: [cached_tokens] when it is known
+            cached = more[0] if len(more) == 1 else None
             if not (type(row) is int and 0 <= row < len(rids) and (finish is None or isinstance(finish, str))
-                    and (error is None or isinstance(error, str))):
+                    and (error is None or isinstance(error, str)) and len(more) <= 1
+                    and (cached is None or (type(cached) is int and 0 <= cached <= INT32_MAX))):
                 raise TypeError(f"end of row {row!r}")
-            out.append(TokenEnd(row, finish, error, None if lps is None else logprobs_from_plain(lps)))
+            out.append(TokenEnd(row, finish, error, None if lps is None else logprobs_from_plain(lps), cached))
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"TokenBatch: malformed ({e})") from None
     return TokenBatch(rids, token_ids, counts, out, worker, float(sent_at), positions)

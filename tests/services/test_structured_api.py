@@ -158,6 +158,6 @@ def test_streamed_tool_chunks_have_openais_shape(tok):
     first = chunks[0]["choices"][0]["delta"]["tool_calls"][0]
     assert first["index"] == 0 and first["type"] == "function" and first["function"]["name"] == "get_weather"
     assert all(set(c["choices"][0]["delta"]["tool_calls"][0]) == {"index", "function"} for c in chunks[1:])
-    final = api.final(r, "", "tool_calls", 3, 4, None, p.calls)
+    final = api.final(r, "", "tool_calls", 3, 4, None, 0, p.calls)
     assert final["choices"][0]["message"]["content"] is None
     assert final["choices"][0]["message"]["tool_calls"] == p.calls
