@@ -108,10 +108,10 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
     try:
         fmt = grammar_of(body.get("response_format"))
     except FormatError as e:
-        raise ApiError(400, f"'response_format' {e}", "response_format") from None
+        raise ApiError(400, f"'response_format' {e}", "response_format", code=e.code) from None
     if fmt is not None and grammar is not None:
         raise ApiError(400, "'response_format' cannot be combined with a tool_choice that forces a tool call",
-                       "response_format")
+                       "response_format", code="tool_mismatch")
     grammar = grammar or fmt
     stop = _get(body, "stop", (str, list), [])
     if isinstance(stop, str):
@@ -206,7 +206,7 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
     try:
         tools = parse_tools(body, tok)
     except ToolError as e:
-        raise ApiError(400, str(e), e.param) from None
+        raise ApiError(400, str(e), e.param, code=e.code) from None
     norm = [_message(i, m) for i, m in enumerate(messages)]
     try:
         ids = tok.encode_chat(norm, tools=tools.tools if tools else None)
@@ -224,8 +224,9 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
 
 
 def _message(i: int, m) -> dict:
-    """One chat message as the template reads it: role, content text, and an assistant's
-    tool_calls or a tool result's tool_call_id."""
+    """One chat message as the template reads it: role, content text (null is empty), and
+    an assistant's tool_calls or a tool result's tool_call_id. The fields are checked on
+    every role, as the OpenAPI document describes one message shape for all."""
     if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
         raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", "messages")
     content = m.get("content")
@@ -234,28 +235,32 @@ def _message(i: int, m) -> dict:
                    for p in content):
             raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
         content = "".join(p["text"] for p in content)
-    calls = m.get("tool_calls") if m["role"] == "assistant" else None
-    if content is None and calls:
+    if content is None:  # an assistant turn that only calls tools
         content = ""
     if not isinstance(content, str):
         raise ApiError(400, f"messages[{i}].content must be a string", "messages")
     role = "system" if m["role"] == "developer" else m["role"]
     out = {"role": role, "content": content}
+    calls = m.get("tool_calls")
     if calls is not None:
-        if not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-                and isinstance(c["function"].get("arguments", ""), str) for c in calls):
+        if not isinstance(calls, list) or not all(_tool_call_ok(c) for c in calls):
             raise ApiError(400, f"messages[{i}].tool_calls must be an array of "
-                                f"{{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
-                           "messages")
-        out["tool_calls"] = [{"id": c.get("id", ""), "type": "function",
-                              "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", "")}}
-                             for c in calls]
+                                '{"id", "type": "function", "function": {"name", "arguments"}}', "messages")
+        if role == "assistant":
+            out["tool_calls"] = [{"id": c.get("id", ""), "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": c["function"].get("arguments", "")}} for c in calls]
+    if not isinstance(m.get("tool_call_id", ""), str):
+        raise ApiError(400, f"messages[{i}].tool_call_id must be a string", "messages")
     if role == "tool":
-        if not isinstance(m.get("tool_call_id", ""), str):
-            raise ApiError(400, f"messages[{i}].tool_call_id must be a string", "messages")
         out["tool_call_id"] = m.get("tool_call_id", "")
     return out
+
+
+def _tool_call_ok(c) -> bool:
+    if not isinstance(c, dict) or not isinstance(c.get("id", ""), str) or c.get("type", "function") != "function":
+        return False
+    f = c.get("function")
+    return isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("arguments", ""), str)
 
 
 def _with_logprobs(p: SamplingParams, n: int) -> SamplingParams:

@@ -22,7 +22,12 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class FormatError(ValueError):
-    """What is wrong with a response_format, for a 400 naming it."""
+    """What is wrong with a response_format, for a 400 naming it. code: set when the
+    schema is well formed but the library cannot enforce it."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 def grammar_of(fmt) -> GrammarSpec | None:
@@ -61,5 +66,5 @@ def grammar_of(fmt) -> GrammarSpec | None:
     try:
         check(spec)
     except GrammarError as e:
-        raise FormatError(f"the schema cannot be enforced: {e}") from None
+        raise FormatError(f"the schema cannot be enforced: {e}", "unenforceable_schema") from None
     return spec

@@ -34,12 +34,18 @@ MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜to
            "<｜tool▁sep｜>")
 
 
+# Error codes of the refusals a JSON schema of the request cannot foresee (the OpenAPI
+# document names them): settings that disagree with each other, and a function's
+# parameters that the grammar library cannot enforce.
+MISMATCH, UNENFORCEABLE = "tool_mismatch", "unenforceable_schema"
+
+
 class ToolError(ValueError):
     """A bad tools / tool_choice / parallel_tool_calls; `param` names which."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -85,14 +91,14 @@ def parse_tools(body: dict, tok: Tokenizer) -> Tools | None:
         raise ToolError("parallel_tool_calls", "'parallel_tool_calls' must be a boolean")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
-            raise ToolError("tool_choice", "'tool_choice' needs 'tools'")
+            raise ToolError("tool_choice", "'tool_choice' needs 'tools'", MISMATCH)
         return None
     if not isinstance(tools, list):
         raise ToolError("tools", "'tools' must be an array of function tools")
     norm = [_tool(i, t) for i, t in enumerate(tools)]
     names = [t["function"]["name"] for t in norm]
     if len(set(names)) != len(names):
-        raise ToolError("tools", "'tools' has two functions of the same name")
+        raise ToolError("tools", "'tools' has two functions of the same name", MISMATCH)
     name = None
     if choice is None:
         choice = "auto"
@@ -103,7 +109,7 @@ def parse_tools(body: dict, tok: Tokenizer) -> Tools | None:
                                            "{\"type\": \"function\", \"function\": {\"name\": ...}}")
         name = fn["name"]
         if name not in names:
-            raise ToolError("tool_choice", f"'tool_choice' names {name!r}, which is not in 'tools'")
+            raise ToolError("tool_choice", f"'tool_choice' names {name!r}, which is not in 'tools'", MISMATCH)
         choice = "function"
     elif choice not in ("none", "auto", "required"):
         raise ToolError("tool_choice", "'tool_choice' must be none, auto, required or a named function")
@@ -118,7 +124,7 @@ def parse_tools(body: dict, tok: Tokenizer) -> Tools | None:
         try:
             check(spec)
         except GrammarError as e:
-            raise ToolError("tools", f"a function's parameters cannot be enforced: {e}") from None
+            raise ToolError("tools", f"a function's parameters cannot be enforced: {e}", UNENFORCEABLE) from None
     return out
 
 
