@@ -127,7 +127,7 @@ class GrammarRuntime:
     def _apply(self, logits: torch.Tensor, idx: torch.Tensor, bitmask: torch.Tensor) -> None:
         V = logits.shape[1]
         bm = bitmask.to(logits.device, non_blocking=True)
-        allowed = (bm[:, :, None] & self._bits.to(logits.device)).ne_(0).view(len(bm), -1)[:, :V]  # [N, V]
+        allowed = (bm[:, :, None] & self._bits.to(logits.device)).ne(0).view(len(bm), -1)[:, :V]  # [N, V]
         logits[idx] = logits[idx].masked_fill_(~allowed, float("-inf"))
 
 

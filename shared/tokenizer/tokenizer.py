@@ -45,6 +45,9 @@ class Tokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template = template
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # What Hugging Face's template environment adds: templates are written against it.
+        self._env.filters["tojson"] = _tojson
+        self._env.globals["raise_exception"] = _raise
         self._compiled = self._env.from_string(template) if template else None
         self.vocab_size = self._tok.get_vocab_size()
         self._byte_level = _decoder_type(tok_file) == "ByteLevel"
@@ -112,6 +115,17 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """Hugging Face's tojson: keys in their order and no HTML escaping (Jinja's own sorts
+    the keys and escapes <, > and &, so a tool's schema would read differently from the
+    text the model was trained on)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise(message: str):
+    raise TokenizerError(message)
 
 
 def _decoder_type(tok_file: Path) -> str | None:
