@@ -33,8 +33,13 @@ from pathlib import Path
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
-from moemesh.shared.grammar.compile import GrammarError, check
+from moemesh.shared.grammar.compile import GrammarError, to_library
 from moemesh.shared.protocol.sampling import GrammarSpec
+
+
+# From this many constrained rows in a step, masks are computed and tokens consumed on the
+# library's thread pool, in one call; below it, one row after another on the device thread.
+PARALLEL_ROWS = 16
 
 
 @dataclass
@@ -64,8 +69,12 @@ class GrammarRuntime:
 
     def matcher(self, spec: GrammarSpec, output_ids: list[int] = ()) -> LLMatcher:
         """A matcher that has consumed output_ids. Raises GrammarError."""
-        grammar = check(spec, self.tokenizer)
-        m = LLMatcher(self.tokenizer, grammar, log_level=0)
+        # The gateway validated the spec; the matcher's construction compiles it again
+        # (and reports an error through is_error rather than raising).
+        try:
+            m = LLMatcher(self.tokenizer, to_library(spec), log_level=0)
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
         if m.is_error():
             raise GrammarError(m.get_error())
         if output_ids and not m.consume_tokens(list(output_ids)):
@@ -76,10 +85,16 @@ class GrammarRuntime:
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, LLMatcher]]) -> None:
         """Forbidden tokens of the given rows of logits [R, V] to -inf, in place."""
         bitmask = torch.empty(len(rows), self._width, dtype=torch.int32)  # [N, W]
-        if self._executor is None:
-            self._executor = LLExecutor()
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, (_, m) in enumerate(rows)], bitmask.data_ptr(),
-                                               self._width * 4, len(rows))
+        nbytes = self._width * 4
+        if len(rows) < PARALLEL_ROWS:
+            # On this thread (each call releases the GIL): handing a few rows to the
+            # library's pool costs more in thread wake-ups than it saves.
+            base = bitmask.data_ptr()
+            for i, (_, m) in enumerate(rows):
+                m.unsafe_compute_mask_ptr(base + i * nbytes, nbytes)
+        else:
+            self._pool().unsafe_compute_mask_ptr([(m, i) for i, (_, m) in enumerate(rows)], bitmask.data_ptr(),
+                                                 nbytes, len(rows))
         idx = torch.tensor([r for r, _ in rows], dtype=torch.long, device=logits.device)
         self._apply(logits, idx, bitmask)
 
@@ -87,12 +102,13 @@ class GrammarRuntime:
         """Feed each row's matcher the token sampled for it. A matcher whose grammar is
         done takes nothing more: its request ends with the end-of-sequence token it just
         sampled (or a step planned before that landed samples a row that is thrown away)."""
-        toks = sampled.tolist() if len(rows) > 1 or sampled.numel() > 1 else [int(sampled)]
+        toks = sampled.tolist()
         live = [(m, toks[r]) for r, m in rows if not m.is_stopped()]
-        if live:
-            if self._executor is None:
-                self._executor = LLExecutor()
-            self._executor.consume_token_par(live)
+        if len(live) < PARALLEL_ROWS:
+            for m, t in live:
+                m.consume_token(t)
+        else:
+            self._pool().consume_token_par(live)
 
     # ---- MTP drafts --------------------------------------------------------------------
     def mask_drafts(self, logits: torch.Tensor, matcher: LLMatcher, drafts: list[int]) -> int:
@@ -120,6 +136,11 @@ class GrammarRuntime:
             matcher.consume_token(tokens[-1])
 
     # ---- helpers -----------------------------------------------------------------------
+    def _pool(self) -> LLExecutor:
+        if self._executor is None:
+            self._executor = LLExecutor()
+        return self._executor
+
     @property
     def _width(self) -> int:
         return (self.vocab_size + 31) // 32
