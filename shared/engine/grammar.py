@@ -27,6 +27,7 @@ rolled back to the ones accepted.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +57,11 @@ class GrammarRuntime:
         self.eos_ids = sorted(eos_ids)
         self._tokenizer: LLTokenizer | None = None
         self._executor: LLExecutor | None = None
-        # bit b of an int32 word; the sign bit is bit 31
-        self._bits = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
+        # byte value -> its 8 bits, low bit first: the bitmask read as bytes (little-endian
+        # words) unpacks with one gather, bit b of byte k being token 8k + b
+        self._unpack = (torch.arange(256)[:, None] >> torch.arange(8)).bitwise_and_(1).bool()  # [256, 8]
+        self.num_masked_rows = 0  # rows masked since start (bench grammar reads them) ...
+        self.busy_s = 0.0  # ... and the time spent masking and feeding matchers
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -84,6 +88,7 @@ class GrammarRuntime:
     # ---- plain rows ------------------------------------------------------------------
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, LLMatcher]]) -> None:
         """Forbidden tokens of the given rows of logits [R, V] to -inf, in place."""
+        t0 = time.perf_counter()
         bitmask = torch.empty(len(rows), self._width, dtype=torch.int32)  # [N, W]
         nbytes = self._width * 4
         if len(rows) < PARALLEL_ROWS:
@@ -95,13 +100,14 @@ class GrammarRuntime:
         else:
             self._pool().unsafe_compute_mask_ptr([(m, i) for i, (_, m) in enumerate(rows)], bitmask.data_ptr(),
                                                  nbytes, len(rows))
-        idx = torch.tensor([r for r, _ in rows], dtype=torch.long, device=logits.device)
-        self._apply(logits, idx, bitmask)
+        self._apply(logits, [r for r, _ in rows], bitmask)
+        self.busy_s += time.perf_counter() - t0
 
     def advance(self, rows: list[tuple[int, LLMatcher]], sampled: torch.Tensor) -> None:
         """Feed each row's matcher the token sampled for it. A matcher whose grammar is
         done takes nothing more: its request ends with the end-of-sequence token it just
         sampled (or a step planned before that landed samples a row that is thrown away)."""
+        t0 = time.perf_counter()
         toks = sampled.tolist()
         live = [(m, toks[r]) for r, m in rows if not m.is_stopped()]
         if len(live) < PARALLEL_ROWS:
@@ -109,6 +115,7 @@ class GrammarRuntime:
                 m.consume_token(t)
         else:
             self._pool().consume_token_par(live)
+        self.busy_s += time.perf_counter() - t0
 
     # ---- MTP drafts --------------------------------------------------------------------
     def mask_drafts(self, logits: torch.Tensor, matcher: LLMatcher, drafts: list[int]) -> int:
@@ -123,7 +130,7 @@ class GrammarRuntime:
             matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), self._width * 4)
             if j < n_ok:
                 matcher.consume_token(drafts[j])
-        self._apply(logits, torch.arange(n_ok + 1, device=logits.device), bitmask)
+        self._apply(logits, list(range(n_ok + 1)), bitmask)
         return n_ok
 
     def settle(self, matcher: LLMatcher, num_consumed: int, tokens: list[int]) -> None:
@@ -145,11 +152,22 @@ class GrammarRuntime:
     def _width(self) -> int:
         return (self.vocab_size + 31) // 32
 
-    def _apply(self, logits: torch.Tensor, idx: torch.Tensor, bitmask: torch.Tensor) -> None:
-        V = logits.shape[1]
-        bm = bitmask.to(logits.device, non_blocking=True)
-        allowed = (bm[:, :, None] & self._bits.to(logits.device)).ne(0).view(len(bm), -1)[:, :V]  # [N, V]
-        logits[idx] = logits[idx].masked_fill_(~allowed, float("-inf"))
+    def _apply(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+        """logits[rows[i]] keeps the tokens bitmask[i] allows; the others go to -inf."""
+        N, V = len(rows), logits.shape[1]
+        if self._unpack.device != logits.device:
+            self._unpack = self._unpack.to(logits.device)
+        by = bitmask.view(torch.uint8).to(logits.device, non_blocking=True).flatten().long()  # [N * 4W]
+        forbid = ~self._unpack.index_select(0, by).view(N, -1)[:, :V]  # [N, V]
+        if logits.device.type == "cpu":
+            # In place, row by row: a gather and a scatter of the rows cost more than the
+            # fill itself at a large vocabulary (and one op per row is cheap on a CPU).
+            for i, r in enumerate(rows):
+                logits[r].masked_fill_(forbid[i], float("-inf"))
+        else:
+            idx = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+            logits[idx] = logits[idx].masked_fill_(forbid, float("-inf"))
+        self.num_masked_rows += N
 
 
 @functools.lru_cache(maxsize=4)
