@@ -20,7 +20,6 @@ JSON Schema) that the workers enforce when sampling, as for response_format.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass, field
@@ -217,10 +216,3 @@ class ToolCallParser:
         self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": ""}})
         return Delta(index=len(self.calls) - 1, call_id=call_id, name=name)
 
-
-def argument_json_ok(call: dict) -> bool:
-    """Whether a parsed call's arguments are a JSON object (a truncated call's are not)."""
-    try:
-        return isinstance(json.loads(call["function"]["arguments"]), dict)
-    except ValueError:
-        return False
