@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from moemesh.services.gateway import openai_api as api
+from moemesh.services.gateway import span_attrs as attrs
 from moemesh.services.gateway.auth import ApiKeyMiddleware, load_api_keys
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
@@ -41,7 +42,7 @@ from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
 from moemesh.services.gateway.tool_calls import ToolCallParser
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.service.metrics_http import MetricsServer
-from moemesh.shared.telemetry.metrics import Metrics
+from moemesh.shared.telemetry.metrics import REQUEST_LATENCY_BUCKETS, Metrics
 from moemesh.shared.telemetry.propagation import extract_context, inject_headers
 from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
@@ -74,7 +75,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         provider = setup_tracing("moemesh-gateway", cfg.trace_file or None, cfg.otlp_endpoint or None)
         tok = Tokenizer(cfg.model)
         mcfg = ModelConfig.from_dir(cfg.model)
-        metrics = Metrics()
+        metrics = Metrics(const_labels={"model_name": cfg.model_name})
         mesh = MeshClient(cfg, gateway_id, metrics)
         await mesh.start()
         max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
@@ -83,8 +84,10 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         st.m = {
             "requests": metrics.counter("requests_total", "HTTP requests by route and status",
                                         ("route", "status")),
-            "ttft": metrics.histogram("ttft_seconds", "time to first token"),
-            "e2e": metrics.histogram("request_seconds", "request latency, end to end"),
+            "ttft": metrics.histogram("ttft_seconds", "time to first token", buckets=REQUEST_LATENCY_BUCKETS),
+            "e2e": metrics.histogram("request_seconds", "request latency, end to end", buckets=REQUEST_LATENCY_BUCKETS),
+            "itl": metrics.histogram("inter_token_latency_seconds",
+                                     "a streamed request's mean gap between tokens after the first (one per request)"),
             "tokens": metrics.counter("output_tokens_total", "tokens streamed to clients"),
             "inflight": metrics.gauge("inflight_requests", "admitted requests in flight"),
         }
@@ -95,7 +98,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             log.warning("no API keys set and listening on %s: the API is open to anyone who can reach it", cfg.host)
         metrics_http = None
         if separate_metrics:
-            metrics_http = MetricsServer(metrics.render, lambda: {"status": "ok", **_readiness(st)},
+            metrics_http = MetricsServer(metrics, lambda: {"status": "ok", **_readiness(st)},
                                          cfg.metrics_host, cfg.metrics_port)
             await metrics_http.start()
             log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, metrics_http.port)
@@ -152,6 +155,8 @@ async def _generate(request: Request, kind: str) -> Response:
     route = request.scope["path"]
     ctx = extract_context(request.headers)
     span = st.tracer.start_span(f"POST {route}", context=ctx, kind=trace.SpanKind.SERVER)
+    if span.is_recording():
+        span.set_attributes(attrs.http_request("POST", route, request.url.scheme, request.scope.get("server"), kind))
     t0 = time.perf_counter()
     try:
         req = await _admit(request, st, kind, span)
@@ -159,6 +164,7 @@ async def _generate(request: Request, kind: str) -> Response:
         err = e if isinstance(e, api.ApiError) else _internal(e, "admitting a request")
         span.set_status(trace.StatusCode.ERROR, err.message)
         span.set_attribute("http.status_code", err.status)
+        span.set_attributes(attrs.http_response(err.status))
         span.end()
         st.m["requests"].labels(route, str(err.status)).inc()
         raise err from None
@@ -175,6 +181,7 @@ async def _generate(request: Request, kind: str) -> Response:
         st.m["requests"].labels(route, str(status)).inc()
         st.m["e2e"].observe(time.perf_counter() - t0)
         span.set_attribute("http.status_code", status)
+        span.set_attributes(attrs.http_response(status))
         span.end()
 
     handle = None
@@ -183,8 +190,7 @@ async def _generate(request: Request, kind: str) -> Response:
         handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
         span.set_attribute("decode.id", handle.decode_id)
         if req.stream:
-            return EventStream(_sse(st, req, handle, span, t0, done), handle,
-                               {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id})
+            return EventStream(_sse(st, req, handle, span, t0, done), handle, _headers(st, req, handle))
         return await _collect(request, st, req, handle, span, t0, done)
     except NoWorkers as e:
         done(503)
@@ -232,6 +238,8 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
     if st.inflight >= st.cfg.max_inflight:  # others were admitted while this one was parsed
         raise _at_capacity(st)
     span.set_attributes({"request.id": req.request_id, "prompt.tokens": n, "max_tokens": m, "stream": req.stream})
+    if span.is_recording():
+        span.set_attributes(attrs.gen_ai_request(req))
     return req
 
 
@@ -253,6 +261,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     """Everything that arrived for the stream since the last write goes out in one write,
     one SSE event per token."""
     n_out, first, status = 0, True, 499  # 499 until the stream ends (the client left first)
+    t_first, finished_as = 0.0, None
     fast = api.ChunkBytes(req)
     reader = Reader(st.tok, req.params.stop)
     each = reader.detok.each
@@ -275,7 +284,8 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                 break
             ids, lps, finish, error = handle.take()
             if ids and first:
-                st.m["ttft"].observe(time.perf_counter() - t0)
+                t_first = time.perf_counter()
+                st.m["ttft"].observe(t_first - t0)
                 stream_span.add_event("first_token")
             n_sent = n_out  # tokens in the chunks before this take (continuous usage counts on from it)
             n_out += len(ids)
@@ -300,7 +310,8 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                     first = False
                     out += [api.delta_chunk(req, d) for d in calls.feed(tid, ev.text)]
                     if ev.finish:
-                        out.append(api.chunk(req, "", api.tool_finish(ev.finish, calls.calls)))
+                        finished_as = api.tool_finish(ev.finish, calls.calls)
+                        out.append(api.chunk(req, "", finished_as))
                         end = True
                     for c in out:
                         if cont:
@@ -324,6 +335,8 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                     parts.append(_sse_data(c))
                 first = False
                 end = ev.finish is not None
+                if end:
+                    finished_as = ev.finish
             if end:
                 status = 200 if status == 499 else status
                 handle.close("stop_string" if reader.stopped_by_string else None)
@@ -335,11 +348,15 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
             yield b"".join(parts)
     finally:
         st.m["tokens"].inc(n_out)  # once per request, not per token
+        if status == 200 and n_out > 1:
+            st.m["itl"].observe((time.perf_counter() - t_first) / (n_out - 1))
         if not handle.closed:  # the client went away (or the stream broke): stop the work
             handle.close("client")
             stream_span.add_event("client_disconnected")
         stream_span.set_attribute("completion.tokens", n_out)
         stream_span.end()
+        if span.is_recording():
+            span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, finished_as, handle.cached_tokens))
         done(status)
 
 
@@ -406,11 +423,19 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
     if error:
         done(500)
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
+    if span.is_recording():
+        span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, finish, handle.cached_tokens))
     done(200)
     lp = api.logprobs_payload(req, st.tok, lps)
     return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, handle.cached_tokens,
                                   tool_calls),
-                        headers={"X-Request-Id": req.request_id, "X-Moemesh-Worker": handle.decode_id})
+                        headers=_headers(st, req, handle))
+
+
+def _headers(st: GatewayState, req: api.GenerateRequest, handle) -> dict[str, str]:
+    if st.cfg.worker_header:  # opt-in, for benchmarks: it names an internal worker
+        return {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id}
+    return {"x-request-id": req.request_id}
 
 
 async def models(request: Request) -> JSONResponse:

@@ -237,6 +237,13 @@ class PrefillService(AsyncService):
         refused: dict[str, str] = {}
         taken_by = None
         for candidate in [decode_id, *others]:
+            if candidate != decode_id:
+                # The gateway takes a request's tokens only from the workers it knows serve
+                # it. Told on this worker's own token subject before the KVReady goes out, it
+                # hears of the new decode worker before anything that worker sends.
+                for h in group:
+                    rt.tokens.hand_off(h.job.gateway_id, h.job.request_id, candidate)
+                await rt.tokens.flush()
             try:
                 reply = await request(rt.nc, rt.subjects.decode_kv_ready(candidate), ready, KVReadyReply,
                                       self.cfg.kv_ready_timeout_s)

@@ -167,7 +167,10 @@ class TokenBatch:
     ids are the next counts[i] of token_ids (one each when counts is None). The few rows
     that end their request, fail it, or carry logprobs have an entry in `ends`.
     positions[i]: where row i's ids go in its request's output (the index of the first),
-    so that the gateway sees a lost or repeated batch; empty when not known."""
+    so that the gateway sees a lost or repeated batch; empty when not known.
+    handoffs: from a prefill worker, request id -> the decode worker its KV goes to when
+    that is not the one the gateway chose (which did not answer); the gateway takes a
+    request's rows only from the workers it knows serve it. Sent only when not empty."""
     request_ids: list[str]
     token_ids: list[int]
     counts: list[int] | None = None
@@ -175,6 +178,7 @@ class TokenBatch:
     worker_id: str = ""
     sent_at: float = 0.0
     positions: list[int] = field(default_factory=list)
+    handoffs: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def error(cls, request_id: str, error: str, worker_id: str = "") -> "TokenBatch":
@@ -182,10 +186,13 @@ class TokenBatch:
 
 
 def _batch_to_plain(b: TokenBatch) -> list:
-    return [b.sent_at, b.worker_id, b.request_ids, ids_to_wire(b.token_ids),
-            None if b.counts is None else ids_to_wire(b.counts),
-            [[e.row, e.finish_reason, e.error, None if e.logprobs is None else logprobs_to_plain(e.logprobs),
-              *(() if e.cached_tokens is None else (e.cached_tokens,))] for e in b.ends], ids_to_wire(b.positions)]
+    out = [b.sent_at, b.worker_id, b.request_ids, ids_to_wire(b.token_ids),
+           None if b.counts is None else ids_to_wire(b.counts),
+           [[e.row, e.finish_reason, e.error, None if e.logprobs is None else logprobs_to_plain(e.logprobs),
+             *(() if e.cached_tokens is None else (e.cached_tokens,))] for e in b.ends], ids_to_wire(b.positions)]
+    if b.handoffs:  # rare; without them a batch stays readable by a build before handoffs
+        out.append(b.handoffs)
+    return out
 
 
 _STR = {str}
@@ -195,9 +202,13 @@ def _batch_from_plain(raw) -> TokenBatch:
     """The compact form, checked column by column: this runs once per step per gateway."""
     try:
         sent_at, worker, rids, toks, counts, ends, *rest = raw  # a build before positions sends 6
-        positions = rest.pop() if len(rest) == 1 else b""
-        if rest:
-            raise ValueError(f"{7 + len(rest)} fields")
+        if len(rest) > 2:
+            raise ValueError(f"{6 + len(rest)} fields")
+        positions = rest[0] if rest else b""
+        handoffs = rest[1] if len(rest) == 2 else {}
+        if not (isinstance(handoffs, dict)
+                and all(type(k) is str and type(v) is str for k, v in handoffs.items())):
+            raise TypeError("handoffs")
         if not (isinstance(sent_at, (int, float)) and isinstance(worker, str) and isinstance(rids, list)
                 and set(map(type, rids)) <= _STR and isinstance(ends, list)):  # C speed: 256 rows a step
             raise TypeError("header")
@@ -222,7 +233,7 @@ def _batch_from_plain(raw) -> TokenBatch:
             out.append(TokenEnd(row, finish, error, None if lps is None else logprobs_from_plain(lps), cached))
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"TokenBatch: malformed ({e})") from None
-    return TokenBatch(rids, token_ids, counts, out, worker, float(sent_at), positions)
+    return TokenBatch(rids, token_ids, counts, out, worker, float(sent_at), positions, handoffs)
 
 
 register_codec(TokenBatch, _batch_to_plain, _batch_from_plain)

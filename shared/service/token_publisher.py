@@ -49,13 +49,22 @@ class TokenPublisher:
         elif b.counts is None:  # a whole step went in as it was: copy before appending to it
             b = self._pending[gateway_id] = TokenBatch(list(b.request_ids), list(b.token_ids),
                                                        [1] * len(b.request_ids), list(b.ends), self._worker,
-                                                       positions=list(b.positions))
+                                                       positions=list(b.positions), handoffs=dict(b.handoffs))
         if finish_reason is not None or error is not None or logprobs or cached_tokens is not None:
             b.ends.append(TokenEnd(len(b.request_ids), finish_reason, error, logprobs, cached_tokens))
         b.request_ids.append(request_id)
         b.token_ids += token_ids
         b.counts.append(len(token_ids))
         b.positions.append(position)
+
+    def hand_off(self, gateway_id: str, request_id: str, worker_id: str) -> None:
+        """Tell the gateway that worker_id serves the request from here on (a prefill
+        worker handing the KV to another decode worker than the gateway chose). Goes out
+        with the next flush, ahead of anything that worker sends."""
+        b = self._pending.get(gateway_id)
+        if b is None:
+            b = self._pending[gateway_id] = TokenBatch([], [], [], worker_id=self._worker)
+        b.handoffs[request_id] = worker_id
 
     def add_step(self, gateway_id: str, out: StepOutputs) -> None:
         """Every row of a step's outputs, for one gateway: the columns go out as they are."""

@@ -11,6 +11,10 @@ Two ways to the text, the same text either way:
   incremental UTF-8 decoder. Constant work per token, no library call.
 - any other tokenizer: decode a short window that starts a little before the new
   tokens, which gives the same characters as decoding everything.
+
+`tokenizers`' own DecodeStream was measured against the byte table on the tiny model's
+vocabulary: 1.0 µs per token, against 1.1 µs for add() one id at a time and 0.4 µs for
+each() over a write's ids (the gateway's path), so the table stays.
 """
 
 from __future__ import annotations

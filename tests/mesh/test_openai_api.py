@@ -140,6 +140,11 @@ def test_models_health_metrics_openapi(mesh):
     assert httpx.get(mesh.url + "/health/ready").status_code == 200
     m = httpx.get(mesh.url + "/metrics").text
     assert "moemesh_ttft_seconds_bucket" in m and "moemesh_requests_total" in m
+    # vLLM-level: model_name on every moemesh series, process metrics, per-request ITL, hours-long requests
+    assert 'moemesh_inter_token_latency_seconds_count{model_name="tiny"}' in m
+    assert 'moemesh_request_seconds_bucket{le="7680.0",model_name="tiny"}' in m
+    assert "process_cpu_seconds_total" in m and "python_gc_objects_collected_total" in m
+    assert all('model_name="tiny"' in line for line in m.splitlines() if line.startswith("moemesh_"))
     spec = httpx.get(mesh.url + "/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"]
 
@@ -178,3 +183,10 @@ def test_one_request_is_one_trace_across_all_services(mesh):
     assert parent("queue.wait") == "prefill" and parent("prefill.batch") == "prefill"
     dec = next(s for s in mine if s["name"] == "decode")
     assert [e["name"] for e in dec["events"]].count("step") == dec["attributes"]["decode.steps"]
+    # the HTTP and generative-AI semantic conventions on the request's span
+    a = roots[0]["attributes"]
+    assert (a["http.request.method"], a["http.route"], a["http.response.status_code"]) == \
+        ("POST", "/v1/chat/completions", 200)
+    assert (a["gen_ai.operation.name"], a["gen_ai.request.model"], a["gen_ai.request.max_tokens"]) == ("chat", "tiny", 4)
+    assert a["gen_ai.usage.output_tokens"] == 4 and a["gen_ai.usage.input_tokens"] > 0
+    assert a["gen_ai.response.finish_reasons"] == ["length"] and a["gen_ai.response.id"].startswith("chatcmpl-")

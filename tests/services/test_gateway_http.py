@@ -196,3 +196,17 @@ def test_a_counted_chunk_is_the_general_chunk_with_usage(kind):
         c["usage"] = openai_api.usage(3, n, cached)
         assert fast.counted(text, n, cached) == b"data: " + orjson.dumps(c) + b"\n\n"
         assert fast.text(text) == b"data: " + orjson.dumps(openai_api.chunk(req, text, None)) + b"\n\n"
+
+
+def test_the_serving_worker_is_named_in_a_header_only_when_asked_for():
+    """Benchmarks split throughput per worker by x-moemesh-worker; clients otherwise never
+    learn internal worker ids."""
+    from types import SimpleNamespace
+
+    from moemesh.services.gateway.app import _headers
+
+    req, handle = SimpleNamespace(request_id="cmpl-1"), SimpleNamespace(decode_id="decode-7")
+    off = SimpleNamespace(cfg=GatewayConfig(model="m"))
+    on = SimpleNamespace(cfg=GatewayConfig(model="m", worker_header=True))
+    assert _headers(off, req, handle) == {"x-request-id": "cmpl-1"}
+    assert _headers(on, req, handle) == {"x-request-id": "cmpl-1", "x-moemesh-worker": "decode-7"}
