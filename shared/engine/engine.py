@@ -25,10 +25,12 @@ from functools import partial
 import torch
 
 from moemesh.shared.checkpoint.loader import load_model
+from moemesh.shared.grammar.compile import GrammarError
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.drafter import Drafter
 from moemesh.shared.engine.fork import can_fork, make_children, take_copy
+from moemesh.shared.engine.grammar import GrammarRows, GrammarRuntime
 from moemesh.shared.engine.hybrid_batch import HybridBatcher
 from moemesh.shared.engine.hybrid_cache import HybridKVCache
 from moemesh.shared.engine.kv_cache import KVCache
@@ -120,6 +122,10 @@ class LLMEngine:
         self.num_accepted_total = 0
         self.num_prompt_tokens_total = 0
         self.num_cached_tokens_total = 0  # prompt tokens whose KV came from the prefix cache
+        # Structured output: the running requests with a grammar, by id. Empty (the common
+        # case) means a step does no grammar work at all.
+        self.grammar = GrammarRuntime(cfg.model, mcfg.vocab_size, self.eos_ids)
+        self.constrained: dict[str, Sequence] = {}
 
     @property
     def can_overlap(self) -> bool:
@@ -191,6 +197,7 @@ class LLMEngine:
         self.check_request(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, num_prompt_tokens=len(prompt_ids))
         seq.last_slot = self._last_slot(seq)
+        seq.matcher = self._matcher(seq)
         seq.block_hashes = chain(seq.token_ids, self.cfg.block_size, self.kv_identity)
         if cached_blocks:
             bs = self.cfg.block_size
@@ -208,6 +215,8 @@ class LLMEngine:
             if self.snapshots is not None:
                 self.scheduler.pin_snapshot(seq)
         self.seqs[request_id] = seq
+        if seq.matcher is not None:
+            self.constrained[request_id] = seq
         self.scheduler.add(seq)
 
     def _add_parent(self, request_id: str, prompt_ids: list[int], forks: list[tuple[str, SamplingParams]],
@@ -258,9 +267,13 @@ class LLMEngine:
         children = make_children(parent, self.blocks, self._last_slot)
         self.scheduler.fork(parent, children)
         del self.seqs[parent.request_id]
+        self.constrained.pop(parent.request_id, None)
         for child in children:
             self._parent_of.pop(child.request_id, None)
             self.seqs[child.request_id] = child
+            child.matcher = self._matcher(child)  # its own grammar state (the parent's spec was checked)
+            if child.matcher is not None:
+                self.constrained[child.request_id] = child
         return children
 
     def has_unfinished(self) -> bool:
@@ -370,6 +383,13 @@ class LLMEngine:
         over to it) joins the running sequences."""
         seq = Sequence(request_id, list(token_ids), params, num_prompt_tokens=num_prompt_tokens)
         seq.last_slot = self._last_slot(seq)
+        try:
+            seq.matcher = self._matcher(seq)
+        except RequestError:  # output that breaks its grammar: the blocks handed over go back
+            self.blocks.free(block_ids)
+            if ring >= 0:
+                self.blocks.give_ring(ring)
+            raise
         seq.block_ids, seq.ring = block_ids, ring
         seq.num_computed = len(token_ids) - 1
         if self.use_mtp:
@@ -377,6 +397,8 @@ class LLMEngine:
         seq.block_hashes = chain(seq.token_ids, self.cfg.block_size, self.kv_identity)
         self._register(seq)
         self.seqs[request_id] = seq
+        if seq.matcher is not None:
+            self.constrained[request_id] = seq
         self.scheduler.add_running(seq)
 
     # ---- the step -------------------------------------------------------------------
@@ -449,6 +471,8 @@ class LLMEngine:
             step.generators = [self._gen_at(s, slot) for s, slot in zip(seqs, slots)]
         if any(p.logprobs is not None for p in params):
             step.logprobs = [p.logprobs for p in params]
+        if self.constrained:
+            step.grammar = self.grammar_rows(sid)
         step.prev = inflight
         step.register = register
         if self.snapshots is not None:
@@ -566,6 +590,33 @@ class LLMEngine:
         if reason is None and not extra.prefill_done and not extra.logprobs and not extra.num_prompt_tokens:
             return None
         return extra
+
+    # ---- structured output (grammar.py) ---------------------------------------------------
+    def _matcher(self, seq: Sequence):
+        """A request's grammar state, fed the tokens it has generated (None: no grammar)."""
+        if seq.params.grammar is None:
+            return None
+        try:
+            return self.grammar.matcher(seq.params.grammar, seq.output_ids)
+        except GrammarError as e:
+            raise RequestError(f"response_format: {e}", "response_format") from None
+
+    def grammar_rows(self, step_id: int) -> GrammarRows | None:
+        """The constrained rows that the planned step step_id samples. Walks the
+        constrained requests only."""
+        rows = [(seq.sample_row, seq.matcher) for seq in self.live_constrained() if seq.sample_step == step_id]
+        return GrammarRows(self.grammar, rows) if rows else None
+
+    def live_constrained(self) -> list[Sequence]:
+        """The constrained requests that may still sample here; forgets those that are
+        over (finished, or held for a pull: a held request samples nothing more here)."""
+        live = []
+        for rid, seq in list(self.constrained.items()):
+            if seq.status is SeqStatus.FINISHED or seq.status is SeqStatus.HELD:
+                del self.constrained[rid]
+            else:
+                live.append(seq)
+        return live
 
     def _last_slot(self, seq: Sequence) -> int:
         n_out = 1 if self.cfg.role == "prefill" else seq.params.max_tokens

@@ -57,6 +57,7 @@ class PlannedStep:
     # before the forward; the sources' references are dropped when the step has landed.
     copies: list = field(default_factory=list)  # (source, destination) blocks
     release: list = field(default_factory=list)  # source blocks
+    grammar: object = None  # GrammarRows: the constrained rows and their matchers; None: no constrained row
     stats: object = None  # the engine's StepStats for this step
     step_id: int = field(default_factory=lambda: next(_step_ids))
     # Set by run():
@@ -100,7 +101,12 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> 
         rows = hidden[: step.num_rows] if step.sample_rows is None else hidden[step.sample_rows]
         logits = model.compute_logits(rows)
         t2 = time.perf_counter()
+        gram = step.grammar
+        if gram is not None:  # the matchers hold every token sampled before, this thread having fed them
+            gram.runtime.mask(logits, gram.rows)
         sampled = sampler.sample(logits, step.params, step.generators or [None] * step.num_rows)
+        if gram is not None:
+            gram.runtime.advance(gram.rows, sampled)
         if step.logprobs is not None:
             step.token_logprobs = sampler.logprobs_of(logits, sampled, step.logprobs)
         t3 = time.perf_counter()

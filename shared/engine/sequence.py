@@ -74,6 +74,7 @@ class Sequence:
     forks: list = field(default_factory=list)
     fork_index: int = 0
     cow_src: int = -1
+    matcher: object = None  # structured output: its grammar state (engine/grammar.py), None when free
 
     def __post_init__(self):
         if self.num_prompt_tokens < 0:

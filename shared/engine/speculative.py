@@ -107,13 +107,26 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
         idx = [r for _, r in plain]
         seqs = [c.seq for c, _ in plain]
         sel = logits if len(idx) == logits.shape[0] else logits[idx]
-        toks = sampler.sample(sel, [s.params for s in seqs], [eng._gen(s) for s in seqs]).tolist()
+        gram = [(k, s.matcher) for k, s in enumerate(seqs) if s.matcher is not None] \
+            if eng.constrained and eng.live_constrained() else None
+        if gram:
+            eng.grammar.mask(sel, gram)
+        sampled = sampler.sample(sel, [s.params for s in seqs], [eng._gen(s) for s in seqs])
+        if gram:
+            eng.grammar.advance(gram, sampled)
+        toks = sampled.tolist()
         for (c, r), t in zip(plain, toks):
             new_tokens[id(c)] = [t]
     for c, r, n in samplers:
         if n > 1:
             drafts = c.token_ids[c.q_len - (n - 1):]
+            m = c.seq.matcher
+            # Constrained: each row is masked with the grammar's state after the drafts before
+            # it, so a forbidden draft is rejected; the rejected ones are rolled back after.
+            n_consumed = eng.grammar.mask_drafts(logits[r : r + n], m, drafts) if m is not None else 0
             toks = verify(logits[r : r + n], drafts, c.seq.params, eng._gen(c.seq))
+            if m is not None:
+                eng.grammar.settle(m, n_consumed, toks)
             new_tokens[id(c)] = toks
             c.seq.num_drafted += len(drafts)
             c.seq.num_accepted += len(toks) - 1

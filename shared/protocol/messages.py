@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moemesh.shared.protocol.sampling import INT32_MAX, SamplingParams
+from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParams
 from moemesh.shared.protocol.tokens import (
     TokenLogprob, ids_from_wire, ids_to_wire, logprobs_from_plain, logprobs_to_plain,
 )
@@ -27,6 +27,11 @@ class WireSampling:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    # Structured output (GrammarSpec): "" = none. The spec, not a matcher's state, travels:
+    # a worker that takes a request over (the decode side of a hand-off) rebuilds the state
+    # by feeding the grammar the tokens generated so far.
+    grammar_kind: str = ""
+    grammar: str = ""
 
     def to_params(self) -> SamplingParams:
         # Stop strings never reach workers: the gateway detokenizes and applies them.
@@ -34,12 +39,14 @@ class WireSampling:
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
             logprobs=self.logprobs, min_tokens=self.min_tokens,
+            grammar=GrammarSpec(self.grammar_kind, self.grammar) if self.grammar_kind else None,
         )
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> "WireSampling":
+        g = p.grammar
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop_token_ids), p.ignore_eos,
-                   p.logprobs, p.min_tokens)
+                   p.logprobs, p.min_tokens, g.kind if g else "", g.text if g else "")
 
 
 @dataclass
