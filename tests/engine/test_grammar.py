@@ -175,3 +175,18 @@ def test_output_that_breaks_the_grammar_is_refused_at_the_handoff(tiny_engine_fa
     with pytest.raises(RequestError):
         eng.add_prefilled("r", PROMPT + bad, len(PROMPT), _params(1), pre.export_kv("r"))
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def test_each_child_of_a_forked_request_keeps_to_the_grammar(tiny_engine_factory, tok):
+    # n > 1: the prompt is computed once, and every child samples under its own grammar state
+    from moemesh.shared.protocol.forks import fork_ids, fork_params
+
+    eng = tiny_engine_factory(num_speculative_tokens=0, num_kv_blocks=128)
+    p = _params(4)
+    eng.add_request("r", PROMPT, p, forks=[(cid, fork_params(p, i)) for i, cid in enumerate(fork_ids("r", 3))])
+    ids, why = _run(eng)
+    assert sorted(ids) == fork_ids("r", 3)
+    for cid in ids:
+        assert why[cid] == "stop", tok.decode(ids[cid])
+        validate(tok.decode(ids[cid]), SCHEMA)
+    assert not eng.live_constrained() and eng.blocks.num_free_blocks == eng.blocks.num_blocks
