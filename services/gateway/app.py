@@ -247,6 +247,7 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
     span.set_attributes({"request.id": req.request_id, "prompt.tokens": n, "max_tokens": m, "stream": req.stream})
     if span.is_recording():
         span.set_attributes(attrs.gen_ai_request(req))
+        span.set_attributes(req.trace_attrs)
     return req
 
 

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from moemesh.services.gateway.request_fields import ONLY_AT, FieldError, caller_attributes, check_known
 from moemesh.services.gateway.structured import FormatError, grammar_of
 from moemesh.services.gateway.tool_calls import Delta, ToolError, Tools, parse_tools
 from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParamError, SamplingParams
@@ -37,6 +38,7 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
+    trace_attrs: dict = field(default_factory=dict)  # the caller's user, safety id and metadata, for the span
     logprobs: int | None = None  # number of alternatives per token, when requested
     n: int = 1  # choices, each sampled on its own from the one prompt (shared/protocol/forks.py)
     tools: Tools | None = None  # set when the answer may hold tool calls (chat only)
@@ -48,14 +50,18 @@ class GenerateRequest:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
 
 
-UNSUPPORTED = {  # parameter -> the one value we can honour (null means the same)
-    "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
-    "functions": None, "function_call": None, "logit_bias": None,
-}
+UNSUPPORTED = ONLY_AT  # parameter -> the one value we can honour (null means the same)
 CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
+def _known(body: dict, kind: str) -> None:
+    try:
+        check_known(body, kind)
+    except FieldError as e:
+        raise ApiError(400, str(e), e.param) from None
 
 
 def _honoured(v, ok) -> bool:
@@ -114,6 +120,10 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
         if name in body and not _honoured(body[name], ok):
             raise ApiError(400, f"'{name}' is not supported by this server (use {ok!r} or leave it out)", name)
     try:
+        trace_attrs = caller_attributes(body)
+    except FieldError as e:
+        raise ApiError(400, str(e), e.param) from None
+    try:
         fmt = grammar_of(body.get("response_format"))
     except FormatError as e:
         raise ApiError(400, f"'response_format' {e}", "response_format", code=e.code) from None
@@ -165,13 +175,14 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
         raise ApiError(400, message, param) from None
     return params, {"stream": _get(body, "stream", (bool,), False),
                     "include_usage": stream_opts.get("include_usage", False),
-                    "continuous_usage": stream_opts.get("continuous_usage_stats", False)}
+                    "continuous_usage": stream_opts.get("continuous_usage_stats", False), "trace_attrs": trace_attrs}
 
 
 def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
                      max_n: int = 1) -> GenerateRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    _known(body, "completion")
     model = _get(body, "model", (str,), None)
     if model is None:
         raise ApiError(400, "'model' is required", "model")
@@ -207,6 +218,7 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
                max_n: int = 1) -> GenerateRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    _known(body, "chat")
     model = _get(body, "model", (str,), None)
     if model is None:
         raise ApiError(400, "'model' is required", "model")

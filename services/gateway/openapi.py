@@ -81,8 +81,25 @@ def _sampling(max_tokens_key: str, max_model_len: int, max_n: int) -> dict:
         "functions": {"type": "null"},
         "function_call": {"type": "null"},
         "logit_bias": {"type": "null"},
+        **{k: {"type": "null"} for k in ("audio", "prediction", "reasoning_effort", "verbosity",
+                                         "web_search_options", "moderation", "prompt_cache_key",
+                                         "prompt_cache_options", "prompt_cache_retention")},
         "response_format": _opt(_RESPONSE_FORMAT),
+        "user": _opt({"type": "string", "maxLength": 512, "description": "recorded on the request's trace span"}),
     }
+
+
+# Chat only: what describes the caller (recorded on the trace) and the values that mean
+# what this server does (request_fields.py).
+_CALLER = {
+    "safety_identifier": _opt({"type": "string", "maxLength": 512, "description": "recorded on the trace span"}),
+    "metadata": _opt({"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
+                      "additionalProperties": {"type": "string", "maxLength": 512},
+                      "description": "recorded on the trace span"}),
+    "store": _opt({"const": False}),
+    "service_tier": _opt({"enum": ["auto", "default"]}),
+    "modalities": _opt({"type": "array", "const": ["text"]}),
+}
 
 
 def _errors(*codes: int) -> dict:
@@ -112,19 +129,19 @@ def openapi_document(model_name: str, vocab_size: int, max_model_len: int, max_n
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]},
         "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "an assistant turn's calls"},
         "tool_call_id": {"type": "string", "description": "a tool result's call"}}}
-    completion = {"type": "object", "required": ["model", "prompt"], "properties": {
+    completion = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
         "model": model,
         "prompt": {"oneOf": [{"type": "string"}, ids,
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]},
         "logprobs": _opt(_int(0, 20)), **_sampling("max_tokens", max_model_len, max_n),
         **{k: {"type": "null", "description": "chat only"} for k in _TOOLS}}}
-    chat = {"type": "object", "required": ["model", "messages"], "properties": {
+    chat = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
         "model": model,
         "messages": {"type": "array", "minItems": 1, "items": message},
         "logprobs": _opt({"type": "boolean"}),
         "top_logprobs": _opt(_int(0, 20)),
-        **_sampling("max_completion_tokens", max_model_len, max_n), **_TOOLS,
+        **_sampling("max_completion_tokens", max_model_len, max_n), **_TOOLS, **_CALLER,
         "max_tokens": _opt(_int(1, max_model_len, description="used when max_completion_tokens is absent"))}}
 
     def post(summary: str, op: str, schema: dict) -> dict:
