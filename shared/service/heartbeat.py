@@ -14,8 +14,6 @@ from moemesh.shared.protocol.messages import Heartbeat
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.protocol.wire import encode
 
-PRUNE_EVERY_S = 0.1
-
 log = logging.getLogger(__name__)
 
 
@@ -74,7 +72,6 @@ class WorkerRegistry:
         self.workers: dict[str, LiveWorker] = {}
         self._miss = miss_factor
         self._min = min_timeout_s
-        self._pruned_at = 0.0
         self._held = False
 
     @property
@@ -104,20 +101,23 @@ class WorkerRegistry:
         if self._held:
             return []
         now = time.monotonic() if now is None else now
-        dead = [w for w, lw in self.workers.items()
-                if now - lw.last_seen > max(self._min, self._miss * lw.beat.interval_s)]
+        dead = [w for w, lw in self.workers.items() if now - lw.last_seen > self._timeout(lw)]
         for w in dead:
             del self.workers[w]
         return dead
 
     def live(self, role: str | None, model: str | None = None) -> list[Heartbeat]:
-        """Live workers of a role (None: every role)."""
+        """Live workers of a role (None: every role). A silent worker is left out here but
+        not forgotten: only prune() forgets, so that its caller hears of every death. (When
+        this forgot them, a request or a /health call that came first made the gateway
+        miss the death, and the dead worker's streams never moved.)"""
         now = time.monotonic()
-        if now - self._pruned_at > PRUNE_EVERY_S:  # asked once per request: a sweep each time adds up
-            self._pruned_at = now
-            self.prune(now)
         return [lw.beat for lw in self.workers.values()
-                if (role is None or lw.beat.role == role) and (model is None or lw.beat.model == model)]
+                if (role is None or lw.beat.role == role) and (model is None or lw.beat.model == model)
+                and (self._held or now - lw.last_seen <= self._timeout(lw))]
+
+    def _timeout(self, lw: LiveWorker) -> float:
+        return max(self._min, self._miss * lw.beat.interval_s)
 
     def get(self, worker_id: str) -> Heartbeat | None:
         lw = self.workers.get(worker_id)

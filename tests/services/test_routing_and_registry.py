@@ -1,3 +1,5 @@
+import time
+
 from moemesh.services.gateway.router import pick_decode
 from moemesh.shared.protocol.messages import Heartbeat, WorkerLoad
 from moemesh.shared.service.heartbeat import WorkerRegistry
@@ -27,3 +29,25 @@ def test_registry_forgets_silent_and_draining_workers():
     r.observe(_hb("a", 0), now=4.0)
     r.observe(_hb("a", 0, draining=True), now=4.1)
     assert "a" not in r.workers
+
+
+def test_a_silent_worker_left_out_of_live_is_still_named_dead_by_prune():
+    # The gateway moves a dead worker's streams when prune() names it. A request (or a
+    # /health call) that asks for live workers first must not forget the worker on the
+    # way, or its streams never move and stall until the inactivity timeout.
+    r = WorkerRegistry(miss_factor=2, min_timeout_s=1)
+    now = time.monotonic()
+    r.observe(_hb("a", 0), now=now - 10)  # silent for 10 s: dead
+    r.observe(_hb("b", 0), now=now)
+    assert [hb.worker_id for hb in r.live("decode")] == ["b"]
+    assert r.prune() == ["a"]
+    assert r.prune() == []
+
+
+def test_live_leaves_out_no_one_while_our_own_link_is_down():
+    r = WorkerRegistry(miss_factor=2, min_timeout_s=1)
+    r.observe(_hb("a", 0), now=time.monotonic() - 10)
+    r.hold()
+    assert [hb.worker_id for hb in r.live("decode")] == ["a"]
+    r.resume()
+    assert [hb.worker_id for hb in r.live("decode")] == ["a"]
