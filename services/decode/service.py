@@ -63,7 +63,7 @@ class DecodeService(AsyncService):
         transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
         self.rt = WorkerRuntime(cfg, "decode", self._on_outputs, engine, transport,
-                                lambda: {"num_transfers": len(self.pulls)})
+                                lambda: {"num_transfers": len(self.pulls), "requests_by_gateway": dict(self._gateways)})
         self.pulls: dict[str, Pull] = {}
         self.aborted = Tombstones()
         self.gateways = GatewayWatch(self._gateway_gone, cfg.heartbeat_interval_s)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -84,7 +85,7 @@ class PrefillService(AsyncService):
         transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
         self.rt = WorkerRuntime(cfg, "prefill", self._on_outputs, engine, transport,
-                                lambda: {"num_held": len(self.leases)})
+                                lambda: {"num_held": len(self.leases), "requests_by_gateway": self._by_gateway()})
         self.jobs: dict[str, JobState] = {}
         self.aborted = Tombstones()
         self.gateways = GatewayWatch(self._gateway_gone, cfg.heartbeat_interval_s)
@@ -120,6 +121,12 @@ class PrefillService(AsyncService):
 
     async def stop(self) -> None:
         await self.rt.close()
+
+    def _by_gateway(self) -> dict[str, int]:
+        """Gateway -> requests held for it, queued or computed and waiting for their pull."""
+        held = Counter(st.job.gateway_id for st in self.jobs.values())
+        held.update(lease.job.gateway_id for lease in self.leases.by_request.values())
+        return dict(held)
 
     # ---- jobs ---------------------------------------------------------------------
     async def _on_job(self, job: PrefillJob, msg, ctx):

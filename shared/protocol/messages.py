@@ -276,6 +276,9 @@ class WorkerStats:
     # serving-loop gap before the step] seconds, then the number of sequences in the step
     recent_steps: list[list[float]] = field(default_factory=list)
     placement_version: int = 0
+    # gateway -> the requests this worker holds for it (queued, running, handed over, pulling):
+    # what a dead gateway's clients can no longer read (`moemesh bench chaos` counts these orphans)
+    requests_by_gateway: dict[str, int] = field(default_factory=dict)
 
 
 # ---- expert-parallel load balancing (balancer <-> the ranks of a DEP instance) ----------
