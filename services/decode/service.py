@@ -66,7 +66,7 @@ class DecodeService(AsyncService):
                                 lambda: {"num_transfers": len(self.pulls), "requests_by_gateway": dict(self._gateways)})
         self.pulls: dict[str, Pull] = {}
         self.aborted = Tombstones()
-        self.gateways = GatewayWatch(self._gateway_gone, cfg.heartbeat_interval_s)
+        self.gateways = GatewayWatch(self._gateway_gone)
         self.active: dict[str, Active] = {}
         self._gateways: Counter[str] = Counter()  # gateways of the active requests
         self._step_events = False

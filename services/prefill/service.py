@@ -88,7 +88,7 @@ class PrefillService(AsyncService):
                                 lambda: {"num_held": len(self.leases), "requests_by_gateway": self._by_gateway()})
         self.jobs: dict[str, JobState] = {}
         self.aborted = Tombstones()
-        self.gateways = GatewayWatch(self._gateway_gone, cfg.heartbeat_interval_s)
+        self.gateways = GatewayWatch(self._gateway_gone)
         self.leases = LeaseTable(cfg.lease_timeout_s)
         self.peers = KVPeers("decode")  # decode workers, to vet the UCX addresses we send to
         self._job_subs = []
