@@ -36,6 +36,7 @@ from moemesh.tools.launch.procs import Child, ProcessGroup, free_port
 from moemesh.tools.launch.up import Mesh, UpConfig, default_home
 
 BLOCK_SIZE = 16
+PROMPTS_PER_SLOW_STEP = 2  # kill-prefill's slowed prefill: a burst of streams queues
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ def _up(cfg: ChaosConfig, sc: Scenario, log_dir: Path, nats_url: str) -> UpConfi
               f"max_num_batched_tokens={max(16384, cfg.streams * (cfg.prompt_tokens + cfg.max_tokens))}",
               f"num_kv_blocks={max(8192, 2 * cfg.streams * blocks)}")
     # A slow prefill takes two prompts a step: a burst of streams waits in its queue.
-    prefill = (f"mock_step_ms={sc.prefill_step_ms}", f"max_num_batched_tokens={2 * cfg.prompt_tokens}") \
+    prefill = (f"mock_step_ms={sc.prefill_step_ms}",
+               f"max_num_batched_tokens={PROMPTS_PER_SLOW_STEP * cfg.prompt_tokens}") \
         if sc.prefill_step_ms else ()
     decode = (f"drain_timeout_s={sc.drain_timeout_s}",) if sc.drain_timeout_s else ()
     return UpConfig(model=cfg.model, nats_url=nats_url, port=0, num_prefill=2, num_decode=2, service_args=worker, prefill_args=prefill,
@@ -179,42 +181,59 @@ def _worker_ids(mesh: Mesh, role: str) -> list[str]:
     return [c.name for c in mesh.group.children if c.name.startswith(role + "-")]
 
 
-async def _stats(nats_url: str, worker_ids: list[str]) -> dict:
-    import nats
-
+async def _stats(nc, worker_ids: list[str]) -> dict:
     from moemesh.shared.protocol.messages import StatsRequest, WorkerStats
     from moemesh.shared.protocol.subjects import Subjects
     from moemesh.shared.service.nats_io import Unreachable, request
 
+    out = {}
+    for w in worker_ids:
+        try:
+            out[w] = await request(nc, Subjects().stats(w), StatsRequest(), WorkerStats, 5)
+        except Unreachable:
+            pass  # dead: it holds nothing
+    return out
+
+
+async def _stats_of(nats_url: str, worker_ids: list[str]) -> dict:
+    import nats
+
     nc = await nats.connect(nats_url)
     try:
-        out = {}
-        for w in worker_ids:
-            try:
-                out[w] = await request(nc, Subjects().stats(w), StatsRequest(), WorkerStats, 5)
-            except Unreachable:
-                pass  # dead: it holds nothing
-        return out
+        return await _stats(nc, worker_ids)
     finally:
         await nc.close()
 
 
 def _busiest(mesh: Mesh, role: str, queued: bool = False, timeout_s: float = 20.0) -> str:
-    """The worker of a role with the most requests (queued: the first time one has a queue)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = asyncio.run(_stats(mesh.nats_url, _worker_ids(mesh, role)))
-        load = {w: s.load.num_running + s.load.num_waiting for w, s in stats.items()}
-        if load and (not queued or any(s.load.num_waiting for s in stats.values())):
-            return max(sorted(load), key=load.get)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {role} worker had {'a queue' if queued else 'work'} to strike")
-        time.sleep(0.05)
+    """The worker of a role holding the most requests; queued: the first prefill worker seen
+    with more prompts to compute than one step takes (its queue). Counted from what the
+    service holds: the engine's load snapshot is not refreshed during a long step."""
+    import nats
+
+    async def watch() -> str:
+        nc = await nats.connect(mesh.nats_url)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                stats = await _stats(nc, _worker_ids(mesh, role))
+                # queued: the jobs not computed yet (num_held: those computed, waiting for their pull)
+                load = {w: sum(s.requests_by_gateway.values()) - (s.num_held if queued else 0)
+                        for w, s in stats.items()}
+                if load and (not queued or max(load.values()) > PROMPTS_PER_SLOW_STEP):
+                    return max(sorted(load), key=load.get)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no {role} worker had {'a queue' if queued else 'work'} to strike")
+                await asyncio.sleep(0.01)
+        finally:
+            await nc.close()
+
+    return asyncio.run(watch())
 
 
 def _orphans(mesh: Mesh, gateway_id: str) -> int:
     """Requests the live workers still hold for a gateway (queued, running or handed over)."""
-    stats = asyncio.run(_stats(mesh.nats_url, _worker_ids(mesh, "prefill") + _worker_ids(mesh, "decode")))
+    stats = asyncio.run(_stats_of(mesh.nats_url, _worker_ids(mesh, "prefill") + _worker_ids(mesh, "decode")))
     return sum(s.requests_by_gateway.get(gateway_id, 0) for s in stats.values())
 
 

@@ -88,6 +88,7 @@ def scenario_row(name: str, result: dict, observed: dict, lost_gateway: int | No
         if ended and result.get("fault_at") else None,
         "probes": len(probes),
         "probe_errors": sum(1 for p in probes if p["error"] is not None),
+        "probe_error_kinds": dict(Counter(p["error"] for p in probes if p["error"] is not None)),
         "victim": victim,
         "on_victim": sum(1 for s in streams if s["worker"] == victim) if routed is not None else None,
         "migrated": observed.get("migrations"),
