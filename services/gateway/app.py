@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from moemesh.services.gateway import openai_api as api
+from moemesh.services.gateway import span_attrs as attrs
 from moemesh.services.gateway.auth import ApiKeyMiddleware, load_api_keys
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
@@ -40,7 +41,7 @@ from moemesh.services.gateway.sse import EventStream
 from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.service.metrics_http import MetricsServer
-from moemesh.shared.telemetry.metrics import Metrics
+from moemesh.shared.telemetry.metrics import REQUEST_LATENCY_BUCKETS, Metrics
 from moemesh.shared.telemetry.propagation import extract_context, inject_headers
 from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
@@ -73,7 +74,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         provider = setup_tracing("moemesh-gateway", cfg.trace_file or None, cfg.otlp_endpoint or None)
         tok = Tokenizer(cfg.model)
         mcfg = ModelConfig.from_dir(cfg.model)
-        metrics = Metrics()
+        metrics = Metrics(const_labels={"model_name": cfg.model_name})
         mesh = MeshClient(cfg, gateway_id, metrics)
         await mesh.start()
         max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
@@ -82,8 +83,10 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         st.m = {
             "requests": metrics.counter("requests_total", "HTTP requests by route and status",
                                         ("route", "status")),
-            "ttft": metrics.histogram("ttft_seconds", "time to first token"),
-            "e2e": metrics.histogram("request_seconds", "request latency, end to end"),
+            "ttft": metrics.histogram("ttft_seconds", "time to first token", buckets=REQUEST_LATENCY_BUCKETS),
+            "e2e": metrics.histogram("request_seconds", "request latency, end to end", buckets=REQUEST_LATENCY_BUCKETS),
+            "itl": metrics.histogram("inter_token_latency_seconds",
+                                     "a streamed request's mean gap between tokens after the first (one per request)"),
             "tokens": metrics.counter("output_tokens_total", "tokens streamed to clients"),
             "inflight": metrics.gauge("inflight_requests", "admitted requests in flight"),
         }
@@ -94,7 +97,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             log.warning("no API keys set and listening on %s: the API is open to anyone who can reach it", cfg.host)
         metrics_http = None
         if separate_metrics:
-            metrics_http = MetricsServer(metrics.render, lambda: {"status": "ok", **_readiness(st)},
+            metrics_http = MetricsServer(metrics, lambda: {"status": "ok", **_readiness(st)},
                                          cfg.metrics_host, cfg.metrics_port)
             await metrics_http.start()
             log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, metrics_http.port)
@@ -111,6 +114,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/health/ready", ready, methods=["GET"]),
             *([] if separate_metrics else [Route("/metrics", metrics_route, methods=["GET"])]),
@@ -150,6 +154,8 @@ async def _generate(request: Request, kind: str) -> Response:
     route = request.scope["path"]
     ctx = extract_context(request.headers)
     span = st.tracer.start_span(f"POST {route}", context=ctx, kind=trace.SpanKind.SERVER)
+    if span.is_recording():
+        span.set_attributes(attrs.http_request("POST", route, request.url.scheme, request.scope.get("server"), kind))
     t0 = time.perf_counter()
     try:
         req = await _admit(request, st, kind, span)
@@ -157,6 +163,7 @@ async def _generate(request: Request, kind: str) -> Response:
         err = e if isinstance(e, api.ApiError) else _internal(e, "admitting a request")
         span.set_status(trace.StatusCode.ERROR, err.message)
         span.set_attribute("http.status_code", err.status)
+        span.set_attributes(attrs.http_response(err.status))
         span.end()
         st.m["requests"].labels(route, str(err.status)).inc()
         raise err from None
@@ -173,6 +180,7 @@ async def _generate(request: Request, kind: str) -> Response:
         st.m["requests"].labels(route, str(status)).inc()
         st.m["e2e"].observe(time.perf_counter() - t0)
         span.set_attribute("http.status_code", status)
+        span.set_attributes(attrs.http_response(status))
         span.end()
 
     handle = None
@@ -181,8 +189,7 @@ async def _generate(request: Request, kind: str) -> Response:
         handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
         span.set_attribute("decode.id", handle.decode_id)
         if req.stream:
-            return EventStream(_sse(st, req, handle, span, t0, done), handle,
-                               {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id})
+            return EventStream(_sse(st, req, handle, span, t0, done), handle, _headers(st, req, handle))
         return await _collect(request, st, req, handle, span, t0, done)
     except NoWorkers as e:
         done(503)
@@ -230,6 +237,8 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
     if st.inflight >= st.cfg.max_inflight:  # others were admitted while this one was parsed
         raise _at_capacity(st)
     span.set_attributes({"request.id": req.request_id, "prompt.tokens": n, "max_tokens": m, "stream": req.stream})
+    if span.is_recording():
+        span.set_attributes(attrs.gen_ai_request(req))
     return req
 
 
@@ -251,9 +260,11 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     """Everything that arrived for the stream since the last write goes out in one write,
     one SSE event per token."""
     n_out, first, status = 0, True, 499  # 499 until the stream ends (the client left first)
+    t_first, finished_as = 0.0, None
     fast = api.ChunkBytes(req)
     reader = Reader(st.tok, req.params.stop)
-    add = reader.detok.add
+    each = reader.detok.each
+    cont = req.continuous_usage
     plain = not req.params.stop and req.logprobs is None  # the common case: no per-token extras
     stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
     try:
@@ -270,11 +281,17 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                 break
             ids, lps, finish, error = handle.take()
             if ids and first:
-                st.m["ttft"].observe(time.perf_counter() - t0)
+                t_first = time.perf_counter()
+                st.m["ttft"].observe(t_first - t0)
                 stream_span.add_event("first_token")
+            n_sent = n_out  # tokens in the chunks before this take (continuous usage counts on from it)
             n_out += len(ids)
             if plain and not first and finish is None and error is None:
-                yield b"".join([fast.text(add([t])) for t in ids])
+                if cont:
+                    cached = handle.cached_tokens
+                    yield b"".join([fast.counted(t, n_sent + i, cached) for i, t in enumerate(each(ids), 1)])
+                else:
+                    yield fast.texts(each(ids))
                 continue
             if not ids and finish is None and error is None:
                 continue
@@ -286,29 +303,39 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                     parts.append(_sse_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]}))
                     end = True
                     break
+                n_sent += ev.token
                 if not (first or ev.finish or ev.logprob):
-                    parts.append(fast.text(ev.text))
+                    parts.append(fast.counted(ev.text, n_sent, handle.cached_tokens) if cont else fast.text(ev.text))
                 else:
                     lp = api.logprobs_payload(req, st.tok, [ev.logprob] if ev.logprob else [])
-                    parts.append(_sse_data(api.chunk(req, ev.text, ev.finish, first, lp)))
+                    c = api.chunk(req, ev.text, ev.finish, first, lp)
+                    if cont:
+                        c["usage"] = api.usage(len(req.prompt_ids), n_sent, handle.cached_tokens)
+                    parts.append(_sse_data(c))
                 first = False
                 end = ev.finish is not None
+                if end:
+                    finished_as = ev.finish
             if end:
                 status = 200 if status == 499 else status
                 handle.close("stop_string" if reader.stopped_by_string else None)
                 if req.include_usage:
-                    parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out)))
+                    parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out, handle.cached_tokens)))
                 parts.append(b"data: [DONE]\n\n")
                 yield b"".join(parts)
                 break
             yield b"".join(parts)
     finally:
         st.m["tokens"].inc(n_out)  # once per request, not per token
+        if status == 200 and n_out > 1:
+            st.m["itl"].observe((time.perf_counter() - t_first) / (n_out - 1))
         if not handle.closed:  # the client went away (or the stream broke): stop the work
             handle.close("client")
             stream_span.add_event("client_disconnected")
         stream_span.set_attribute("completion.tokens", n_out)
         stream_span.end()
+        if span.is_recording():
+            span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, finished_as, handle.cached_tokens))
         done(status)
 
 
@@ -365,14 +392,33 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
     if error:
         done(500)
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
+    if span.is_recording():
+        span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, finish, handle.cached_tokens))
     done(200)
     lp = api.logprobs_payload(req, st.tok, lps)
-    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp),
-                        headers={"X-Request-Id": req.request_id, "X-Moemesh-Worker": handle.decode_id})
+    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, handle.cached_tokens),
+                        headers=_headers(st, req, handle))
+
+
+def _headers(st: GatewayState, req: api.GenerateRequest, handle) -> dict[str, str]:
+    if st.cfg.worker_header:  # opt-in, for benchmarks: it names an internal worker
+        return {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id}
+    return {"x-request-id": req.request_id}
 
 
 async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_entry(_state(request))]})
+
+
+async def model(request: Request) -> JSONResponse:
     st = _state(request)
+    name = request.path_params["model"]
+    if name != st.cfg.model_name:
+        raise api.ApiError(404, f"The model {name!r} does not exist", "model", code="model_not_found")
+    return JSONResponse(_model_entry(st))
+
+
+def _model_entry(st: GatewayState) -> dict:
     entry = {"id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "moemesh",
              "max_model_len": st.max_model_len}
     engines = sorted({hb.engine for hb in st.mesh.live("decode") + st.mesh.live("prefill")})
@@ -380,7 +426,7 @@ async def models(request: Request) -> JSONResponse:
         entry["moemesh_engines"] = engines  # a mock engine must never pass for the real model
     if st.cfg.decode_only_bench:
         entry["moemesh_mode"] = "decode-only-bench"
-    return JSONResponse({"object": "list", "data": [entry]})
+    return entry
 
 
 def _readiness(st: GatewayState) -> dict:

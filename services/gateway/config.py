@@ -25,6 +25,9 @@ class GatewayConfig(ServiceConfig):
     # Decode-only benchmarking: send requests straight to decode workers started with
     # bench_dummy_kv, skipping prefill and KV transfer. Logged loudly, shown in /v1/models.
     decode_only_bench: bool = False
+    # Name the decode worker that served a response in an x-moemesh-worker header, for
+    # `moemesh bench serve`'s per-worker throughput. Off: it tells clients internal names.
+    worker_header: bool = False
     # Bearer keys clients must send (services/gateway/auth.py); none given: the API is open.
     # Prefer api_keys_file or the environment: flags show up in `ps`. repr=False keeps keys
     # out of any log line that prints the config.

@@ -13,7 +13,14 @@ decode worker, with no fallback.
 
 Each admitted request gets a Handle (stream.py), which owns its stream and its end.
 Token batches from workers (one per worker step) are decoded once, and each row's ids
-are appended to its handle, which wakes the request's reader if it waits. When the
+are appended to its handle, which wakes the request's reader if it waits. A row is taken
+only from a worker that serves its request: the prefill worker it went to, the decode
+worker it was handed to (the gateway's choice, or the one its prefill worker named in a
+hand-off notice), in the request's current migration attempt.
+
+A worker is suspect, and gets no new requests, from the moment a request to it finds
+nobody there or its prefill worker could not hand KV to it; if its heartbeats stop too,
+it is dead sooner than by its heartbeats alone, and its requests move. When the
 reader closes the handle, the request is forgotten here and, if it was aborted, the
 abort goes out to the workers from a tracked task.
 """
@@ -71,12 +78,19 @@ class MeshClient:
         self.c_gaps = m.counter("token_gaps_total", "token rows that arrived after a gap in their stream")
         self.c_resends = m.counter("token_resends_total", "streams a worker was asked to send again")
         self.c_migrations = m.counter("request_migrations_total", "requests resubmitted because their worker died")
+        self.c_refused = m.counter("token_rows_refused_total",
+                                   "token rows dropped because their sender does not serve their request")
+        self._refused_from: set[str] = set()  # senders already logged
         self.gateway_id = gateway_id or cfg.worker_id or f"gw-{uuid.uuid4().hex[:8]}"
         self.subjects = Subjects(cfg.subject_prefix)
         # Silent for two beats (at least 1 s): gone. Its streams move at once (migration).
-        self.registry = WorkerRegistry(miss_factor=2.0, min_timeout_s=1.0)
+        # Only the watch forgets workers, so that every death moves its streams.
+        self.registry = WorkerRegistry(miss_factor=2.0, min_timeout_s=1.0, owner_prunes=True)
         self._draining: dict[str, tuple[float, float]] = {}  # worker -> (last beat, silence that means dead)
         self.handles: dict[str, Handle] = {}
+        # Requests whose job is on its way and not yet taken: _send_job's own fallbacks see
+        # them through a worker's death, and a migration then would send a second job.
+        self._sending: set[str] = set()
         self._assigned: dict[str, int] = defaultdict(int)
         self._assigned_prompt: dict[str, int] = defaultdict(int)
         self.kv = KVIndex()
@@ -148,6 +162,8 @@ class MeshClient:
         except (Unreachable, RemoteError) as e:
             self._snapshots.discard(holder)  # try again on a later heartbeat
             log.debug("KV snapshot of %s failed: %s", holder, e)
+            if isinstance(e, Unreachable):
+                self._suspect(holder, "its KV snapshot went unanswered")
 
     async def _on_kv_events(self, ev: KVEvents, msg, ctx) -> None:
         self.kv.apply(ev)
@@ -192,10 +208,12 @@ class MeshClient:
             subject = self.subjects.prefill_direct(prefill.worker_id)
             h.prefill_id = prefill.worker_id
             self._assigned_prompt[prefill.worker_id] += len(prompt_ids)
+        self._sending.add(request_id)
         try:
             try:
                 await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, h.headers)
-            except Unreachable:
+            except Unreachable as e:
+                self._suspect(h.prefill_id or h.decode_id, str(e))
                 if self.cfg.decode_only_bench:
                     raise
                 # The chosen worker just went away: any prefill worker will do.
@@ -213,8 +231,16 @@ class MeshClient:
             if e.reply.code == "unavailable":
                 raise NoWorkers("no worker can take the request now") from None
             raise Rejected("the request was refused by the serving workers") from None
+        finally:
+            self._sending.discard(request_id)
 
     # ---- migration ----------------------------------------------------------------------
+    def _suspect(self, worker_id: str, why: str) -> None:
+        """No new requests go to the worker from now on; if its heartbeats stop too, its
+        requests move sooner than by heartbeats alone (WorkerRegistry.suspect)."""
+        if self.registry.suspect(worker_id):
+            log.warning("worker %s is suspect (%s): no new requests go to it until it beats again", worker_id, why)
+
     def _check_workers(self) -> None:
         """Workers that fell silent: their requests go elsewhere (each sweep)."""
         dead = self.registry.prune()
@@ -236,8 +262,11 @@ class MeshClient:
             self._check_workers()
 
     def _migrate_from(self, dead: set[str], why: str) -> None:
+        # A dead prefill worker strands what has not reached its decode worker: no first
+        # token yet, or the first token only (its KV may never have been handed off).
         moving = [h for h in self.handles.values() if not h.closed and h.finish is None
-                  and (h.decode_id in dead or (h.prefill_id in dead and h.next_pos == 0))]
+                  and h.request_id not in self._sending
+                  and (h.decode_id in dead or (h.prefill_id in dead and h.next_pos <= 1))]
         for w in sorted(dead):
             n = sum(1 for h in moving if w in (h.decode_id, h.prefill_id))
             log.warning("worker %s stopped sending heartbeats: migrating its %d requests", w, n)
@@ -277,19 +306,43 @@ class MeshClient:
         self.ask_resend(list(self.handles.values()))
 
     async def _on_tokens(self, batch: TokenBatch, msg, ctx) -> None:
-        handles, rids, pos = self.handles, batch.request_ids, batch.positions
+        handles, rids, pos, w = self.handles, batch.request_ids, batch.positions, batch.worker_id
         now = asyncio.get_running_loop().time()
+        if batch.handoffs:
+            self._take_handoffs(batch)
         if not pos:  # a worker that does not number its rows: taken as they come
             return self._take_unnumbered(batch, now)
-        ends = {e.row for e in batch.ends}
-        took: dict[int, int] = {}  # for rows with an end: how many of its ids were new (-1: a gap)
         gaps: list[Handle] = []
         toks, counts = batch.token_ids, batch.counts
+        refused = 0
+        if counts is None and not batch.ends:  # most steps: one id per row, nothing ends
+            for rid, t, p in zip(rids, toks, pos):
+                h = handles.get(rid)
+                if h is not None:
+                    if w != h.decode_id and w != h.prefill_id:
+                        refused += 1
+                    elif p == h.next_pos:
+                        h.ids.append(t)
+                        h.next_pos = p + 1
+                        h.last_seen = now
+                        h.wake()
+                    elif p > h.next_pos:  # a batch went missing
+                        gaps.append(h)
+            if gaps:
+                self.c_gaps.inc(len(gaps))
+                self.ask_resend(gaps)
+            if refused:
+                self._refuse(w, refused)
+            return
+        ends = {e.row for e in batch.ends}
+        took: dict[int, int] = {}  # for rows with an end: how many of its ids were new (-1: a gap)
         i = 0
         for row, rid in enumerate(rids):
             n = 1 if counts is None else counts[row]
             h = handles.get(rid)
-            if h is not None and n:
+            if h is not None and w != h.decode_id and w != h.prefill_id:
+                refused += 1
+            elif h is not None and n:
                 p, want = pos[row], h.next_pos
                 if p == want:  # the common case
                     if n == 1:
@@ -315,7 +368,7 @@ class MeshClient:
             i += n
         for e in batch.ends:
             h = handles.get(rids[e.row])
-            if h is None:
+            if h is None or (w != h.decode_id and w != h.prefill_id):
                 continue
             new = took.get(e.row, 0)
             if new < 0:
@@ -327,14 +380,44 @@ class MeshClient:
         if gaps:
             self.c_gaps.inc(len(gaps))
             self.ask_resend(gaps)
+        if refused:
+            self._refuse(w, refused)
+
+    def _take_handoffs(self, batch: TokenBatch) -> None:
+        """A prefill worker handed these requests' KV to other decode workers than the
+        ones chosen here (those did not answer it): their rows come from those now."""
+        w, refused = batch.worker_id, 0
+        for rid, decode_id in batch.handoffs.items():
+            h = self.handles.get(rid)
+            if h is None or h.decode_id == decode_id:
+                continue
+            if w != h.prefill_id:
+                refused += 1
+                continue
+            old, h.decode_id = h.decode_id, decode_id
+            self._suspect(old, f"prefill worker {w} could not hand it a request")
+        if refused:
+            self._refuse(w, refused)
+
+    def _refuse(self, worker_id: str, num_rows: int) -> None:
+        """Rows from a worker that serves none of their requests: dropped, counted, and
+        logged the first time that worker sends any."""
+        self.c_refused.inc(num_rows)
+        if worker_id not in self._refused_from:
+            self._refused_from.add(worker_id)
+            log.warning("dropped %d token rows from %s, which serves none of their requests (logged once per "
+                        "sender; token_rows_refused_total counts them all)", num_rows, worker_id)
 
     def _take_unnumbered(self, batch: TokenBatch, now: float) -> None:
-        handles, rids = self.handles, batch.request_ids
+        handles, rids, w = self.handles, batch.request_ids, batch.worker_id
+        refused = 0
         i = 0
         for row, rid in enumerate(rids):
             n = 1 if batch.counts is None else batch.counts[row]
             h = handles.get(rid)
-            if h is not None and n:
+            if h is not None and w != h.decode_id and w != h.prefill_id:
+                refused += 1
+            elif h is not None and n:
                 h.ids += batch.token_ids[i : i + n]
                 h.next_pos += n
                 h.last_seen = now
@@ -342,9 +425,11 @@ class MeshClient:
             i += n
         for e in batch.ends:
             h = handles.get(rids[e.row])
-            if h is not None:
+            if h is not None and (w == h.decode_id or w == h.prefill_id):
                 h.last_seen = now
-                _end(h, e, batch.worker_id)
+                _end(h, e, w)
+        if refused:
+            self._refuse(w, refused)
 
     def ask_resend(self, handles: list[Handle]) -> None:
         """Ask the workers serving these streams to send again from what each lacks (at

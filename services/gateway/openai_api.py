@@ -34,6 +34,7 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
     logprobs: int | None = None  # number of alternatives per token, when requested
     request_id: str = field(default_factory=lambda: f"{random.getrandbits(128):032x}")
     created: int = field(default_factory=lambda: int(time.time()))
@@ -47,6 +48,9 @@ UNSUPPORTED = {  # parameter -> the one value we can honour (null means the same
     "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
     "tools": None, "tool_choice": None, "functions": None, "logit_bias": None,
 }
+
+
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 
 
 def _honoured(v, ok) -> bool:
@@ -100,8 +104,12 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
     if not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "'stop' must be a string or an array of non-empty strings", "stop")
     stream_opts = _get(body, "stream_options", (dict,), {})
-    if not isinstance(stream_opts.get("include_usage", False), bool):
-        raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options")
+    for k, v in stream_opts.items():
+        if k not in STREAM_OPTIONS:
+            raise ApiError(400, f"'stream_options.{k}' is not supported by this server (it takes "
+                                f"{' and '.join(STREAM_OPTIONS)})", "stream_options")
+        if not isinstance(v, bool):
+            raise ApiError(400, f"'stream_options.{k}' must be a boolean", "stream_options")
     max_tokens = _get(body, max_key, (int,), None)
     if max_key != "max_tokens":  # checked even when max_completion_tokens wins over it
         legacy = _get(body, "max_tokens", (int,), None)
@@ -132,7 +140,8 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
             param, message = max_key, message.replace("max_tokens", max_key, 1)
         raise ApiError(400, message, param) from None
     return params, {"stream": _get(body, "stream", (bool,), False),
-                    "include_usage": bool(stream_opts.get("include_usage", False))}
+                    "include_usage": stream_opts.get("include_usage", False),
+                    "continuous_usage": stream_opts.get("continuous_usage_stats", False)}
 
 
 def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None) -> GenerateRequest:
@@ -211,8 +220,10 @@ def _with_logprobs(p: SamplingParams, n: int) -> SamplingParams:
 
 
 # ---- responses -------------------------------------------------------------------------
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """cached: prompt tokens whose KV was reused (prefix cache, other workers, the KV store)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def chunk(req: GenerateRequest, text: str, finish: str | None, first: bool = False,
@@ -242,20 +253,35 @@ class ChunkBytes:
                             else "text_completion", "created": req.created, "model": req.model})[:-1]
         key = b'"delta":{"content":' if req.kind == "chat" else b'"text":'
         self._prefix = b"data: " + head + b',"choices":[{"index":0,' + key
-        self._suffix = (b'},' if req.kind == "chat" else b',') + b'"finish_reason":null,"logprobs":null}]}\n\n'
+        tail = (b'},' if req.kind == "chat" else b',') + b'"finish_reason":null,"logprobs":null}]'
+        self._suffix = tail + b'}\n\n'
+        # continuous usage: the chunk ends with the counts so far (as usage() writes them)
+        n_prompt = self._n_prompt = len(req.prompt_ids)
+        self._usage = tail + b',"usage":{"prompt_tokens":%d,"completion_tokens":' % n_prompt
 
     def text(self, text: str) -> bytes:
         return self._prefix + self._dumps(text) + self._suffix
 
+    def texts(self, texts: list[str]) -> bytes:
+        """One chunk per text, in one write."""
+        prefix, dumps, suffix = self._prefix, self._dumps, self._suffix
+        return b"".join([prefix + dumps(t) + suffix for t in texts])
 
-def usage_chunk(req: GenerateRequest, prompt: int, completion: int) -> dict[str, Any]:
+    def counted(self, text: str, n: int, cached: int) -> bytes:
+        """text's chunk with usage after n completion tokens (stream_options.continuous_usage_stats)."""
+        return (self._prefix + self._dumps(text) + self._usage
+                + b'%d,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}}\n\n'
+                % (n, self._n_prompt + n, cached))
+
+
+def usage_chunk(req: GenerateRequest, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model, "choices": [],
-            "usage": usage(prompt, completion)}
+            "usage": usage(prompt, completion, cached)}
 
 
 def final(req: GenerateRequest, text: str, finish: str, prompt: int, completion: int,
-          logprobs: Any = None) -> dict[str, Any]:
+          logprobs: Any = None, cached: int = 0) -> dict[str, Any]:
     if req.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                   "logprobs": logprobs}
@@ -264,7 +290,7 @@ def final(req: GenerateRequest, text: str, finish: str, prompt: int, completion:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [choice], "usage": usage(prompt, completion)}
+            "choices": [choice], "usage": usage(prompt, completion, cached)}
 
 
 def logprobs_payload(req: GenerateRequest, tok: Tokenizer, lps: list) -> Any:

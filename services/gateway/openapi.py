@@ -31,7 +31,8 @@ def _sampling(max_tokens_key: str, max_model_len: int) -> dict:
         "stop": _opt({"oneOf": [{"type": "string", "minLength": 1},
                                 {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]}),
         "stream": _opt({"type": "boolean"}),
-        "stream_options": _opt({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
+        "stream_options": _opt({"type": "object", "additionalProperties": False, "properties": {
+            "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}}),
         "ignore_eos": _opt({"type": "boolean", "description": "extension"}),
         "min_tokens": _opt(_int(0, INT32_MAX, description=f"extension; at most {max_tokens_key}")),
         "stop_token_ids": _opt({"type": "array", "items": _int(0, INT32_MAX), "maxItems": 1024,
@@ -106,6 +107,13 @@ def openapi_document(model_name: str, vocab_size: int, max_model_len: int) -> di
             "/v1/chat/completions": post("Chat completion", "createChatCompletion", chat),
             "/v1/models": {"get": {"summary": "Served models", "operationId": "listModels",
                                    "responses": {"200": {"description": "model list"}}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One served model", "operationId": "retrieveModel",
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string", "enum": [model_name]}}],
+                "responses": {"200": {"description": "the model"},
+                              "404": {"description": "no such model", "content": {"application/json": {
+                                  "schema": {"$ref": "#/components/schemas/Error"}}}}}}},
             "/health": {"get": {"summary": "Liveness, with readiness details",
                                 "responses": {"200": {"description": "alive"}}}},
             "/health/ready": {"get": {"summary": "Readiness: a prefill and a decode worker are alive",

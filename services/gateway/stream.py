@@ -34,7 +34,7 @@ class Handle:
 
     __slots__ = ("request_id", "decode_id", "prefill_id", "ids", "logprobs", "finish", "error", "last_seen",
                  "gone", "closed", "next_pos", "asked_at", "prompt_ids", "params", "headers", "migrations",
-                 "streamed",
+                 "streamed", "cached_tokens", "_cached_known",
                  "_waiter", "_on_close")
 
     def __init__(self, request_id: str, decode_id: str, on_close: Callable[[str, str | None], None],
@@ -59,6 +59,8 @@ class Handle:
         self.migrations = 0
         self.streamed: list[int] = []  # ids the reader has taken
         self.asked_at = -1e9  # loop time of the last resend asked for it
+        self.cached_tokens = 0  # prompt tokens the first prefill found cached (usage reports them)
+        self._cached_known = False
         self._waiter: asyncio.Future | None = None
         self._on_close = on_close
 
@@ -79,6 +81,8 @@ class Handle:
                 w.set_result(why)
 
     def end(self, e: TokenEnd) -> None:
+        if e.cached_tokens is not None and not self._cached_known:  # a migration's prefill does not count
+            self.cached_tokens, self._cached_known = e.cached_tokens, True
         if e.logprobs:
             self.logprobs += e.logprobs
         if e.finish_reason is not None:

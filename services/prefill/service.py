@@ -215,7 +215,8 @@ class PrefillService(AsyncService):
             span.set_attribute("prefill.first_token", out.new_token_ids[0] if out.new_token_ids else -1)
             reason = out.finish_reason.value if out.finished else None
             rt.tokens.add(job.gateway_id, job.request_id, out.new_token_ids, reason,
-                          logprobs=out.logprobs or None, position=out.position)
+                          logprobs=out.logprobs or None, position=out.position,
+                          cached_tokens=out.num_cached_tokens if out.num_prompt_tokens else None)
             if out.prefill_done:
                 seq = rt.engine.held_sequence(job.request_id)
                 n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)
@@ -243,6 +244,13 @@ class PrefillService(AsyncService):
         refused: dict[str, str] = {}
         taken_by = None
         for candidate in [decode_id, *others]:
+            if candidate != decode_id:
+                # The gateway takes a request's tokens only from the workers it knows serve
+                # it. Told on this worker's own token subject before the KVReady goes out, it
+                # hears of the new decode worker before anything that worker sends.
+                for h in group:
+                    rt.tokens.hand_off(h.job.gateway_id, h.job.request_id, candidate)
+                await rt.tokens.flush()
             try:
                 reply = await request(rt.nc, rt.subjects.decode_kv_ready(candidate), ready, KVReadyReply,
                                       self.cfg.kv_ready_timeout_s)

@@ -465,7 +465,7 @@ class LLMEngine:
         if slot == seq.num_prompt_tokens:  # its prompt is done
             self.num_prompt_tokens_total += seq.num_prompt_tokens
             self.num_cached_tokens_total += seq.num_cached_tokens
-            extra.num_prompt_tokens = seq.num_prompt_tokens
+            extra.num_prompt_tokens, extra.num_cached_tokens = seq.num_prompt_tokens, seq.num_cached_tokens
         if step.token_logprobs is not None and step.token_logprobs[i] is not None:
             extra.logprobs = [step.token_logprobs[i]]
         if n_out >= p.min_tokens and ((t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids):

@@ -120,13 +120,15 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
             continue
         seq.num_computed = c.start + (c.q_len - (row_of[id(c)][1] - 1)) + (len(toks) - 1)
         eng._register(seq, pending=toks[:-1])  # accepted drafts are computed but not yet appended
-        if seq.num_output_tokens == 0:  # its prompt is done
+        first = seq.num_output_tokens == 0  # its prompt is done
+        if first:
             eng.num_prompt_tokens_total += seq.num_prompt_tokens
             eng.num_cached_tokens_total += seq.num_cached_tokens
         lp = _logprobs(seq, logits, row_of[id(c)][0], toks)
         emitted = _append(eng, seq, toks)
         out = RequestOutput(seq.request_id, emitted, logprobs=lp[: len(emitted)] if lp else None,
-                            num_prompt_tokens=seq.num_prompt_tokens, position=seq.num_output_tokens - len(emitted))
+                            num_prompt_tokens=seq.num_prompt_tokens, position=seq.num_output_tokens - len(emitted),
+                            num_cached_tokens=seq.num_cached_tokens if first else 0)
         if seq.is_finished:
             out.finished, out.finish_reason = True, seq.finish_reason
             if eng.blocks.enable_caching:

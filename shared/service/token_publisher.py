@@ -41,20 +41,30 @@ class TokenPublisher:
         self.lost_rows = 0
 
     def add(self, gateway_id: str, request_id: str, token_ids: list[int], finish_reason: str | None = None,
-            error: str | None = None, logprobs: list[TokenLogprob] | None = None, position: int = 0) -> None:
+            error: str | None = None, logprobs: list[TokenLogprob] | None = None, position: int = 0,
+            cached_tokens: int | None = None) -> None:
         b = self._pending.get(gateway_id)
         if b is None:
             b = self._pending[gateway_id] = TokenBatch([], [], [], worker_id=self._worker)
         elif b.counts is None:  # a whole step went in as it was: copy before appending to it
             b = self._pending[gateway_id] = TokenBatch(list(b.request_ids), list(b.token_ids),
                                                        [1] * len(b.request_ids), list(b.ends), self._worker,
-                                                       positions=list(b.positions))
-        if finish_reason is not None or error is not None or logprobs:
-            b.ends.append(TokenEnd(len(b.request_ids), finish_reason, error, logprobs))
+                                                       positions=list(b.positions), handoffs=dict(b.handoffs))
+        if finish_reason is not None or error is not None or logprobs or cached_tokens is not None:
+            b.ends.append(TokenEnd(len(b.request_ids), finish_reason, error, logprobs, cached_tokens))
         b.request_ids.append(request_id)
         b.token_ids += token_ids
         b.counts.append(len(token_ids))
         b.positions.append(position)
+
+    def hand_off(self, gateway_id: str, request_id: str, worker_id: str) -> None:
+        """Tell the gateway that worker_id serves the request from here on (a prefill
+        worker handing the KV to another decode worker than the gateway chose). Goes out
+        with the next flush, ahead of anything that worker sends."""
+        b = self._pending.get(gateway_id)
+        if b is None:
+            b = self._pending[gateway_id] = TokenBatch([], [], [], worker_id=self._worker)
+        b.handoffs[request_id] = worker_id
 
     def add_step(self, gateway_id: str, out: StepOutputs) -> None:
         """Every row of a step's outputs, for one gateway: the columns go out as they are."""
@@ -122,20 +132,20 @@ class TokenPublisher:
                 out.append((rid, ([], "error", LOST, None, 0)))
             elif g.ids or g.finish is not None or g.error is not None:
                 self.resent_rows += 1
-                out.append((rid, (g.ids, g.finish, g.error, g.logprobs or None, want[rid])))
+                out.append((rid, (g.ids, g.finish, g.error, g.logprobs or None, want[rid], g.cached)))
         return out
 
 
 class _Gathered:
     """One request's kept rows from a position on, put back together."""
 
-    __slots__ = ("next", "furthest", "ids", "logprobs", "finish", "error")
+    __slots__ = ("next", "furthest", "ids", "logprobs", "finish", "error", "cached")
 
     def __init__(self, start: int):
         self.next = self.furthest = start
         self.ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
-        self.finish = self.error = None
+        self.finish = self.error = self.cached = None
 
     def take(self, pos: int, ids: list[int], end: TokenEnd | None) -> None:
         if ids:
@@ -146,6 +156,8 @@ class _Gathered:
                 if end is not None and end.logprobs:
                     self.logprobs += end.logprobs[skip:]
                 self.next = pos + len(ids)
+        if end is not None and end.cached_tokens is not None:
+            self.cached = end.cached_tokens
         if end is not None and (end.finish_reason is not None or end.error is not None):
             self.finish, self.error = end.finish_reason, end.error
 

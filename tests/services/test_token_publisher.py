@@ -25,7 +25,7 @@ def _publisher(retention_s=30.0):
 def test_replay_puts_a_stream_back_together_from_a_position():
     async def go():
         p = _publisher()
-        p.add("gw", "a", [5], position=0)
+        p.add("gw", "a", [5], position=0, cached_tokens=32)
         p.add("gw", "b", [50, 51], position=0)
         await p.flush()
         p.add("gw", "a", [6, 7], position=1)
@@ -37,8 +37,8 @@ def test_replay_puts_a_stream_back_together_from_a_position():
 
     p = asyncio.run(go())
     got = dict(p.replay(TokenResend("gw", ["a", "b", "unknown"], [2, 0, 0])))
-    assert got["a"] == ([7, 8], "length", None, None, 2)
-    assert got["b"] == ([50, 51, 52], None, None, None, 0)
+    assert got["a"] == ([7, 8], "length", None, None, 2, 32)  # the first token's cached count goes along
+    assert got["b"] == ([50, 51, 52], None, None, None, 0, None)
     assert "unknown" not in got  # another worker serves it
     assert dict(p.replay(TokenResend("other-gw", ["a"], [0]))) == {}
 
