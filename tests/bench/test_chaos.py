@@ -90,8 +90,10 @@ def test_log_lines_metrics_and_the_table():
     (t,) = report.log_times(log, "worker decode-1 stopped sending heartbeats")
     assert report.log_times(log, "worker decode-0 stopped") == []
     assert t - report.log_times(log, "something else")[0] == pytest.approx(-0.75)
-    page = "# HELP moemesh_request_migrations_total x\nmoemesh_request_migrations_total 51.0\n"
+    page = ("# HELP moemesh_request_migrations_total x\nmoemesh_request_migrations_total{model_name=\"tiny\"} 51.0\n"
+            "moemesh_request_migrations_created{model_name=\"tiny\"} 1.7e9\n")
     assert report.metric(page, "moemesh_request_migrations_total") == 51.0
+    assert report.metric("moemesh_request_migrations_total 3.0\n", "moemesh_request_migrations_total") == 3.0
     assert report.metric(page, "moemesh_token_gaps_total") is None
     rows = [report.scenario_row("nats-2s", _result([_stream()]), {}), {"scenario": "kill-prefill", "failed": "boom"}]
     text = report.table(rows, {"streams": 1, "max_tokens": MAX, "mock_step_ms": 20.0, "deadline_s": 30.0})

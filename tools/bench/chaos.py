@@ -96,7 +96,7 @@ def _up(cfg: ChaosConfig, sc: Scenario, log_dir: Path, nats_url: str) -> UpConfi
         if sc.prefill_step_ms else ()
     decode = (f"drain_timeout_s={sc.drain_timeout_s}",) if sc.drain_timeout_s else ()
     return UpConfig(model=cfg.model, nats_url=nats_url, port=0, num_prefill=2, num_decode=2, service_args=worker, prefill_args=prefill,
-                    decode_args=decode, gateway_args=(f"max_inflight={4 * cfg.streams}",), balancer=False,
+                    decode_args=decode, gateway_args=(f"max_inflight={4 * cfg.streams}", "worker_header=true"), balancer=False,
                     log_dir=str(log_dir))
 
 
@@ -250,7 +250,7 @@ def _gateway_counters(urls: list[str]) -> dict:
 
 
 def _from_logs(mesh: Mesh, sc: Scenario, victim: str, t_fault: float) -> dict:
-    """Detection time: the first log line saying the victim fell silent."""
+    """Detection time: the first log line that names the victim as suspect or gone."""
     def text(name: str) -> str:
         p = mesh.log_dir / f"{name}.log"
         return p.read_text(errors="replace") if p.exists() else ""
@@ -258,8 +258,9 @@ def _from_logs(mesh: Mesh, sc: Scenario, victim: str, t_fault: float) -> dict:
     if sc.target == "gateway":
         seen = [t for w in _worker_ids(mesh, "prefill") + _worker_ids(mesh, "decode")
                 for t in report.log_times(text(w), f"gateway {victim} stopped sending heartbeats")]
-    elif sc.target:
-        seen = report.log_times(text("gateway"), f"worker {victim} stopped sending heartbeats")
+    elif sc.target:  # suspect (no new work) or dead (its streams move), whichever the gateway logs first
+        seen = [t for needle in (f"worker {victim} is suspect", f"worker {victim} stopped sending heartbeats")
+                for t in report.log_times(text("gateway"), needle)]
     else:
         seen = []
     seen = [t for t in seen if t >= t_fault - 1]  # log stamps have milliseconds; the clock is shared

@@ -143,11 +143,10 @@ def log_times(text: str, needle: str) -> list[float]:
 
 
 def metric(text: str, name: str) -> float | None:
-    """An unlabelled sample of a Prometheus text page (None when absent)."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return None
+    """The sum of a metric's samples on a Prometheus text page, whatever their labels
+    (the services label every sample with model_name); None when it has none."""
+    found = [float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{"))]
+    return sum(found) if found else None
 
 
 # ---- the table ----------------------------------------------------------------------------
