@@ -133,6 +133,8 @@ class PrefillService(AsyncService):
         """Validate and acknowledge at once; admission into the engine follows. The engine
         takes new requests only between steps, and a long prompt's step can outlast the
         gateway's wait for an acknowledgement, which would turn a busy worker into a 503."""
+        if self._is_repeat(job):
+            return Ack(worker_id=self.rt.worker_id)
         if self.rt.draining:
             return ErrorReply("worker is draining", "unavailable")
         try:
@@ -153,6 +155,16 @@ class PrefillService(AsyncService):
         self.jobs[job.request_id] = JobState(job, span, time.monotonic(), queue, queued_ns=queued_ns)
         self.rt.spawn(self._admit(job, params), f"admit-{job.request_id}")
         return Ack(worker_id=self.rt.worker_id)
+
+    def _is_repeat(self, job: PrefillJob) -> bool:
+        """Whether this worker holds the very same job already (queued, computing, or
+        computed and waiting for its pull). A gateway whose request for a job timed out
+        sends it once more; across a NATS outage both copies are delivered when the link
+        is back. The job runs once and the copy is acknowledged: refusing it as a duplicate
+        failed the request with a 400 while its first copy ran for nobody."""
+        st, lease = self.jobs.get(job.request_id), self.leases.by_request.get(job.request_id)
+        first = st.job if st is not None else lease.job if lease is not None else None
+        return first is not None and first.gateway_id == job.gateway_id and first.prompt_ids == job.prompt_ids
 
     async def _admit(self, job: PrefillJob, params) -> None:
         rid = job.request_id
