@@ -31,7 +31,7 @@ from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.kv.spec import compatible
 from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, ErrorReply, Heartbeat, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob,
+    ALREADY_SERVED, Abort, Ack, ErrorReply, Heartbeat, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob,
 )
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
@@ -141,7 +141,7 @@ class DecodeService(AsyncService):
         if not item.output_ids:
             return "KVReady must carry the first sampled token"
         if item.request_id in self.pulls or item.request_id in self.active:
-            return f"duplicate request {item.request_id}"
+            return ALREADY_SERVED
         if item.request_id in self.aborted:
             return "aborted"
         return ""

@@ -30,6 +30,7 @@ from moemesh.shared.engine.outputs import StepOutputs, StepStats, request_output
 from moemesh.shared.protocol.prefix_hash import chain
 from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
+    ALREADY_SERVED,
     Abort,
     Ack,
     ErrorReply,
@@ -282,6 +283,11 @@ class PrefillService(AsyncService):
                 h.span.end()
                 continue
             why = refused.get(rid) or f"decode worker {decode_id} unavailable: {err}"
+            if why == ALREADY_SERVED:  # another copy of this job got there first: it is served
+                h.span.add_event("kv_ready_refused", {"reason": why})
+                h.span.end()
+                self._free_lease_soon(rid)
+                continue
             h.span.set_status(trace.StatusCode.ERROR, f"handoff failed: {why}")
             h.span.end()
             self._free_lease_soon(rid)

@@ -91,6 +91,12 @@ class KVReady:
     lease_expires_in_s: float = 30.0
 
 
+# KVReadyReply.refused's reason for a request the decode worker serves already, from another
+# copy of its job (a job sent twice across a NATS outage can reach two prefill workers): the
+# prefill worker with the other copy lets it go quietly; the request itself is fine.
+ALREADY_SERVED = "already served here"
+
+
 @dataclass
 class KVReadyReply:
     refused: dict[str, str] = field(default_factory=dict)  # request id -> why it was not taken

@@ -354,28 +354,6 @@ def test_an_abort_that_overtakes_its_job_or_hand_off_is_remembered(nats_url, tin
     asyncio.run(go())
 
 
-def test_a_job_delivered_twice_runs_once_and_both_copies_are_acknowledged(nats_url, tiny_model, tmp_path):
-    """A gateway whose request for a job timed out sends it again; across a NATS outage
-    both copies arrive when the link is back (moemesh bench chaos, nats-10s). The copy must
-    not fail the request as a duplicate while the first copy runs for nobody."""
-    async def go():
-        async with mesh(nats_url, tiny_model, tmp_path, engine="mock", mock_step_ms=100.0) as m:
-            s = Subjects(m.prefix)
-            nc = await nats.connect(nats_url)
-            try:
-                wire = WireSampling.from_params(SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
-                job = PrefillJob("twice", list(range(1, 40)), wire, "gw-t", "decode-t")
-                acks = await asyncio.gather(request(nc, s.prefill_direct("prefill-t"), job, Ack, 5),
-                                            request(nc, s.prefill_jobs, job, Ack, 5))
-                assert [a.worker_id for a in acks] == ["prefill-t", "prefill-t"]
-                await _wait_free(m)
-                assert m.prefill.rt.engine.num_prompt_tokens_total == len(job.prompt_ids)  # prefilled once
-            finally:
-                await nc.close()
-
-    asyncio.run(go())
-
-
 def test_a_gateway_that_falls_silent_has_its_requests_aborted(nats_url, tiny_model, tmp_path):
     """A killed gateway cannot stream to anyone: the workers notice its heartbeats stop
     and abort what they hold for it, instead of generating for nobody."""
