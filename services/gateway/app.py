@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from moemesh.services.gateway import openai_api as api
+from moemesh.services.gateway import choices, openai_api as api
 from moemesh.services.gateway import span_attrs as attrs
 from moemesh.services.gateway.auth import ApiKeyMiddleware, load_api_keys
 from moemesh.services.gateway.config import GatewayConfig
@@ -39,6 +39,7 @@ from moemesh.services.gateway.openapi import openapi_document
 from moemesh.services.gateway.slow_clients import read_body
 from moemesh.services.gateway.sse import EventStream
 from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
+from moemesh.services.gateway.tool_calls import ToolCallParser
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.telemetry.metrics import REQUEST_LATENCY_BUCKETS, Metrics
@@ -79,7 +80,8 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         await mesh.start()
         max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         st = GatewayState(cfg, mesh, tok, max_model_len, get_tracer(provider, "moemesh.gateway", root=True), metrics,
-                          mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len))
+                          mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len,
+                                                            cfg.max_n))
         st.m = {
             "requests": metrics.counter("requests_total", "HTTP requests by route and status",
                                         ("route", "status")),
@@ -186,10 +188,16 @@ async def _generate(request: Request, kind: str) -> Response:
     handle = None
     try:
         headers = inject_headers(context=trace.set_span_in_context(span))
-        handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
+        if req.n == 1:
+            handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
+        else:  # one handle per choice, read as one (choices.py)
+            handle = await st.mesh.submit_choices(req.request_id, req.prompt_ids, req.params, headers, req.n)
         span.set_attribute("decode.id", handle.decode_id)
         if req.stream:
-            return EventStream(_sse(st, req, handle, span, t0, done), handle, _headers(st, req, handle))
+            body = _sse(st, req, handle, span, t0, done) if req.n == 1 else choices.sse(st, req, handle, span, t0, done)
+            return EventStream(body, handle, _headers(st, req, handle))
+        if req.n > 1:
+            return await choices.collect(request, st, req, handle, span, t0, done, _headers(st, req, handle))
         return await _collect(request, st, req, handle, span, t0, done)
     except NoWorkers as e:
         done(503)
@@ -248,7 +256,7 @@ def _parse(raw: bytes, st: GatewayState, kind: str) -> api.GenerateRequest:
     except orjson.JSONDecodeError as e:
         raise api.ApiError(400, f"request body is not valid JSON: {e}") from None
     parse = api.parse_chat if kind == "chat" else api.parse_completion
-    return parse(body, st.tok, st.cfg.default_max_tokens, st.vocab_size)
+    return parse(body, st.tok, st.cfg.default_max_tokens, st.vocab_size, st.cfg.max_n)
 
 
 def _at_capacity(st: GatewayState) -> api.ApiError:
@@ -265,7 +273,9 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     reader = Reader(st.tok, req.params.stop)
     each = reader.detok.each
     cont = req.continuous_usage
-    plain = not req.params.stop and req.logprobs is None  # the common case: no per-token extras
+    # the common case: no per-token extras
+    plain = not req.params.stop and req.logprobs is None and req.tools is None
+    calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
     stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
     try:
         while True:
@@ -296,7 +306,25 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
             if not ids and finish is None and error is None:
                 continue
             parts, end = [], False
+            k = 0  # the id of each token event, for the tool-call parser (it finds the markers by id)
             for ev in reader.events(ids, lps, finish, error):
+                if calls is not None and not ev.error:
+                    tid = -1
+                    if ev.token:
+                        tid, k = ids[k], k + 1
+                    n_sent += ev.token
+                    out = [api.chunk(req, "", None, True)] if first else []
+                    first = False
+                    out += [api.delta_chunk(req, d) for d in calls.feed(tid, ev.text)]
+                    if ev.finish:
+                        finished_as = api.tool_finish(ev.finish, calls.calls)
+                        out.append(api.chunk(req, "", finished_as))
+                        end = True
+                    for c in out:
+                        if cont:
+                            c["usage"] = api.usage(len(req.prompt_ids), n_sent, handle.cached_tokens)
+                        parts.append(_sse_data(c))
+                    continue
                 if ev.error:
                     stream_span.set_status(trace.StatusCode.ERROR, ev.error)
                     status = 500
@@ -347,23 +375,33 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
     async def gather():
         reader = Reader(st.tok, req.params.stop)
         text, n_out, lps, first = [], 0, [], True
+        calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
         while True:
             if await handle.wait() is TIMED_OUT:
                 handle.close("timeout")
                 return "".join(text), n_out, lps, "error", \
-                    f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted"
+                    f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted", None
             ids, wire_lps, finish, error = handle.take()
             if first and ids:
                 st.m["ttft"].observe(time.perf_counter() - t0)
                 first = False
             n_out += len(ids)
+            k = 0
             for ev in reader.events(ids, wire_lps, finish, error):
-                text.append(ev.text)
+                if calls is None:
+                    text.append(ev.text)
+                else:  # the content is what the parser finds outside the calls
+                    tid = -1
+                    if ev.token:
+                        tid, k = ids[k], k + 1
+                    text += [d.content for d in calls.feed(tid, ev.text) if d.content]
                 if ev.logprob is not None:
                     lps.append(ev.logprob)
                 if ev.finish:
                     handle.close("stop_string" if reader.stopped_by_string else None)
-                    return "".join(text), n_out, lps, ev.finish, ev.error
+                    if calls is not None:
+                        return "".join(text), n_out, lps, api.tool_finish(ev.finish, calls.calls), ev.error, calls.calls
+                    return "".join(text), n_out, lps, ev.finish, ev.error, None
 
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
@@ -383,7 +421,7 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
         done(499)
         return Response(status_code=499)
     try:
-        text, n_out, lps, finish, error = work.result()
+        text, n_out, lps, finish, error, tool_calls = work.result()
     except Exception:
         handle.close("client")
         done(500)
@@ -396,7 +434,8 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
         span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, finish, handle.cached_tokens))
     done(200)
     lp = api.logprobs_payload(req, st.tok, lps)
-    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, handle.cached_tokens),
+    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, handle.cached_tokens,
+                                  tool_calls),
                         headers=_headers(st, req, handle))
 
 

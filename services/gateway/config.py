@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moemesh.shared.config.common import ServiceConfig
+from moemesh.shared.protocol.forks import MAX_N
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class GatewayConfig(ServiceConfig):
     # out of any log line that prints the config.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_keys_file: str = ""
+    # Parallel sampling: the most choices (`n`) one request may ask for; each is a sequence
+    # on the workers (a request of n counts n against their max_num_seqs).
+    max_n: int = 16
 
     def __post_init__(self):
         super().__post_init__()
@@ -42,6 +46,8 @@ class GatewayConfig(ServiceConfig):
             raise ValueError("port must be in [0, 65535]")
         if self.max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
+        if not 1 <= self.max_n <= MAX_N:
+            raise ValueError(f"max_n must be in [1, {MAX_N}]")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.body_timeout_s <= 0 or self.header_timeout_s <= 0:

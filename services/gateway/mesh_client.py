@@ -23,6 +23,10 @@ nobody there or its prefill worker could not hand KV to it; if its heartbeats st
 it is dead sooner than by its heartbeats alone, and its requests move. When the
 reader closes the handle, the request is forgotten here and, if it was aborted, the
 abort goes out to the workers from a tracked task.
+
+A request of n > 1 is one job (its prompt is prefilled once) and n handles, one per
+choice, under the ids the workers give its children (protocol/forks.py): each is a
+stream of its own from then on, with its own end, abort, resends and migration.
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ from nats.aio.client import Client as NATS
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.kv_index import KVIndex
 from moemesh.services.gateway.router import pick_decode, route_prefill
-from moemesh.services.gateway.stream import Handle, sweep_inactive
+from moemesh.services.gateway.stream import Choices, Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
     Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, TokenEnd, TokenResend,
     WireSampling, WorkerLoad,
 )
+from moemesh.shared.protocol.forks import fork_ids, fork_params
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.heartbeat import Heartbeater, WorkerRegistry
@@ -186,19 +191,43 @@ class MeshClient:
             raise
         return h
 
-    async def _send_job(self, h: Handle, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Choose the workers for h and send its job (raises NoWorkers or Rejected)."""
+    async def submit_choices(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                             headers: dict | None, n: int) -> Choices:
+        """A request of n > 1: one job, and a handle per child the workers fork it into."""
+        if self.cfg.decode_only_bench:
+            raise Rejected("n > 1 needs a prefill: it is not served in decode-only bench mode")
+        now = asyncio.get_running_loop().time()
+        hs = [Handle(cid, "", self._closed, now) for cid in fork_ids(request_id, n)]
+        for i, h in enumerate(hs):
+            h.prompt_ids, h.params, h.headers = prompt_ids, fork_params(params, i), headers
+        try:
+            await self._send_job(hs[0], prompt_ids, params, (request_id, hs))
+        except asyncio.CancelledError:
+            for h in hs:
+                h.close("client")
+            raise
+        except BaseException:
+            for h in hs:
+                h.close()
+            raise
+        return Choices(hs)
+
+    async def _send_job(self, h: Handle, prompt_ids: list[int], params: SamplingParams,
+                        fork: tuple[str, list[Handle]] | None = None) -> None:
+        """Choose the workers for h and send its job (raises NoWorkers or Rejected).
+        fork: (job id, the handles of its children) for a request of n > 1; h is the first."""
         decode = pick_decode(self.live("decode"), self._assigned)
         if decode is None:
             raise NoWorkers("no decode worker is alive")
         if not self.cfg.decode_only_bench and not self.live("prefill"):
             raise NoWorkers("no prefill worker is alive")
-        request_id = h.request_id
-        h.decode_id, h.prefill_id = decode.worker_id, ""
-        self.handles[request_id] = h
-        self._assigned[decode.worker_id] += params.max_tokens
+        request_id, members = fork or (h.request_id, [h])
+        for m in members:
+            m.decode_id, m.prefill_id = decode.worker_id, ""
+            self.handles[m.request_id] = m
+        self._assigned[decode.worker_id] += params.max_tokens * len(members)
         job = PrefillJob(request_id, list(prompt_ids), WireSampling.from_params(params), self.gateway_id,
-                         decode.worker_id, time.time())
+                         decode.worker_id, time.time(), n=len(members))
         if self.cfg.decode_only_bench:
             subject = self.subjects.decode_bench_job(decode.worker_id)
             h.next_pos = 1  # the worker makes up the first token (the prompt's last) and never sends it
@@ -206,7 +235,8 @@ class MeshClient:
             prefill, job.kv_sources = route_prefill(prompt_ids, self.live("prefill"), self.registry.live(None),
                                                     self.kv, self._assigned_prompt)
             subject = self.subjects.prefill_direct(prefill.worker_id)
-            h.prefill_id = prefill.worker_id
+            for m in members:
+                m.prefill_id = prefill.worker_id
             self._assigned_prompt[prefill.worker_id] += len(prompt_ids)
         self._sending.add(request_id)
         try:
@@ -217,10 +247,13 @@ class MeshClient:
                 if self.cfg.decode_only_bench:
                     raise
                 # The chosen worker just went away: any prefill worker will do.
-                job.kv_sources, h.prefill_id = [], ""
+                job.kv_sources = []
+                for m in members:
+                    m.prefill_id = ""
                 ack = await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s,
                                     h.headers)
-                h.prefill_id = ack.worker_id
+                for m in members:
+                    m.prefill_id = ack.worker_id
         except Unreachable as e:
             log.warning("request %s: no prefill worker took it (%s)", request_id, e)
             raise NoWorkers("no prefill worker took the request") from None

@@ -21,8 +21,43 @@ def _int(lo: int, hi: int, **kw) -> dict:
     return {"type": "integer", "minimum": lo, "maximum": hi, **kw}
 
 
-def _sampling(max_tokens_key: str, max_model_len: int) -> dict:
+_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+_UNENFORCEABLE = ("a JSON Schema; one the grammar library cannot enforce (an unknown type, an unsupported keyword) "
+                  "is a 400 with code unenforceable_schema")
+_RESPONSE_FORMAT = {"oneOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": _NAME, "strict": _opt({"type": "boolean"}),
+            "schema": _opt({"type": "object", "description": _UNENFORCEABLE})}}}},
+], "description": "structured output, enforced while sampling (docs/structured_outputs.md)"}
+_MISMATCH = ("a tool_choice naming a function not in tools, tool_choice required without tools, two tools of one "
+             "name, or response_format with a forced call, is a 400 with code tool_mismatch")
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _NAME, "description": _opt({"type": "string"}), "strict": _opt({"type": "boolean"}),
+        "parameters": _opt({"type": "object", "description": _UNENFORCEABLE + " (when tool_choice forces a call)"})}}}}
+_TOOLS = {
+    "tools": _opt({"type": "array", "items": _TOOL, "description": _MISMATCH}),
+    "tool_choice": _opt({"oneOf": [
+        {"enum": ["none", "auto", "required"]},
+        {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
+    "parallel_tool_calls": _opt({"type": "boolean"}),
+}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+
+
+def _sampling(max_tokens_key: str, max_model_len: int, max_n: int) -> dict:
     return {
+        "n": _opt(_int(1, max_n, description="choices, sampled from one prefill of the prompt")),
         max_tokens_key: _opt(_int(1, max_model_len, description=_CONTEXT)),
         "temperature": _opt({"type": "number", "minimum": 0, "maximum": 100}),
         "top_p": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
@@ -38,16 +73,15 @@ def _sampling(max_tokens_key: str, max_model_len: int) -> dict:
         "stop_token_ids": _opt({"type": "array", "items": _int(0, INT32_MAX), "maxItems": 1024,
                                 "description": "extension"}),
         # Accepted only at the one value this server honours (openai_api.UNSUPPORTED).
-        "n": _opt({"const": 1}),
         "best_of": _opt({"const": 1}),
         "presence_penalty": _opt({"const": 0}),
         "frequency_penalty": _opt({"const": 0}),
         "echo": _opt({"const": False}),
         "suffix": {"type": "null"},
-        "tools": {"type": "null"},
-        "tool_choice": {"type": "null"},
         "functions": {"type": "null"},
+        "function_call": {"type": "null"},
         "logit_bias": {"type": "null"},
+        "response_format": _opt(_RESPONSE_FORMAT),
     }
 
 
@@ -68,26 +102,29 @@ _STREAM = {"text/event-stream": {"schema": {
 _POST_ERRORS = _errors(400, 404, 408, 413, 429, 500, 503)
 
 
-def openapi_document(model_name: str, vocab_size: int, max_model_len: int) -> dict:
+def openapi_document(model_name: str, vocab_size: int, max_model_len: int, max_n: int = 1) -> dict:
     model = {"type": "string", "enum": [model_name]}
     ids = {"type": "array", "minItems": 1, "items": _int(0, vocab_size - 1)}
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role", "content"], "properties": {
+    message = {"type": "object", "required": ["role"], "properties": {
         "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]}}}
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]},
+        "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "an assistant turn's calls"},
+        "tool_call_id": {"type": "string", "description": "a tool result's call"}}}
     completion = {"type": "object", "required": ["model", "prompt"], "properties": {
         "model": model,
         "prompt": {"oneOf": [{"type": "string"}, ids,
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]},
-        "logprobs": _opt(_int(0, 20)), **_sampling("max_tokens", max_model_len)}}
+        "logprobs": _opt(_int(0, 20)), **_sampling("max_tokens", max_model_len, max_n),
+        **{k: {"type": "null", "description": "chat only"} for k in _TOOLS}}}
     chat = {"type": "object", "required": ["model", "messages"], "properties": {
         "model": model,
         "messages": {"type": "array", "minItems": 1, "items": message},
         "logprobs": _opt({"type": "boolean"}),
         "top_logprobs": _opt(_int(0, 20)),
-        **_sampling("max_completion_tokens", max_model_len),
+        **_sampling("max_completion_tokens", max_model_len, max_n), **_TOOLS,
         "max_tokens": _opt(_int(1, max_model_len, description="used when max_completion_tokens is absent"))}}
 
     def post(summary: str, op: str, schema: dict) -> dict:

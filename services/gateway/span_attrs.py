@@ -28,6 +28,8 @@ def gen_ai_request(req: api.GenerateRequest) -> dict[str, Any]:
         out["gen_ai.request.top_k"] = p.top_k
     if p.seed is not None:
         out["gen_ai.request.seed"] = p.seed
+    if req.n != 1:
+        out["gen_ai.request.choice.count"] = req.n
     if p.stop:
         out["gen_ai.request.stop_sequences"] = list(p.stop)
     return out

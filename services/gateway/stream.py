@@ -113,6 +113,61 @@ class Handle:
         self.streamed += ids
         return ids, lps, self.finish, self.error
 
+    @property
+    def ready(self) -> bool:
+        return bool(self.ids) or self.finish is not None
+
+    def watch(self, fut: asyncio.Future | None) -> None:
+        """Wake `fut` when something arrives: the one wait of a request's n handles (Choices)."""
+        self._waiter = fut
+
+
+class Choices:
+    """The n handles of a request of n > 1 (one per choice, each its own stream on the
+    workers), waited on as one: a wait ends when any of them has something. Closing it
+    closes those still open."""
+
+    def __init__(self, handles: list[Handle]):
+        self.handles = handles
+        self.gone = False
+
+    @property
+    def decode_id(self) -> str:
+        return self.handles[0].decode_id
+
+    @property
+    def closed(self) -> bool:
+        return all(h.closed for h in self.handles)
+
+    @property
+    def cached_tokens(self) -> int:
+        return max(h.cached_tokens for h in self.handles)
+
+    def close(self, abort: str | None = None) -> None:
+        for h in self.handles:
+            h.close(abort)
+
+    def disconnect(self) -> None:
+        self.gone = True
+        for h in self.handles:
+            h.disconnect()
+
+    async def wait(self) -> object:
+        """As Handle.wait, for the handles not closed yet."""
+        if self.gone:
+            return DISCONNECTED
+        open_ = [h for h in self.handles if not h.closed]
+        if any(h.ready for h in open_):
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        for h in open_:
+            h.watch(fut)
+        try:
+            return await fut
+        finally:
+            for h in open_:
+                h.watch(None)
+
 
 @dataclass
 class Event:

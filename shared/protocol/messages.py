@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moemesh.shared.protocol.sampling import INT32_MAX, SamplingParams
+from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParams
 from moemesh.shared.protocol.tokens import (
     TokenLogprob, ids_from_wire, ids_to_wire, logprobs_from_plain, logprobs_to_plain,
 )
@@ -27,6 +27,11 @@ class WireSampling:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    # Structured output (GrammarSpec): "" = none. The spec, not a matcher's state, travels:
+    # a worker that takes a request over (the decode side of a hand-off) rebuilds the state
+    # by feeding the grammar the tokens generated so far.
+    grammar_kind: str = ""
+    grammar: str = ""
 
     def to_params(self) -> SamplingParams:
         # Stop strings never reach workers: the gateway detokenizes and applies them.
@@ -34,12 +39,14 @@ class WireSampling:
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
             logprobs=self.logprobs, min_tokens=self.min_tokens,
+            grammar=GrammarSpec(self.grammar_kind, self.grammar) if self.grammar_kind else None,
         )
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> "WireSampling":
+        g = p.grammar
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop_token_ids), p.ignore_eos,
-                   p.logprobs, p.min_tokens)
+                   p.logprobs, p.min_tokens, g.kind if g else "", g.text if g else "")
 
 
 @dataclass
@@ -51,6 +58,9 @@ class PrefillJob:
     decode_id: str  # the decode worker the gateway chose
     arrival_time: float = 0.0
     kv_sources: list["KVSource"] = field(default_factory=list)  # holders of longer cached prefixes
+    # Parallel sampling: n > 1 forks the prompt into n requests of their own, named and
+    # seeded by protocol/forks.py (fork_id, fork_params); request_id names only the job.
+    n: int = 1
 
 
 @dataclass
@@ -77,6 +87,20 @@ class KVReadyItem:
     traceparent: str = ""  # the request's span on the prefill worker
     # MTP drafts for the first decode step: the prefill worker proposes them from the last
     # prompt position's hidden state, which the decode worker never has.
+    draft_ids: list[int] = field(default_factory=list)
+    forks: list["KVFork"] = field(default_factory=list)  # children whose KV moves with this one
+
+
+@dataclass
+class KVFork:
+    """Parallel sampling: a child of the same prompt as its KVReadyItem (protocol/forks.py)
+    whose KV moves with it. The item's buffer then holds the prompt's shared full blocks
+    once, followed by the last block of the item's own request and of each fork, in order
+    (shared/engine/fork_io.py); num_blocks and nbytes count them all."""
+    request_id: str
+    output_ids: list[int]
+    sampling: WireSampling
+    traceparent: str = ""
     draft_ids: list[int] = field(default_factory=list)
 
 

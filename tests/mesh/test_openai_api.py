@@ -55,6 +55,26 @@ def test_completions_and_chat_stream_and_non_stream(mesh, offline, request_clean
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_n_choices_over_ucx_through_the_official_client(mesh, offline, request_cleanup):
+    """n > 1 across processes: one prefill, each child's KV over UCX, every choice the
+    offline engine's greedy answer, streamed under its index, and nothing left held."""
+    from tests.mesh.conftest import wait_free
+
+    c = _client(mesh)
+    request_cleanup(c)
+    want = offline.generate(["Hello world"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
+    r = c.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0, n=3,
+                             extra_body={"ignore_eos": True})
+    assert [ch.text for ch in r.choices] == [want] * 3 and r.usage.completion_tokens == 24
+    texts: dict[int, str] = {}
+    for part in c.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0, n=2,
+                                     stream=True, extra_body={"ignore_eos": True}):
+        for ch in part.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert texts == {0: want, 1: want}
+    wait_free(mesh)
+
+
 def test_continuous_usage_counts_every_chunk(mesh):
     # vLLM's stream_options.continuous_usage_stats: a client counts tokens per chunk exactly
     body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 9, "temperature": 0, "ignore_eos": True,
@@ -106,7 +126,8 @@ def test_logprobs_stop_strings_and_seeds(mesh, offline, request_cleanup):
 @pytest.mark.parametrize("body,status,param", [
     ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "n": 17}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 2}, 400, "best_of"),
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "other", "prompt": "x"}, 404, "model"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 100000}, 400, "prompt"),
