@@ -36,7 +36,7 @@ from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.kv.spec import compatible
 from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, ErrorReply, Heartbeat, KVReady, KVReadyReply, KVRelease, PrefillJob,
+    ALREADY_SERVED, Abort, Ack, ErrorReply, Heartbeat, KVReady, KVReadyReply, KVRelease, PrefillJob,
 )
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
@@ -68,10 +68,10 @@ class DecodeService(AsyncService):
         transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
         self.rt = WorkerRuntime(cfg, "decode", self._on_outputs, engine, transport,
-                                lambda: {"num_transfers": len(self.pulls)})
+                                lambda: {"num_transfers": len(self.pulls), "requests_by_gateway": dict(self._gateways)})
         self.pulls: dict[str, Pull] = {}
         self.aborted = Tombstones()
-        self.gateways = GatewayWatch(self._gateway_gone, cfg.heartbeat_interval_s)
+        self.gateways = GatewayWatch(self._gateway_gone)
         self.active: dict[str, Active] = {}
         self._gateways: Counter[str] = Counter()  # gateways of the active requests
         self._step_events = False
@@ -158,7 +158,7 @@ class DecodeService(AsyncService):
         if not output_ids:
             return "KVReady must carry the first sampled token"
         if request_id in self.pulls or request_id in self.active:
-            return f"duplicate request {request_id}"
+            return ALREADY_SERVED
         if request_id in self.aborted:
             return "aborted"
         return ""

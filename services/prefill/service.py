@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
@@ -38,6 +39,7 @@ from moemesh.shared.protocol.forks import MAX_N, fork_ids, fork_params
 from moemesh.shared.protocol.prefix_hash import chain
 from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
+    ALREADY_SERVED,
     Abort,
     Ack,
     ErrorReply,
@@ -97,10 +99,10 @@ class PrefillService(AsyncService):
         transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
         self.rt = WorkerRuntime(cfg, "prefill", self._on_outputs, engine, transport,
-                                lambda: {"num_held": len(self.leases)})
+                                lambda: {"num_held": len(self.leases), "requests_by_gateway": self._by_gateway()})
         self.jobs: dict[str, JobState] = {}
         self.aborted = Tombstones()
-        self.gateways = GatewayWatch(self._gateway_gone, cfg.heartbeat_interval_s)
+        self.gateways = GatewayWatch(self._gateway_gone)
         self.leases = LeaseTable(cfg.lease_timeout_s)
         self.peers = KVPeers("decode")  # decode workers, to vet the UCX addresses we send to
         self._job_subs = []
@@ -134,16 +136,25 @@ class PrefillService(AsyncService):
     async def stop(self) -> None:
         await self.rt.close()
 
+    def _by_gateway(self) -> dict[str, int]:
+        """Gateway -> requests held for it, queued or computed and waiting for their pull."""
+        held = Counter(st.job.gateway_id for st in self.jobs.values())
+        for lease in self.leases.by_request.values():  # one lease holds a prompt's KV for all its children
+            held[lease.job.gateway_id] += len(lease.live)
+        return dict(held)
+
     # ---- jobs ---------------------------------------------------------------------
     async def _on_job(self, job: PrefillJob, msg, ctx):
         """Validate and acknowledge at once; admission into the engine follows. The engine
         takes new requests only between steps, and a long prompt's step can outlast the
         gateway's wait for an acknowledgement, which would turn a busy worker into a 503."""
-        if self.rt.draining:
-            return ErrorReply("worker is draining", "unavailable")
         max_n = min(MAX_N, self.rt.engine.cfg.max_num_seqs)
         if not 1 <= job.n <= max_n:
             return ErrorReply(f"n must be in [1, {max_n}] here, got {job.n}", "bad_request")
+        if self._is_repeat(job):
+            return Ack(worker_id=self.rt.worker_id)
+        if self.rt.draining:
+            return ErrorReply("worker is draining", "unavailable")
         try:
             params = job.sampling.to_params()
             self.rt.engine.check_request(job.prompt_ids, params)  # reads only fixed limits: safe off the engine thread
@@ -167,6 +178,19 @@ class PrefillService(AsyncService):
                                                parent=job.request_id if job.n > 1 else "")
         self.rt.spawn(self._admit(job, params, jobs), f"admit-{job.request_id}")
         return Ack(worker_id=self.rt.worker_id)
+
+    def _is_repeat(self, job: PrefillJob) -> bool:
+        """Whether this worker holds the very same job already (queued, computing, or
+        computed and waiting for its pull). A gateway whose request for a job timed out
+        sends it once more; across a NATS outage both copies are delivered when the link
+        is back. The job runs once and the copy is acknowledged: refusing it as a duplicate
+        failed the request with a 400 while its first copy ran for nobody."""
+        for rid in [job.request_id] if job.n == 1 else fork_ids(job.request_id, job.n):
+            st, lease = self.jobs.get(rid), self.leases.of(rid)
+            first = st.job if st is not None else lease.job if lease is not None else None
+            if first is not None:
+                return first.gateway_id == job.gateway_id and first.prompt_ids == job.prompt_ids
+        return False
 
     async def _admit(self, job: PrefillJob, params, jobs: list[PrefillJob]) -> None:
         rid = job.request_id
@@ -299,9 +323,13 @@ class PrefillService(AsyncService):
                     m.span.end()
                     continue
                 why = refused.get(rid) or f"decode worker {decode_id} unavailable: {err}"
+                h.lease.live.discard(rid)
+                if why == ALREADY_SERVED:  # another copy of this job got there first: it is served
+                    m.span.add_event("kv_ready_refused", {"reason": why})
+                    m.span.end()
+                    continue
                 m.span.set_status(trace.StatusCode.ERROR, f"handoff failed: {why}")
                 m.span.end()
-                h.lease.live.discard(rid)
                 rt.tokens.add(m.job.gateway_id, rid, [], "error", why)
             if not h.lease.live:  # nobody is to pull it
                 self._free_lease_soon(h.job.request_id)

@@ -115,6 +115,12 @@ class KVReady:
     lease_expires_in_s: float = 30.0
 
 
+# KVReadyReply.refused's reason for a request the decode worker serves already, from another
+# copy of its job (a job sent twice across a NATS outage can reach two prefill workers): the
+# prefill worker with the other copy lets it go quietly; the request itself is fine.
+ALREADY_SERVED = "already served here"
+
+
 @dataclass
 class KVReadyReply:
     refused: dict[str, str] = field(default_factory=dict)  # request id -> why it was not taken
@@ -317,6 +323,9 @@ class WorkerStats:
     # serving-loop gap before the step] seconds, then the number of sequences in the step
     recent_steps: list[list[float]] = field(default_factory=list)
     placement_version: int = 0
+    # gateway -> the requests this worker holds for it (queued, running, handed over, pulling):
+    # what a dead gateway's clients can no longer read (`moemesh bench chaos` counts these orphans)
+    requests_by_gateway: dict[str, int] = field(default_factory=dict)
 
 
 # ---- expert-parallel load balancing (balancer <-> the ranks of a DEP instance) ----------

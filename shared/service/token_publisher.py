@@ -39,6 +39,7 @@ class TokenPublisher:
         self._retention_s = retention_s
         self.resent_rows = 0
         self.lost_rows = 0
+        self._dropped: set[str] = set()  # gateways some of whose kept batches were let go (retention)
 
     def add(self, gateway_id: str, request_id: str, token_ids: list[int], finish_reason: str | None = None,
             error: str | None = None, logprobs: list[TokenLogprob] | None = None, position: int = 0,
@@ -97,10 +98,12 @@ class TokenPublisher:
         kept.append((now, batch))
         while kept and (now - kept[0][0] > self._retention_s or len(kept) > MAX_KEPT_BATCHES):
             kept.popleft()
+            self._dropped.add(gateway_id)
 
     def forget(self, gateway_id: str) -> None:
         """The gateway is gone: nobody will ask for its streams again."""
         self._kept.pop(gateway_id, None)
+        self._dropped.discard(gateway_id)
 
     async def resend(self, r: TokenResend) -> None:
         """Send each asked-for request's ids again from its position, with its end if it
@@ -114,7 +117,7 @@ class TokenPublisher:
         """(request id, TokenPublisher.add's arguments after it) per request to send again."""
         want = dict(zip(r.request_ids, r.from_positions))
         found: dict[str, _Gathered] = {}
-        for _, b in self._kept.get(r.gateway_id, ()):
+        for k, (_, b) in enumerate(self._kept.get(r.gateway_id, ())):
             ends = {e.row: e for e in b.ends} if b.ends else None
             i = 0
             for row, rid in enumerate(b.request_ids):
@@ -122,11 +125,18 @@ class TokenPublisher:
                 if rid in want and b.positions:
                     g = found.get(rid)
                     if g is None:
-                        g = found[rid] = _Gathered(want[rid])
+                        g = found[rid] = _Gathered(want[rid], b.positions[row], k)
                     g.take(b.positions[row], b.token_ids[i : i + n], ends.get(row) if ends else None)
                 i += n
         out = []
+        dropped = r.gateway_id in self._dropped
         for rid, g in found.items():
+            if g.first_pos > want[rid] and (g.first_batch > 0 or not dropped):
+                # Its rows here began after the position asked for, and none of its earlier
+                # batches were let go: the part before is another worker's (the prefill
+                # worker's first token), which that worker sends again. Nothing is lost here;
+                # calling it lost failed streams the prefill worker could still complete.
+                continue
             if g.furthest > g.next:  # a hole: what it lacks is older than what is kept
                 self.lost_rows += 1
                 out.append((rid, ([], "error", LOST, None, 0)))
@@ -139,10 +149,11 @@ class TokenPublisher:
 class _Gathered:
     """One request's kept rows from a position on, put back together."""
 
-    __slots__ = ("next", "furthest", "ids", "logprobs", "finish", "error", "cached")
+    __slots__ = ("next", "furthest", "ids", "logprobs", "finish", "error", "cached", "first_pos", "first_batch")
 
-    def __init__(self, start: int):
+    def __init__(self, start: int, first_pos: int, first_batch: int):
         self.next = self.furthest = start
+        self.first_pos, self.first_batch = first_pos, first_batch  # its first kept row, and that row's batch
         self.ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish = self.error = self.cached = None

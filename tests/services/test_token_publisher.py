@@ -57,3 +57,22 @@ def test_a_part_no_longer_kept_ends_the_stream_with_an_error():
     (rid, (ids, finish, error, _, _)), = p.replay(TokenResend("gw", ["a"], [0]))
     assert (rid, ids, finish, error) == ("a", [], "error", LOST) and p.lost_rows == 1
     assert dict(p.replay(TokenResend("gw", ["a"], [1])))["a"][0] == [6]
+
+
+def test_a_part_another_worker_made_is_not_called_lost():
+    """A decode worker's rows begin after the prefill worker's first token. A gateway that
+    missed that token asks both workers from position 0: the prefill worker sends it, and
+    the decode worker must not end the stream as lost for a part that was never its own."""
+    async def go():
+        p = _publisher()
+        p.add("gw", "older", [9], position=4)
+        await p.flush()
+        p.add("gw", "a", [6], position=1)  # the prefill worker made position 0
+        await p.flush()
+        p.add("gw", "a", [7], position=2)
+        await p.flush()
+        return p
+
+    p = asyncio.run(go())
+    assert dict(p.replay(TokenResend("gw", ["a"], [0]))) == {} and p.lost_rows == 0
+    assert dict(p.replay(TokenResend("gw", ["a"], [1])))["a"][0] == [6, 7]
