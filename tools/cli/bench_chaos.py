@@ -24,7 +24,7 @@ def register(bsub) -> None:
                    help="after the fault (and any outage): a stream still open then counts as hung")
     b.add_argument("--probe-rate", type=float, default=5.0, help="new requests a second for 5 s after the fault")
     b.add_argument("--log-dir", default="", help="services' logs (default: ~/.cache/moemesh/runs/chaos-...)")
-    b.add_argument("--out", default="bench-results/chaos.json")
+    b.add_argument("--out", default="bench-results/chaos.json", help="JSON file for the results")
     b.set_defaults(func=run)
 
 

@@ -10,14 +10,14 @@ def register(bsub) -> None:
 
     g = bsub.add_parser("grammar", help="step time with structured-output requests in the batch")
     g.add_argument("--model", default=None, help="checkpoint directory (default: the tiny model)")
-    g.add_argument("--batch", type=int, default=64)
+    g.add_argument("--batch", type=int, default=64, help="sequences per step")
     g.add_argument("--constrained", type=ints, default=(0, 32), help="constrained requests per batch, one run each")
-    g.add_argument("--steps", type=int, default=50)
-    g.add_argument("--warmup", type=int, default=5)
+    g.add_argument("--steps", type=int, default=50, help="timed steps per point")
+    g.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     g.add_argument("--real-forward", action="store_true", help="run the model's forward instead of the mock")
     g.add_argument("--vocab-size", type=int, default=0, help="the mock's vocabulary (default: the checkpoint's)")
-    g.add_argument("--threads", type=int, default=1)
-    g.add_argument("--out", default="bench-results/grammar.json")
+    g.add_argument("--threads", type=int, default=1, help="torch threads")
+    g.add_argument("--out", default="bench-results/grammar.json", help="JSON file for the results")
     g.set_defaults(func=run)
 
 
