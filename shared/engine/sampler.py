@@ -36,8 +36,11 @@ def _tempered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         ranks = torch.arange(V)[None, :]
         drop = ranks >= top_k[:, None]
         probs_sorted = sorted_x.softmax(dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        # keep the smallest prefix whose mass reaches top_p. The first token always stays,
+        # also when top_p is below what float32 holds (5e-324 rounds to 0, and dropping
+        # every token would sample from NaNs: a token the grammar forbids, say).
         drop |= (probs_sorted.cumsum(dim=-1) - probs_sorted) >= top_p[:, None]
+        drop[:, 0] = False
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(1, idx, sorted_x)
     return x.softmax(dim=-1)

@@ -54,3 +54,14 @@ def test_bad_parameters_name_themselves(kw, param):
     with pytest.raises(SamplingParamError) as e:
         SamplingParams(**kw)
     assert e.value.param == param
+
+
+def test_a_top_p_below_float32_keeps_the_likeliest_token():
+    # 5e-324 is a valid top_p and rounds to 0 in float32: the top token must still be sampled,
+    # among the tokens a grammar left (the others are -inf), never a NaN draw
+    logits = torch.full((2, 10), float("-inf"))
+    logits[:, 3], logits[:, 7] = 1.0, 2.0
+    p = SamplingParams(temperature=1.0, top_p=5e-324)
+    probs = sampler._tempered_probs(logits, [p, p])
+    assert not probs.isnan().any() and probs[:, 7].tolist() == [1.0, 1.0]
+    assert sampler.sample(logits, [p, p], [None, None]).tolist() == [7, 7]
