@@ -1,18 +1,28 @@
 """The step model set against measured runs on this host (`moemesh bench plan-check`).
 
-Two kinds of run, each predicted from inputs measured apart from it:
-- mock: `bench decode --mock-step-ms X` (one rank, a fixed device step). Predicted from
-  the step time and the host preset measured before (host.py "after-9").
-- DEP: `bench decode --dep N` on the real model, balanced and skewed, naive placement
-  (the bench runs no balancer). Predicted from `bench forward` of the same model at DEP1
-  (costs.Measured), the expert kernel timed on its own, the window of expert loads the
-  run recorded (its skew), the cores the ranks share, and two figures fitted on one run
-  (the first DEP>1 balanced one, which is then no evidence for the model): the cost of
-  a collective call and a DEP rank's per-layer bookkeeping.
+Two kinds of run:
+- mock: `bench decode --mock-step-ms X` (one rank, a fixed device step), predicted from
+  the step time and the host preset measured on another day (host.py "after-9"). Nothing
+  is fitted to it.
+- dep: `bench decode --dep N` on the real model (naive placement: the bench runs no
+  balancer), balanced and under a router skew, predicted from:
+  - `bench forward` of the same model at DEP1 and the expert kernel timed alone at the
+    model's shapes (costs.Measured), which split a forward into its parts;
+  - the window of expert loads each run recorded (its skew);
+  - the cores the ranks share (a rank computes `(N + other load) / cores` times slower
+    when there are fewer cores than busy processes);
+  - figures fitted on two runs, which are then no evidence for the model:
+    1. the DEP1 run: how much slower the forward runs in the mesh than alone (the
+       machine's other load, the gateway and the clients beside it);
+    2. the first balanced DEP>1 run: the cost of a collective call (from its rank wait),
+       the host time per step of a lockstep rank, which does not overlap the forward
+       (from its step accounting), and a DEP rank's per-layer bookkeeping (the rest of
+       its step time).
+  The other DEP runs (skewed, wider) are the evidence.
 
 A case holds when predicted tokens/s and rank wait are both within `tolerance` of the
-measured ones (rank wait: or within `wait_floor_s`, since a few tenths of a millisecond
-of wait is below what this machine's scheduling noise lets one measure).
+measured ones (rank wait: or within `wait_floor_s`, as a few tenths of a millisecond of
+wait are below what this machine's scheduling noise lets one measure).
 """
 
 from __future__ import annotations
@@ -32,16 +42,34 @@ from moemesh.shared.plan.workload import get_workload
 
 @dataclass(frozen=True)
 class Case:
-    """One measured run. window: its recorded loads ({"target": [[...]]}) or None."""
+    """One measured run.
+
+    Args:
+        name, kind ("mock" or "dep"), width, batch (requests in flight over the instance).
+        measured_tps: batch / TPOT p50.
+        measured_wait_s, forward_s, host_s: rank 0's step accounting, p50 (host: the
+            exposed part, loop gap included).
+        step_ms: the mock's step time.
+        window: the recorded loads ({"target": [[count per expert] per layer]}) or None.
+    """
 
     name: str
-    kind: str  # "mock" or "dep"
+    kind: str
     width: int
-    batch: int  # concurrent requests over the instance
+    batch: int
     measured_tps: float
     measured_wait_s: float
-    step_ms: float = 0.0  # mock only
+    forward_s: float = 0.0
+    host_s: float = 0.0
+    step_ms: float = 0.0
     window: dict | None = None
+
+
+@dataclass(frozen=True)
+class Fitted:
+    costs: Measured
+    dep_host: HostModel | None
+    fitted_on: tuple[str, ...]
 
 
 def predict(case: Case, dims: ModelDims, costs: Costs, host: HostModel, isl: int, osl: int,
@@ -65,33 +93,41 @@ def rank0_wait_s(r: StepResult) -> float:
     return r.extra["rank_wait_s_by_rank"][0]
 
 
-def fit(case: Case, dims: ModelDims, costs: Measured, host: HostModel, isl: int, osl: int) -> Measured:
-    """`costs` with the two figures a DEP>1 rank adds over DEP1 fitted on `case`: the
-    cost of a collective call (from its rank-0 wait) and the per-layer EP bookkeeping
-    (from its step time), each at least 0."""
-    base = replace(costs, collective_s=0.0, ep_layer_s=0.0)
-    r = predict(case, dims, base, host, isl, osl)
-    calls = 4 * dims.num_moe_layers * costs.slowdown(case.width)
-    fitted = replace(base, collective_s=max(case.measured_wait_s - rank0_wait_s(r), 0.0) / calls)
-    r = predict(case, dims, fitted, host, isl, osl)
-    measured_step = case.width * (case.batch // case.width) / case.measured_tps if case.measured_tps else r.step_s
-    per_layer = dims.num_moe_layers * costs.slowdown(case.width)
-    return replace(fitted, ep_layer_s=max(measured_step - r.step_s, 0.0) / per_layer)
+def fit(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel, isl: int, osl: int) -> Fitted:
+    """The figures the module docstring lists, from the DEP1 run and the first balanced
+    DEP>1 run (either may be missing: its figures then keep their defaults)."""
+    names = []
+    dep1 = next((c for c in cases if c.kind == "dep" and c.width == 1 and c.forward_s > 0), None)
+    if dep1 is not None:
+        r = predict(dep1, dims, costs, host, isl, osl)
+        costs = replace(costs, scale=costs.scale * dep1.forward_s / (r.attention_s + r.experts_s))
+        names.append(dep1.name)
+    wide = next((c for c in cases if c.kind == "dep" and c.width > 1 and "balanced" in c.name), None)
+    dep_host = None
+    if wide is not None:
+        dep_host = HostModel("lockstep rank", fixed_s=wide.host_s)
+        base = replace(costs, collective_s=0.0, ep_layer_s=0.0)
+        r = predict(wide, dims, base, dep_host, isl, osl)
+        calls = 4 * dims.num_moe_layers * costs.slowdown(wide.width)
+        costs = replace(base, collective_s=max(wide.measured_wait_s - rank0_wait_s(r), 0.0) / calls)
+        r = predict(wide, dims, costs, dep_host, isl, osl)
+        step = wide.width * (wide.batch // wide.width) / wide.measured_tps if wide.measured_tps else r.step_s
+        per_layer = dims.num_moe_layers * costs.slowdown(wide.width)
+        costs = replace(costs, ep_layer_s=max(step - r.step_s, 0.0) / per_layer)
+        names.append(wide.name)
+    return Fitted(costs, dep_host, tuple(names))
 
 
 def compare(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel, isl: int, osl: int,
             tolerance: float = 0.15, wait_floor_s: float = 0.5e-3) -> dict:
-    """Fits the DEP figures on the first balanced DEP>1 case (fit()), predicts every case.
-
-    Returns: {"collective_ms", "ep_layer_ms", "fitted_on", "rows": [...]} with, per case,
-    measured and predicted tokens/s and rank wait, their errors, and whether it holds.
-    """
-    fit_on = next((c for c in cases if c.kind == "dep" and c.width > 1 and "balanced" in c.name), None)
-    if fit_on is not None:
-        costs = fit(fit_on, dims, costs, host, isl, osl)
+    """Fits (fit()), then predicts every case. Returns {"fitted": figures, "fitted_on":
+    names, "rows": per case measured and predicted tokens/s and rank wait, their errors,
+    whether it was fitted on and whether it holds}."""
+    f = fit(cases, dims, costs, host, isl, osl)
     rows = []
     for c in cases:
-        r = predict(c, dims, costs, host, isl, osl)
+        h = f.dep_host if (c.kind == "dep" and c.width > 1 and f.dep_host) else host
+        r = predict(c, dims, f.costs, h, isl, osl)
         tps = c.width * r.tokens_per_s_per_gpu
         wait = rank0_wait_s(r)
         tps_err = tps / c.measured_tps - 1 if c.measured_tps else None
@@ -101,11 +137,15 @@ def compare(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel
                      "measured_tps": c.measured_tps, "predicted_tps": tps, "tps_error": tps_err,
                      "measured_wait_ms": c.measured_wait_s * 1e3, "predicted_wait_ms": wait * 1e3,
                      "wait_error": wait_err, "predicted_ratio": r.ratio_before,
+                     "measured_forward_ms": c.forward_s * 1e3, "measured_host_ms": c.host_s * 1e3,
                      "predicted_terms_ms": {k: v * 1e3 for k, v in r.terms_s().items()},
-                     "fitted": c is fit_on,
+                     "fitted": c.name in f.fitted_on,
                      "holds": tps_err is not None and abs(tps_err) <= tolerance and wait_ok})
-    return {"collective_ms": costs.collective_s * 1e3, "ep_layer_ms": costs.ep_layer_s * 1e3,
-            "fitted_on": fit_on.name if fit_on else None, "rows": rows}
+    figures = {"forward_scale": f.costs.scale, "collective_ms": f.costs.collective_s * 1e3,
+               "ep_layer_ms": f.costs.ep_layer_s * 1e3,
+               "lockstep_host_ms": f.dep_host.fixed_s * 1e3 if f.dep_host else None,
+               "slot_us": f.costs.slot_s * 1e6, "pair_us": f.costs.pair_s * 1e6}
+    return {"fitted": figures, "fitted_on": list(f.fitted_on), "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -117,6 +157,9 @@ def table(result: dict) -> str:
         lines.append(f"{r['case']:<22} {r['measured_tps']:>10.0f} {r['predicted_tps']:>8.0f} {te:>7} "
                      f"{r['measured_wait_ms']:>12.2f} {r['predicted_wait_ms']:>7.2f} {we:>7} "
                      f"{('fit' if r['fitted'] else ('yes' if r['holds'] else 'NO')):>6}")
-    lines.append(f"fitted on {result['fitted_on']}: collective call {result['collective_ms']:.3f} ms, "
-                 f"EP bookkeeping {result['ep_layer_ms']:.3f} ms per MoE layer")
+    f = result["fitted"]
+    lines.append(f"fitted on {', '.join(result['fitted_on']) or 'nothing'}: forward x{f['forward_scale']:.2f} in "
+                 f"the mesh, collective call {f['collective_ms']:.3f} ms, lockstep host "
+                 f"{f['lockstep_host_ms'] if f['lockstep_host_ms'] is None else round(f['lockstep_host_ms'], 2)} ms, "
+                 f"EP bookkeeping {f['ep_layer_ms']:.3f} ms per MoE layer")
     return "\n".join(lines)

@@ -88,6 +88,7 @@ class Measured:
         slot_s, pair_s: the expert kernel per slot that runs and per pair (0: split by FLOPs).
         ep_layer_s: bookkeeping a DEP>1 rank does per MoE layer besides the kernel and the
             collectives (routing to replicas, sorting by slot).
+        scale: how much slower everything runs than measured alone (the mesh around it).
     """
 
     dims: ModelDims
@@ -102,6 +103,7 @@ class Measured:
     slot_s: float = 0.0
     pair_s: float = 0.0
     ep_layer_s: float = 0.0
+    scale: float = 1.0
 
     def __post_init__(self) -> None:
         if len(self.batches) != len(self.forward_s) or not self.batches:
@@ -112,8 +114,8 @@ class Measured:
     def slowdown(self, width: int) -> float:
         """How much slower a rank computes when `width` ranks share the cores."""
         if not self.cores:
-            return 1.0
-        return max(1.0, (width + self.other_load) / self.cores)
+            return self.scale
+        return self.scale * max(1.0, (width + self.other_load) / self.cores)
 
     def expert_share(self) -> float:
         """The routed experts' share of one token's forward FLOPs."""

@@ -8,7 +8,7 @@ from moemesh.shared.checkpoint.presets import preset_config
 from moemesh.shared.plan import check
 from moemesh.shared.plan.calibrate import host_from_decode, this_host
 from moemesh.shared.plan.dims import from_config
-from moemesh.shared.plan.host import HOSTS
+from moemesh.shared.plan.host import HOSTS, HostModel
 
 DIMS = from_config(preset_config("tiny"), "tiny")
 FORWARD = {"bench": "forward", "decode": [{"batch": b, "forward_ms_p50": 2.0 + 0.25 * b} for b in (1, 4, 8, 16)],
@@ -16,26 +16,34 @@ FORWARD = {"bench": "forward", "decode": [{"batch": b, "forward_ms_p50": 2.0 + 0
 WINDOW = {"target": [[40] * 4 + [5] * 12, [5] * 12 + [40] * 4]}
 
 
+LOCKSTEP = HostModel("lockstep", fixed_s=2e-3)
+
+
 def _truth():
     costs = this_host(FORWARD, DIMS, cores=2, other_load=0.5)
-    return replace(costs, slot_s=20e-6, pair_s=2e-6, collective_s=0.3e-3, ep_layer_s=0.4e-3)
+    return replace(costs, slot_s=20e-6, pair_s=2e-6, collective_s=0.3e-3, ep_layer_s=0.4e-3, scale=1.5)
 
 
 def _case(name, width, window=None):
     """A run as the model itself predicts it with the true figures."""
     c = check.Case(name, "dep", width, 16, 1.0, 0.0, window=window)
-    r = check.predict(c, DIMS, _truth(), HOSTS["after-9"], 128, 32)
-    return replace(c, measured_tps=width * r.tokens_per_s_per_gpu, measured_wait_s=check.rank0_wait_s(r))
+    host = HOSTS["after-9"] if width == 1 else LOCKSTEP
+    r = check.predict(c, DIMS, _truth(), host, 128, 32)
+    return replace(c, measured_tps=width * r.tokens_per_s_per_gpu, measured_wait_s=check.rank0_wait_s(r),
+                   forward_s=r.attention_s + r.experts_s, host_s=r.host_s)
 
 
-def test_fit_recovers_the_collective_and_bookkeeping_costs():
+def test_fit_recovers_the_hidden_figures():
     cases = [_case("DEP1 balanced", 1), _case("DEP2 balanced", 2), _case("DEP2 skewed", 2, WINDOW),
              _case("DEP4 skewed", 4, WINDOW)]
-    base = replace(_truth(), collective_s=0.0, ep_layer_s=0.0)
+    base = replace(_truth(), collective_s=0.0, ep_layer_s=0.0, scale=1.0)
     out = check.compare(cases, DIMS, base, HOSTS["after-9"], 128, 32)
-    assert out["fitted_on"] == "DEP2 balanced"
-    assert out["collective_ms"] == pytest.approx(0.3, rel=0.05)
-    assert out["ep_layer_ms"] == pytest.approx(0.4, rel=0.05)
+    assert out["fitted_on"] == ["DEP1 balanced", "DEP2 balanced"]
+    f = out["fitted"]
+    assert f["forward_scale"] == pytest.approx(1.5, rel=1e-6)
+    assert f["collective_ms"] == pytest.approx(0.3, rel=0.05)
+    assert f["ep_layer_ms"] == pytest.approx(0.4, rel=0.05)
+    assert f["lockstep_host_ms"] == pytest.approx(2.0)
     assert all(r["holds"] for r in out["rows"]), out["rows"]
     skewed = next(r for r in out["rows"] if r["case"] == "DEP4 skewed")
     assert skewed["predicted_ratio"] < 0.9
@@ -45,7 +53,7 @@ def test_fit_recovers_the_collective_and_bookkeeping_costs():
 def test_a_wrong_prediction_is_reported_as_a_miss():
     c = _case("DEP2 skewed", 2, WINDOW)
     out = check.compare([replace(c, measured_tps=c.measured_tps * 2)], DIMS, _truth(), HOSTS["after-9"], 128, 32)
-    assert out["fitted_on"] is None and not out["rows"][0]["holds"]
+    assert out["fitted_on"] == [] and not out["rows"][0]["holds"]
 
 
 def test_mock_runs_are_predicted_from_the_step_and_host():
