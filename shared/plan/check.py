@@ -16,8 +16,8 @@ Two kinds of run:
        machine's other load, the gateway and the clients beside it);
     2. the first balanced DEP>1 run: the cost of a collective call (from its rank wait),
        the host time per step of a lockstep rank, which does not overlap the forward
-       (from its step accounting), and a DEP rank's per-layer bookkeeping (the rest of
-       its step time).
+       (from its step accounting; other widths scale it by their core sharing), and a
+       DEP rank's per-layer bookkeeping (the rest of its step time).
   The other DEP runs (skewed, wider) are the evidence.
 
 A case holds when predicted tokens/s and rank wait are both within `tolerance` of the
@@ -126,7 +126,11 @@ def compare(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel
     f = fit(cases, dims, costs, host, isl, osl)
     rows = []
     for c in cases:
-        h = f.dep_host if (c.kind == "dep" and c.width > 1 and f.dep_host) else host
+        h = host
+        if c.kind == "dep" and c.width > 1 and f.dep_host:
+            # The lockstep host is CPU work too: it slows with the cores it shares.
+            w0 = next(x.width for x in cases if x.name == f.fitted_on[-1])
+            h = replace(f.dep_host, fixed_s=f.dep_host.fixed_s * f.costs.slowdown(c.width) / f.costs.slowdown(w0))
         r = predict(c, dims, f.costs, h, isl, osl)
         tps = c.width * r.tokens_per_s_per_gpu
         wait = rank0_wait_s(r)

@@ -98,8 +98,10 @@ def run_seed(a: SeedAssumptions = SeedAssumptions()) -> dict:
                                             "band": ["< 1"], "holds": gpu(a.host_before, 32) < gpu(a.host_before, 16)},
         "decode_dep32_above_dep16_after": {"value": gpu(a.host_after, 32) / gpu(a.host_after, 16),
                                            "band": ["> 1"], "holds": gpu(a.host_after, 32) > gpu(a.host_after, 16)},
-        "target_ratio_naive": {"value": tb.ratio_naive, "band": [0.30, 0.40], "holds": abs(tb.ratio_naive - 0.35) <= 0.05},
-        "draft_ratio_naive": {"value": db.ratio_naive, "band": [0.16, 0.26], "holds": abs(db.ratio_naive - 0.21) <= 0.05},
+        "target_ratio_naive": {"value": tb.ratio_naive, "band": [0.30, 0.40],
+                               "holds": abs(tb.ratio_naive - 0.35) <= 0.05},
+        "draft_ratio_naive": {"value": db.ratio_naive, "band": [0.16, 0.26],
+                              "holds": abs(db.ratio_naive - 0.21) <= 0.05},
         "target_ratio_eplb": {"value": tb.ratio, "band": [">= 0.94"], "holds": tb.ratio >= 0.94},
         "draft_ratio_eplb": {"value": db.ratio, "band": [">= 0.89"], "holds": db.ratio >= 0.89},
     }

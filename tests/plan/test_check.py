@@ -27,8 +27,10 @@ def _truth():
 def _case(name, width, window=None):
     """A run as the model itself predicts it with the true figures."""
     c = check.Case(name, "dep", width, 16, 1.0, 0.0, window=window)
-    host = HOSTS["after-9"] if width == 1 else LOCKSTEP
-    r = check.predict(c, DIMS, _truth(), host, 128, 32)
+    truth = _truth()
+    host = HOSTS["after-9"] if width == 1 else \
+        replace(LOCKSTEP, fixed_s=LOCKSTEP.fixed_s * truth.slowdown(width) / truth.slowdown(2))
+    r = check.predict(c, DIMS, truth, host, 128, 32)
     return replace(c, measured_tps=width * r.tokens_per_s_per_gpu, measured_wait_s=check.rank0_wait_s(r),
                    forward_s=r.attention_s + r.experts_s, host_s=r.host_s)
 
@@ -45,6 +47,7 @@ def test_fit_recovers_the_hidden_figures():
     assert f["ep_layer_ms"] == pytest.approx(0.4, rel=0.05)
     assert f["lockstep_host_ms"] == pytest.approx(2.0)
     assert all(r["holds"] for r in out["rows"]), out["rows"]
+    assert all(abs(r["tps_error"]) < 1e-3 for r in out["rows"]), out["rows"]
     skewed = next(r for r in out["rows"] if r["case"] == "DEP4 skewed")
     assert skewed["predicted_ratio"] < 0.9
     assert "DEP4 skewed" in check.table(out)

@@ -2,8 +2,8 @@
 
 Run: `bench forward` of the model at DEP1 (the calibration) -> the mock decode mesh at
 fixed step times (host overhead) -> for each width N in --deps, a decode-only DEP-N mesh
-on the real model, balanced and then under a router skew, one wave of --batch requests
-each, reading rank 0's step figures and the instance's recorded load window -> the
+on the real model, balanced and then under a router skew, --waves waves of --batch
+requests each, reading rank 0's step figures and the instance's recorded load window -> the
 model's prediction of every run (shared/plan/check.py) beside the measurement. The
 expert kernel is also timed alone at the model's shapes, so that the DEP1 forward can be
 split into its data-parallel and expert parts.
@@ -30,9 +30,10 @@ class PlanCheckConfig:
     deps: tuple[int, ...] = (1, 2, 4)
     batch: int = 16
     isl: int = 128
-    osl: int = 32
+    osl: int = 64
+    waves: int = 3
     skew: str = "zipf:1.2"
-    mock_step_ms: tuple[float, ...] = (20.0, 2.0)
+    mock_step_ms: tuple[float, ...] = (20.0, 5.0)
     mock_batches: tuple[int, ...] = (8, 64)
     mock_seconds: float = 5.0
     other_load: float = 0.5
@@ -40,8 +41,8 @@ class PlanCheckConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.deps or min(self.deps) < 1 or self.batch < max(self.deps):
-            raise ValueError("--deps must be >= 1 and --batch at least the widest instance")
+        if not self.deps or min(self.deps) < 1 or self.batch < max(self.deps) or self.waves < 1:
+            raise ValueError("--deps must be >= 1, --batch at least the widest instance, --waves >= 1")
 
 
 def time_experts(dims, threads: int = 1, repeats: int = 20) -> tuple[float, float]:
@@ -79,7 +80,7 @@ def _dep_case(cfg: PlanCheckConfig, model: str, dep: int, label: str, skew: str)
                                    threads=cfg.threads, seed=cfg.seed)
     with phases._mesh(pcfg, "decode", skew) as mesh:
         t0 = time.time()
-        summ = phases._point(mesh, pcfg, cfg.isl, cfg.osl, cfg.batch, cfg.batch)
+        summ = phases._point(mesh, pcfg, cfg.isl, cfg.osl, cfg.batch, cfg.batch * cfg.waves)
         t1 = time.time()
         ratio, steps = asyncio.run(phases.instance_state(mesh, dep))
         window = asyncio.run(phases.instance_window(mesh, dep)) if dep > 1 else None

@@ -14,9 +14,10 @@ def register(bsub) -> None:
     b.add_argument("--deps", type=ints, default=(1, 2, 4), help="DEP widths to run")
     b.add_argument("--batch", type=int, default=16, help="concurrent requests per instance")
     b.add_argument("--isl", type=int, default=128)
-    b.add_argument("--osl", type=int, default=32)
+    b.add_argument("--osl", type=int, default=64)
+    b.add_argument("--waves", type=int, default=3, help="requests per DEP run, in --batch's")
     b.add_argument("--skew", default="zipf:1.2", help="the workers' router skew for the skewed runs")
-    b.add_argument("--mock-step-ms", type=lambda s: tuple(float(x) for x in s.split(",") if x), default=(20.0, 2.0))
+    b.add_argument("--mock-step-ms", type=lambda s: tuple(float(x) for x in s.split(",") if x), default=(20.0, 5.0))
     b.add_argument("--mock-batches", type=ints, default=(8, 64))
     b.add_argument("--mock-seconds", type=float, default=5.0)
     b.add_argument("--other-load", type=float, default=0.5,
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = plan_check.PlanCheckConfig(model=args.model, deps=args.deps, batch=args.batch, isl=args.isl,
-                                         osl=args.osl, skew=args.skew, mock_step_ms=args.mock_step_ms,
+                                         osl=args.osl, waves=args.waves, skew=args.skew, mock_step_ms=args.mock_step_ms,
                                          mock_batches=args.mock_batches, mock_seconds=args.mock_seconds,
                                          other_load=args.other_load, threads=args.threads, seed=args.seed)
     except ValueError as e:
