@@ -14,8 +14,8 @@ from moemesh.shared.plan.dims import ModelDims
 from moemesh.shared.plan.host import HostModel
 
 
-def this_host(forward: dict, dims: ModelDims, *, cores: float = 0.0, other_load: float = 0.0,
-              collective_s: float = 0.0, copy_bw: float = 5e9) -> Measured:
+def this_host(forward: dict, dims: ModelDims, *, cores: float = 0.0, collective_s: float = 0.0,
+              copy_bw: float = 5e9) -> Measured:
     """Measured costs from a `bench forward` result."""
     if forward.get("bench") != "forward":
         raise ValueError("not a `bench forward` result (its 'bench' is not 'forward')")
@@ -25,7 +25,7 @@ def this_host(forward: dict, dims: ModelDims, *, cores: float = 0.0, other_load:
         raise ValueError("the `bench forward` result has no decode rows")
     return Measured(dims, tuple(float(r["batch"]) for r in dec), tuple(r["forward_ms_p50"] / 1e3 for r in dec),
                     tuple(float(r["prompt_len"]) for r in pre), tuple(r["forward_ms_p50"] / 1e3 for r in pre),
-                    cores=cores, other_load=other_load, collective_s=collective_s, copy_bw=copy_bw)
+                    cores=cores, collective_s=collective_s, copy_bw=copy_bw)
 
 
 def host_from_decode(result: dict, name: str = "measured") -> HostModel:

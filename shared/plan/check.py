@@ -9,20 +9,22 @@ Two kinds of run:
   - `bench forward` of the same model at DEP1 and the expert kernel timed alone at the
     model's shapes (costs.Measured), which split a forward into its parts;
   - the window of expert loads each run recorded (its skew);
-  - the cores the ranks share (a rank computes `(N + other load) / cores` times slower
-    when there are fewer cores than busy processes);
-  - figures fitted on two runs, which are then no evidence for the model:
-    1. the DEP1 run: how much slower the forward runs in the mesh than alone (the
-       machine's other load, the gateway and the clients beside it);
-    2. the first balanced DEP>1 run: the cost of a collective call (from its rank wait),
-       the host time per step of a lockstep rank, which does not overlap the forward
-       (from its step accounting; other widths scale it by their core sharing), and a
-       DEP rank's per-layer bookkeeping (the rest of its step time).
+  - the host preset, not overlapped on lockstep ranks (their loop does not overlap);
+  - two figures fitted on two runs, which are then no evidence for the model:
+    1. on the DEP1 run, the processors left to the ranks (this machine has two cores
+       and other users; the gateway, NATS and the clients take their share): the CPU
+       work of its step over its measured step time;
+    2. on the first balanced DEP>1 run, the CPU a DEP rank spends per MoE layer besides
+       the expert kernel (routing, sorting, driving the collectives).
   The other DEP runs (skewed, wider) are the evidence.
 
-A case holds when predicted tokens/s and rank wait are both within `tolerance` of the
-measured ones (rank wait: or within `wait_floor_s`, as a few tenths of a millisecond of
-wait are below what this machine's scheduling noise lets one measure).
+On this host a rank waits mostly for a processor, not for the other ranks' experts: part
+of that wait lands in its collectives (rank wait) and part between its steps (the loop
+gap of its step accounting). The model's wait is set against the two together.
+
+A case holds when predicted tokens/s and wait are both within `tolerance` of the
+measured ones (wait: or within `wait_floor_s`, as a few tenths of a millisecond of wait
+are below what this machine's scheduling noise lets one measure).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class Case:
     Args:
         name, kind ("mock" or "dep"), width, batch (requests in flight over the instance).
         measured_tps: batch / TPOT p50.
-        measured_wait_s, forward_s, host_s: rank 0's step accounting, p50 (host: the
-            exposed part, loop gap included).
+        measured_wait_s: rank 0's rank wait + loop gap (see the module docstring), p50s.
+        forward_s, host_s: rank 0's step accounting, p50s (host: the exposed part).
         step_ms: the mock's step time.
         window: the recorded loads ({"target": [[count per expert] per layer]}) or None.
     """
@@ -68,7 +70,6 @@ class Case:
 @dataclass(frozen=True)
 class Fitted:
     costs: Measured
-    dep_host: HostModel | None
     fitted_on: tuple[str, ...]
 
 
@@ -93,45 +94,45 @@ def rank0_wait_s(r: StepResult) -> float:
     return r.extra["rank_wait_s_by_rank"][0]
 
 
+def host_for(case: Case, host: HostModel) -> HostModel:
+    """Lockstep ranks' loops do not overlap the forward: all of their host time shows."""
+    return replace(host, name="lockstep", hidden_share=0.0) if case.width > 1 else host
+
+
+def _measured_step(case: Case) -> float:
+    return case.width * max(case.batch // case.width, 1) / case.measured_tps
+
+
 def fit(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel, isl: int, osl: int) -> Fitted:
     """The figures the module docstring lists, from the DEP1 run and the first balanced
-    DEP>1 run (either may be missing: its figures then keep their defaults)."""
+    DEP>1 run (either may be missing: its figures then keep their values)."""
     names = []
-    dep1 = next((c for c in cases if c.kind == "dep" and c.width == 1 and c.forward_s > 0), None)
+    dep1 = next((c for c in cases if c.kind == "dep" and c.width == 1 and c.measured_tps), None)
     if dep1 is not None:
-        r = predict(dep1, dims, costs, host, isl, osl)
-        costs = replace(costs, scale=costs.scale * dep1.forward_s / (r.attention_s + r.experts_s))
+        r = predict(dep1, dims, replace(costs, cores=0.0), host, isl, osl)
+        work, step = r.extra["work_s"], _measured_step(dep1)
+        costs = replace(costs, cores=work / step if step > r.step_s else 0.0)
         names.append(dep1.name)
-    wide = next((c for c in cases if c.kind == "dep" and c.width > 1 and "balanced" in c.name), None)
-    dep_host = None
-    if wide is not None:
-        dep_host = HostModel("lockstep rank", fixed_s=wide.host_s)
-        base = replace(costs, collective_s=0.0, ep_layer_s=0.0)
-        r = predict(wide, dims, base, dep_host, isl, osl)
-        calls = 4 * dims.num_moe_layers * costs.slowdown(wide.width)
-        costs = replace(base, collective_s=max(wide.measured_wait_s - rank0_wait_s(r), 0.0) / calls)
-        r = predict(wide, dims, costs, dep_host, isl, osl)
-        step = wide.width * (wide.batch // wide.width) / wide.measured_tps if wide.measured_tps else r.step_s
-        per_layer = dims.num_moe_layers * costs.slowdown(wide.width)
-        costs = replace(costs, ep_layer_s=max(step - r.step_s, 0.0) / per_layer)
+    wide = next((c for c in cases if c.kind == "dep" and c.width > 1 and "balanced" in c.name and c.measured_tps),
+                None)
+    if wide is not None and costs.cores:
+        base = replace(costs, ep_layer_s=0.0)
+        r = predict(wide, dims, base, host_for(wide, host), isl, osl)
+        missing = costs.cores * _measured_step(wide) - r.extra["work_s"]  # CPU the ranks spent beyond the model's
+        costs = replace(base, ep_layer_s=max(missing, 0.0) / (wide.width * dims.num_moe_layers))
         names.append(wide.name)
-    return Fitted(costs, dep_host, tuple(names))
+    return Fitted(costs, tuple(names))
 
 
 def compare(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel, isl: int, osl: int,
             tolerance: float = 0.15, wait_floor_s: float = 0.5e-3) -> dict:
     """Fits (fit()), then predicts every case. Returns {"fitted": figures, "fitted_on":
-    names, "rows": per case measured and predicted tokens/s and rank wait, their errors,
+    names, "rows": per case measured and predicted tokens/s and wait, their errors,
     whether it was fitted on and whether it holds}."""
     f = fit(cases, dims, costs, host, isl, osl)
     rows = []
     for c in cases:
-        h = host
-        if c.kind == "dep" and c.width > 1 and f.dep_host:
-            # The lockstep host is CPU work too: it slows with the cores it shares.
-            w0 = next(x.width for x in cases if x.name == f.fitted_on[-1])
-            h = replace(f.dep_host, fixed_s=f.dep_host.fixed_s * f.costs.slowdown(c.width) / f.costs.slowdown(w0))
-        r = predict(c, dims, f.costs, h, isl, osl)
+        r = predict(c, dims, f.costs, host_for(c, host), isl, osl)
         tps = c.width * r.tokens_per_s_per_gpu
         wait = rank0_wait_s(r)
         tps_err = tps / c.measured_tps - 1 if c.measured_tps else None
@@ -145,10 +146,9 @@ def compare(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel
                      "predicted_terms_ms": {k: v * 1e3 for k, v in r.terms_s().items()},
                      "fitted": c.name in f.fitted_on,
                      "holds": tps_err is not None and abs(tps_err) <= tolerance and wait_ok})
-    figures = {"forward_scale": f.costs.scale, "collective_ms": f.costs.collective_s * 1e3,
-               "ep_layer_ms": f.costs.ep_layer_s * 1e3,
-               "lockstep_host_ms": f.dep_host.fixed_s * 1e3 if f.dep_host else None,
-               "slot_us": f.costs.slot_s * 1e6, "pair_us": f.costs.pair_s * 1e6}
+    figures = {"cores": f.costs.cores, "ep_layer_ms": f.costs.ep_layer_s * 1e3,
+               "collective_ms": f.costs.collective_s * 1e3, "slot_us": f.costs.slot_s * 1e6,
+               "pair_us": f.costs.pair_s * 1e6}
     return {"fitted": figures, "fitted_on": list(f.fitted_on), "rows": rows}
 
 
@@ -162,8 +162,7 @@ def table(result: dict) -> str:
                      f"{r['measured_wait_ms']:>12.2f} {r['predicted_wait_ms']:>7.2f} {we:>7} "
                      f"{('fit' if r['fitted'] else ('yes' if r['holds'] else 'NO')):>6}")
     f = result["fitted"]
-    lines.append(f"fitted on {', '.join(result['fitted_on']) or 'nothing'}: forward x{f['forward_scale']:.2f} in "
-                 f"the mesh, collective call {f['collective_ms']:.3f} ms, lockstep host "
-                 f"{f['lockstep_host_ms'] if f['lockstep_host_ms'] is None else round(f['lockstep_host_ms'], 2)} ms, "
-                 f"EP bookkeeping {f['ep_layer_ms']:.3f} ms per MoE layer")
+    lines.append(f"fitted on {', '.join(result['fitted_on']) or 'nothing'}: {f['cores']:.2f} processors left to "
+                 f"the ranks, {f['ep_layer_ms']:.3f} ms of DEP bookkeeping per MoE layer; expert kernel "
+                 f"{f['slot_us']:.0f} us per slot + {f['pair_us']:.1f} us per pair")
     return "\n".join(lines)

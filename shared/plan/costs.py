@@ -8,8 +8,10 @@ Two kinds of machine plug in:
   either by the expert kernel's own measured cost (a fixed cost per expert slot that
   runs, plus a cost per pair: `slot_s`, `pair_s`) or, without it, by FLOP shares; a rank
   of a wider instance then takes the dense part at its own batch and the expert part
-  for the slots and pairs it runs. Ranks that share too few cores run slower by the
-  ratio of busy processes to cores.
+  for the slots and pairs it runs. Where the ranks share fewer cores than there are
+  ranks (this 2-core machine, busy with other work too), a step cannot be shorter than
+  all the ranks' CPU work over the cores left to them: each rank computes at full speed
+  when it runs, and waits for a core the rest of the time (core_wait_s).
 
 Shapes: S = sampled steps, L = MoE layers, N = ranks.
 """
@@ -39,6 +41,11 @@ class Costs(Protocol):
     def a2a_s(self, pairs_in: np.ndarray, width: int) -> np.ndarray:
         """[S, L] seconds of one layer's dispatch + combine, set by the rank that receives
         the most pairs (`pairs_in` [S, L])."""
+        ...
+
+    def core_wait_s(self, work: np.ndarray, step: np.ndarray) -> np.ndarray:
+        """[S] time the step lengthens because ranks wait for a processor to run on, given
+        each rank's own work [S, N] and the step as the rest of the model has it [S]."""
         ...
 
 
@@ -71,6 +78,9 @@ class Roofline:
         over_net = nbytes * remote / (hw.net_bw * hw.a2a_eff)
         return hw.a2a_latency_s + np.maximum(over_nvlink, over_net)
 
+    def core_wait_s(self, work, step):
+        return np.zeros_like(step)  # a GPU per rank
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -80,15 +90,14 @@ class Measured:
         dims: the benchmarked model.
         batches, forward_s: decode forward time at each batch (one rank, all experts).
         prompt_lens, prefill_s: prefill forward time of one prompt of each length.
-        cores: CPU cores the ranks and services share.
-        other_load: cores' worth of CPU the rest of the mesh (gateway, NATS, clients) uses.
+        cores: processors' worth of CPU left to the ranks (the machine's cores less what the
+            gateway, NATS, the clients and other users take); 0: a core per rank.
         collective_s: one collective call between ranks (gloo over loopback); a MoE layer
             makes four (sizes, tokens, slots, results back).
         copy_bw: bytes/s of a collective's payload.
         slot_s, pair_s: the expert kernel per slot that runs and per pair (0: split by FLOPs).
-        ep_layer_s: bookkeeping a DEP>1 rank does per MoE layer besides the kernel and the
-            collectives (routing to replicas, sorting by slot).
-        scale: how much slower everything runs than measured alone (the mesh around it).
+        ep_layer_s: CPU a DEP>1 rank spends per MoE layer besides the expert kernel
+            (routing to replicas, sorting by slot, driving the collectives).
     """
 
     dims: ModelDims
@@ -97,25 +106,17 @@ class Measured:
     prompt_lens: tuple[float, ...] = ()
     prefill_s: tuple[float, ...] = ()
     cores: float = 0.0
-    other_load: float = 0.0
     collective_s: float = 0.0
     copy_bw: float = 5e9
     slot_s: float = 0.0
     pair_s: float = 0.0
     ep_layer_s: float = 0.0
-    scale: float = 1.0
 
     def __post_init__(self) -> None:
         if len(self.batches) != len(self.forward_s) or not self.batches:
             raise ValueError("need one decode forward time per batch")
         if len(self.prompt_lens) != len(self.prefill_s):
             raise ValueError("need one prefill time per prompt length")
-
-    def slowdown(self, width: int) -> float:
-        """How much slower a rank computes when `width` ranks share the cores."""
-        if not self.cores:
-            return self.scale
-        return self.scale * max(1.0, (width + self.other_load) / self.cores)
 
     def expert_share(self) -> float:
         """The routed experts' share of one token's forward FLOPs."""
@@ -138,8 +139,7 @@ class Measured:
         return d.num_moe_layers * (active * self.slot_s + pairs * self.pair_s)
 
     def dense_s(self, tokens, attn_flops, attn_bytes, width):
-        dense = np.maximum(self._forward(tokens) - self._dep1_expert_s(tokens), 0.0)
-        return dense * self.slowdown(width)
+        return np.maximum(self._forward(tokens) - self._dep1_expert_s(tokens), 0.0)
 
     def expert_s(self, pairs, active, tokens_per_rank, width):
         d = self.dims
@@ -149,14 +149,18 @@ class Measured:
             per_pair = self._dep1_expert_s(np.asarray(tokens_per_rank)) / (
                 d.num_moe_layers * max(tokens_per_rank, 1) * d.top_k)
             per_layer = pairs * per_pair
-        extra = self.ep_layer_s if width > 1 else 0.0
-        return (per_layer + extra) * self.slowdown(width)
+        return per_layer + (self.ep_layer_s if width > 1 else 0.0)
 
     def a2a_s(self, pairs_in, width):
         if width <= 1:
             return np.zeros_like(pairs_in)
         nbytes = pairs_in * self.dims.hidden * 4.0 * 2  # fp32 tokens out and back
-        return 4 * self.collective_s * self.slowdown(width) + nbytes / self.copy_bw
+        return 4 * self.collective_s + nbytes / self.copy_bw
+
+    def core_wait_s(self, work, step):
+        if not self.cores:
+            return np.zeros_like(step)
+        return np.maximum(work.sum(1) / self.cores - step, 0.0)
 
 
 @dataclass(frozen=True)
@@ -174,3 +178,6 @@ class FixedStep:
 
     def a2a_s(self, pairs_in, width):
         return np.zeros_like(pairs_in)
+
+    def core_wait_s(self, work, step):
+        return np.zeros_like(step)

@@ -14,7 +14,8 @@ other. The step model samples `num_steps` steps; in each:
    rank's pairs and weight reads;
 4. all-to-all: per MoE layer the dispatch and combine bytes of the rank that receives most;
 5. host: each rank's host time per step minus what hides behind the forward;
-6. barrier: the lockstep wait for the rank whose host took longest (stalls, jitter).
+6. barrier: the lockstep wait for the rank whose host took longest (stalls, jitter),
+   and, where ranks share too few processors (a CPU host), for a processor to run on.
 
 Step time = 2 + 3 + 4 + 5 + 6. Any term can be switched off (Terms) to show its cost.
 
@@ -151,12 +152,16 @@ def run_step(cfg: StepConfig, dims: ModelDims, costs: Costs, balance: Balance, p
     host_term = own_host if terms.host else np.zeros(S)
     barrier_term = wait_host if terms.barrier else np.zeros(S)
     step = device + host_term + barrier_term
+    # Ranks that share too few processors (a CPU host) also wait for one to run on.
+    work = attn + exp.sum(1) * layers + (hostt if terms.host else 0.0)  # [S, N] each rank's own work
+    cores = costs.core_wait_s(work, step) if terms.barrier else np.zeros(S)
+    barrier_term, step = barrier_term + cores, step + cores
     # A rank waits for the slowest rank's attention and experts, for the all-to-all
     # itself (the engine counts time in collectives as waiting) and at the barrier.
     by_rank = (attn.max(1, keepdims=True) - attn) \
         + ((exp.max(-1, keepdims=True) - exp).sum(1) + a2a.sum(-1, keepdims=True)) * layers  # [S, N]
     if terms.barrier:
-        by_rank = by_rank + hostt.max(1, keepdims=True) - hostt + (inst_stall - own_stall)
+        by_rank = by_rank + hostt.max(1, keepdims=True) - hostt + (inst_stall - own_stall) + cores[:, None]
     wait = by_rank.mean(1)
     if cfg.phase == "prefill":
         ttft = float(np.mean(chunks) * step.mean())
@@ -168,7 +173,8 @@ def run_step(cfg: StepConfig, dims: ModelDims, costs: Costs, balance: Balance, p
         tokens_per_rank=float(tokens.mean()),
         ratio_before=balance.ratio_naive if terms.skew else 1.0,
         ratio_after=(balance.ratio if terms.eplb else balance.ratio_naive) if terms.skew else 1.0,
-        seqs_per_rank=float(seqs.mean()), ttft_s=ttft, extra={"rank_wait_s_by_rank": by_rank.mean(0).tolist()})
+        seqs_per_rank=float(seqs.mean()), ttft_s=ttft, extra={"rank_wait_s_by_rank": by_rank.mean(0).tolist(),
+                                                     "work_s": float(work.sum(1).mean())})
 
 
 def _uniform_like(popularity):

@@ -3,7 +3,8 @@
 Run: `bench forward` of the model at DEP1 (the calibration) -> the mock decode mesh at
 fixed step times (host overhead) -> for each width N in --deps, a decode-only DEP-N mesh
 on the real model, balanced and then under a router skew, --waves waves of --batch
-requests each, reading rank 0's step figures and the instance's recorded load window -> the
+requests each, reading rank 0's step figures and the instance's recorded load window, in
+--repeats interleaved rounds (each case takes its median) -> the
 model's prediction of every run (shared/plan/check.py) beside the measurement. The
 expert kernel is also timed alone at the model's shapes, so that the DEP1 forward can be
 split into its data-parallel and expert parts.
@@ -32,17 +33,17 @@ class PlanCheckConfig:
     isl: int = 128
     osl: int = 64
     waves: int = 3
+    repeats: int = 2
     skew: str = "zipf:1.2"
     mock_step_ms: tuple[float, ...] = (20.0, 5.0)
     mock_batches: tuple[int, ...] = (8, 64)
     mock_seconds: float = 5.0
-    other_load: float = 0.5
     threads: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.deps or min(self.deps) < 1 or self.batch < max(self.deps) or self.waves < 1:
-            raise ValueError("--deps must be >= 1, --batch at least the widest instance, --waves >= 1")
+        if not self.deps or min(self.deps) < 1 or self.batch < max(self.deps) or min(self.waves, self.repeats) < 1:
+            raise ValueError("--deps must be >= 1, --batch at least the widest instance, --waves and --repeats >= 1")
 
 
 def time_experts(dims, threads: int = 1, repeats: int = 20) -> tuple[float, float]:
@@ -88,11 +89,22 @@ def _dep_case(cfg: PlanCheckConfig, model: str, dep: int, label: str, skew: str)
     tpot = summ["tpot_ms"]["p50"]
     tps = cfg.batch / (tpot / 1e3) if tpot else 0.0
     name = f"DEP{dep} {label}"
-    case = check.Case(name, "dep", dep, cfg.batch, tps, st.get("rank_wait_ms_p50", 0.0) / 1e3,
+    wait = st.get("rank_wait_ms_p50", 0.0) + st.get("loop_gap_ms_p50", 0.0)
+    case = check.Case(name, "dep", dep, cfg.batch, tps, wait / 1e3,
                       forward_s=st.get("forward_ms_p50", 0.0) / 1e3, host_s=st.get("host_exposed_ms_p50", 0.0) / 1e3,
                       window=window)
-    return case, {"case": name, "skew": skew, "tpot_ms_p50": tpot, "balance_ratio": ratio, "decode_steps": st,
+    return case, {"case": name, "skew": skew, "tokens_per_s": tps, "tpot_ms_p50": tpot, "balance_ratio": ratio,
+                  "decode_steps": st,
                   "errors": summ["num_errors"], "window": window}
+
+
+def _median(cases: list[check.Case]) -> check.Case:
+    """One case from repeated rounds: the median of each measured figure."""
+    def med(key):
+        xs = sorted(getattr(c, key) for c in cases)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+    return replace(cases[0], measured_tps=med("measured_tps"), measured_wait_s=med("measured_wait_s"),
+                   forward_s=med("forward_s"), host_s=med("host_s"))
 
 
 def run(cfg: PlanCheckConfig) -> dict:
@@ -114,16 +126,19 @@ def run(cfg: PlanCheckConfig) -> dict:
             cases.append(check.Case(f"mock {step_ms:g}ms b{p['batch']}", "mock", 1, p["batch"], p["tokens_per_s"],
                                     st.get("rank_wait_ms_p50", 0.0) / 1e3 if st else 0.0, step_ms=step_ms))
             runs.append({"case": cases[-1].name, "point": p})
-    for dep in cfg.deps:
-        for label, skew in (("balanced", ""), ("skewed", cfg.skew)):
-            if dep == 1 and skew:
-                continue  # one rank holds every expert: a skew changes nothing to wait for
+    # Rounds of every DEP run, interleaved, so that a change in the machine's other load
+    # lands on all of them; each case takes the median of its rounds.
+    todo = [(dep, label, skew) for dep in cfg.deps for label, skew in (("balanced", ""), ("skewed", cfg.skew))
+            if not (dep == 1 and skew)]  # one rank holds every expert: a skew changes nothing to wait for
+    rounds: dict[str, list[check.Case]] = {}
+    for i in range(cfg.repeats):
+        for dep, label, skew in todo:
             case, raw = _dep_case(cfg, model, dep, label, skew)
-            cases.append(case)
-            runs.append(raw)
+            rounds.setdefault(case.name, []).append(case)
+            runs.append(raw | {"round": i, "loadavg_1m": os.getloadavg()[0]})
+    cases += [_median(v) for v in rounds.values()]
     slot_s, pair_s = time_experts(dims, cfg.threads)
-    costs = replace(this_host(fwd, dims, cores=os.cpu_count() or 1, other_load=cfg.other_load),
-                    slot_s=slot_s, pair_s=pair_s)
+    costs = replace(this_host(fwd, dims), slot_s=slot_s, pair_s=pair_s)
     cmp = check.compare(cases, dims, costs, HOSTS["after-9"], cfg.isl, cfg.osl)
     return {"bench": "plan-check", "config": asdict(cfg), "env": environment(), "forward": fwd["decode"],
             "comparison": cmp, "runs": runs}
@@ -133,4 +148,9 @@ def table(result: dict) -> str:
     c = result["config"]
     head = (f"step model against this machine: {c['model'] or 'tiny'}, {c['batch']} requests, isl {c['isl']}, "
             f"osl {c['osl']}, skew {c['skew']}")
-    return head + "\n" + check.table(result["comparison"])
+    spread = {}
+    for r in result["runs"]:
+        if "round" in r:
+            spread.setdefault(r["case"], []).append(f"{r['tokens_per_s']:.0f} (load {r['loadavg_1m']:.1f})")
+    rounds = [f"  {name}: {', '.join(v)}" for name, v in spread.items()]
+    return "\n".join([head, check.table(result["comparison"]), "tokens/s of each round:", *rounds])

@@ -16,12 +16,11 @@ def register(bsub) -> None:
     b.add_argument("--isl", type=int, default=128)
     b.add_argument("--osl", type=int, default=64)
     b.add_argument("--waves", type=int, default=3, help="requests per DEP run, in --batch's")
+    b.add_argument("--repeats", type=int, default=2, help="interleaved rounds of the DEP runs (medians)")
     b.add_argument("--skew", default="zipf:1.2", help="the workers' router skew for the skewed runs")
     b.add_argument("--mock-step-ms", type=lambda s: tuple(float(x) for x in s.split(",") if x), default=(20.0, 5.0))
     b.add_argument("--mock-batches", type=ints, default=(8, 64))
     b.add_argument("--mock-seconds", type=float, default=5.0)
-    b.add_argument("--other-load", type=float, default=0.5,
-                   help="cores' worth of CPU the gateway, NATS and client take beside the ranks")
     b.add_argument("--threads", type=int, default=1)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="bench-results/plan_check.json")
@@ -34,9 +33,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = plan_check.PlanCheckConfig(model=args.model, deps=args.deps, batch=args.batch, isl=args.isl,
-                                         osl=args.osl, waves=args.waves, skew=args.skew, mock_step_ms=args.mock_step_ms,
+                                         osl=args.osl, waves=args.waves,
+                                         repeats=args.repeats, skew=args.skew, mock_step_ms=args.mock_step_ms,
                                          mock_batches=args.mock_batches, mock_seconds=args.mock_seconds,
-                                         other_load=args.other_load, threads=args.threads, seed=args.seed)
+                                         threads=args.threads, seed=args.seed)
     except ValueError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
