@@ -161,7 +161,9 @@ def run_step(cfg: StepConfig, dims: ModelDims, costs: Costs, balance: Balance, p
     by_rank = (attn.max(1, keepdims=True) - attn) \
         + ((exp.max(-1, keepdims=True) - exp).sum(1) + a2a.sum(-1, keepdims=True)) * layers  # [S, N]
     if terms.barrier:
-        by_rank = by_rank + hostt.max(1, keepdims=True) - hostt + (inst_stall - own_stall) + cores[:, None]
+        by_rank = by_rank + hostt.max(1, keepdims=True) - hostt + (inst_stall - own_stall)
+        if N > 1:  # one rank that waits for a processor computes slower; it waits for no one
+            by_rank = by_rank + cores[:, None]
     wait = by_rank.mean(1)
     if cfg.phase == "prefill":
         ttft = float(np.mean(chunks) * step.mean())
