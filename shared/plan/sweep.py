@@ -145,14 +145,16 @@ def _decode_at_target(cfg: PlanConfig, inp: Inputs, width: int, mean_ctx: float,
     if cfg.decode_batch:
         r = step(cfg.decode_batch)
         return _mark(r, cap, r.tps_per_user_p90 >= cfg.target_tps_user and cfg.decode_batch <= cap)
-    best = None
-    for b in DECODE_BATCHES:
-        if b > cap:
-            break
-        r = step(b)
-        if r.tps_per_user_p90 < cfg.target_tps_user:
-            break
-        best = r
+    # Per-user speed falls as the batch grows: bisect for the largest batch that meets it.
+    sizes = [b for b in DECODE_BATCHES if b <= cap]
+    lo, hi, best = 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        r = step(sizes[mid])
+        if r.tps_per_user_p90 >= cfg.target_tps_user:
+            best, lo = r, mid + 1
+        else:
+            hi = mid - 1
     if best is None:  # nothing meets the target: show the smallest batch, marked
         return _mark(step(1), cap, False) if cap >= 1 else None
     return _mark(best, cap, True)
