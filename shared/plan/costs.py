@@ -28,12 +28,14 @@ from moemesh.shared.plan.hardware import Hardware
 
 
 class Costs(Protocol):
-    def dense_s(self, tokens: np.ndarray, attn_flops: np.ndarray, attn_bytes: np.ndarray, width: int) -> np.ndarray:
+    def dense_s(self, tokens: np.ndarray, attn_flops: np.ndarray, attn_bytes: np.ndarray, width: int,
+                phase: str = "decode") -> np.ndarray:
         """[S, N] seconds of each rank's data-parallel part (attention, shared experts, dense
         layers, LM head) for its tokens, with its attention core's FLOPs and KV bytes."""
         ...
 
-    def expert_s(self, pairs: np.ndarray, active: np.ndarray, tokens_per_rank: float, width: int) -> np.ndarray:
+    def expert_s(self, pairs: np.ndarray, active: np.ndarray, tokens_per_rank: float, width: int,
+                 phase: str = "decode") -> np.ndarray:
         """[S, L, N] seconds of each rank's routed experts per MoE layer: `pairs` computed
         and `active` expert slots whose weights it reads."""
         ...
@@ -54,7 +56,7 @@ class Roofline:
     dims: ModelDims
     hw: Hardware
 
-    def dense_s(self, tokens, attn_flops, attn_bytes, width):
+    def dense_s(self, tokens, attn_flops, attn_bytes, width, phase="decode"):
         hw, d = self.hw, self.dims
         # Projections in FP8, the attention core in BF16 (FlashMLA-style kernels).
         compute = 2 * d.dense_params * tokens / (hw.fp8_flops * hw.compute_eff) \
@@ -62,7 +64,7 @@ class Roofline:
         memory = (d.dense_params * d.dense_weight_bytes + attn_bytes) / (hw.hbm_bw * hw.mem_eff)
         return np.maximum(compute, memory)
 
-    def expert_s(self, pairs, active, tokens_per_rank, width):
+    def expert_s(self, pairs, active, tokens_per_rank, width, phase="decode"):
         hw, d = self.hw, self.dims
         compute = pairs * d.expert_flops_per_pair / (hw.fp8_flops * hw.compute_eff)
         memory = active * d.expert_bytes / (hw.hbm_bw * hw.mem_eff)
@@ -124,29 +126,36 @@ class Measured:
         experts = d.num_moe_layers * d.top_k * d.expert_flops_per_pair
         return experts / (experts + 2 * d.dense_params)
 
-    def _forward(self, tokens: np.ndarray) -> np.ndarray:
-        if self.prompt_lens and np.max(tokens) > max(self.batches):
-            return np.interp(tokens, self.prompt_lens, self.prefill_s)
-        return np.interp(tokens, self.batches, self.forward_s)
+    def _forward(self, tokens, phase: str = "decode") -> np.ndarray:
+        """The measured forward at `tokens` (a decode batch, or a prefill's prompt tokens),
+        linear between the measured points and beyond the last two."""
+        xs, ys = (self.prompt_lens, self.prefill_s) if phase == "prefill" and self.prompt_lens else \
+            (self.batches, self.forward_s)
+        t = np.asarray(tokens, dtype=np.float64)
+        out = np.interp(t, xs, ys)
+        if len(xs) > 1:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            out = np.where(t > xs[-1], ys[-1] + slope * (t - xs[-1]), out)
+        return out
 
-    def _dep1_expert_s(self, tokens) -> np.ndarray:
+    def _dep1_expert_s(self, tokens, phase: str = "decode") -> np.ndarray:
         """The expert part of a DEP1 forward at `tokens` per step, all MoE layers."""
         d = self.dims
         if not (self.slot_s or self.pair_s):
-            return self._forward(tokens) * self.expert_share()
+            return self._forward(tokens, phase) * self.expert_share()
         pairs = np.asarray(tokens, dtype=np.float64) * d.top_k
         active = d.num_experts * (1 - (1 - 1 / d.num_experts) ** pairs)  # expected slots hit
         return d.num_moe_layers * (active * self.slot_s + pairs * self.pair_s)
 
-    def dense_s(self, tokens, attn_flops, attn_bytes, width):
-        return np.maximum(self._forward(tokens) - self._dep1_expert_s(tokens), 0.0)
+    def dense_s(self, tokens, attn_flops, attn_bytes, width, phase="decode"):
+        return np.maximum(self._forward(tokens, phase) - self._dep1_expert_s(tokens, phase), 0.0)
 
-    def expert_s(self, pairs, active, tokens_per_rank, width):
+    def expert_s(self, pairs, active, tokens_per_rank, width, phase="decode"):
         d = self.dims
         if self.slot_s or self.pair_s:
             per_layer = active * self.slot_s + pairs * self.pair_s
         else:  # at DEP1 the forward at this batch computes tokens * top_k pairs per layer
-            per_pair = self._dep1_expert_s(np.asarray(tokens_per_rank)) / (
+            per_pair = self._dep1_expert_s(np.asarray(tokens_per_rank), phase) / (
                 d.num_moe_layers * max(tokens_per_rank, 1) * d.top_k)
             per_layer = pairs * per_pair
         return per_layer + (self.ep_layer_s if width > 1 else 0.0)
@@ -170,10 +179,10 @@ class FixedStep:
 
     step_s: float
 
-    def dense_s(self, tokens, attn_flops, attn_bytes, width):
+    def dense_s(self, tokens, attn_flops, attn_bytes, width, phase="decode"):
         return np.full(np.shape(tokens), self.step_s)
 
-    def expert_s(self, pairs, active, tokens_per_rank, width):
+    def expert_s(self, pairs, active, tokens_per_rank, width, phase="decode"):
         return np.zeros_like(pairs)
 
     def a2a_s(self, pairs_in, width):

@@ -136,12 +136,12 @@ def run_step(cfg: StepConfig, dims: ModelDims, costs: Costs, balance: Balance, p
     else:
         tokens, seqs, attn_flops, attn_bytes, chunks = _prefill_batches(cfg, dims, workload, rng)
     zero = np.zeros((S, N))
-    attn = costs.dense_s(tokens, attn_flops, attn_bytes, N) if terms.attention else zero  # [S, N]
+    attn = costs.dense_s(tokens, attn_flops, attn_bytes, N, cfg.phase) if terms.attention else zero  # [S, N]
 
     pop = popularity if terms.skew else _uniform_like(popularity)
     pairs, active = balance.sample(pop, tokens.sum(1) * dims.top_k, S, rng)  # [S, L', N]
     layers = dims.num_moe_layers / pairs.shape[1]  # the skew's layers stand for all MoE layers
-    exp = costs.expert_s(pairs, active, float(tokens.mean()), N) if terms.experts else np.zeros_like(pairs)
+    exp = costs.expert_s(pairs, active, float(tokens.mean()), N, cfg.phase) if terms.experts else np.zeros_like(pairs)
     a2a = costs.a2a_s(pairs.max(-1), N) if terms.a2a else np.zeros(pairs.shape[:2])  # [S, L']
 
     device = attn.max(1) + exp.max(-1).sum(-1) * layers + a2a.sum(-1) * layers  # [S]

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def moemesh(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", *args], capture_output=True, text=True,
@@ -49,3 +51,20 @@ def test_plan_bad_input_is_a_clean_error(tmp_path):
     assert r.returncode == 2 and "unknown hardware" in r.stderr and "Traceback" not in r.stderr
     r = moemesh("plan", "--model", "v3", "--widths", "3", "--out", str(tmp_path / "x.json"))
     assert r.returncode == 2 and "divide" in r.stderr
+
+
+def test_plan_on_this_host_from_a_forward_result(tmp_path, tiny_model):
+    fwd = tmp_path / "forward.json"
+    fwd.write_text(json.dumps({"bench": "forward", "decode": [{"batch": b, "forward_ms_p50": 2 + 0.2 * b}
+                                                              for b in (1, 8, 64)],
+                               "prefill": [{"prompt_len": n, "forward_ms_p50": 0.05 * n} for n in (128, 2048)]}))
+    r = moemesh("plan", "--model", tiny_model, "--hardware", "this-host", "--forward", str(fwd), "--gpus", "2",
+                "--workload", "fixed:128:16", "--draft-skew", "", "--steps", "4", "--prefill-tokens", "512",
+                "--out", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "p.json").read_text())
+    one = next(x for x in doc["decode"] if x["width"] == 1)
+    # One rank on this host: its step is the measured forward at its batch, plus its host time.
+    assert one["attention_s"] + one["experts_s"] == pytest.approx((2 + 0.2 * one["batch"]) / 1e3, rel=0.05)
+    r = moemesh("plan", "--model", tiny_model, "--hardware", "this-host", "--out", str(tmp_path / "q.json"))
+    assert r.returncode == 2 and "--forward" in r.stderr
