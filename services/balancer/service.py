@@ -36,7 +36,7 @@ class BalancerService(AsyncService):
         self.subjects = Subjects(cfg.subject_prefix)
         self.instances: dict[str, InstanceView] = {}
         self.deciders: dict[str, Decider] = {}
-        self.metrics = Metrics()
+        self.metrics = Metrics(const_labels={"model_name": cfg.model_name} if cfg.model_name else None)
         m = self.metrics
         self.g_ratio = m.gauge("eplb_balance_ratio", "instance balance ratio, mean/max rank load",
                                ("instance", "model"))
@@ -62,7 +62,7 @@ class BalancerService(AsyncService):
         if self.cfg.auto:
             self._tasks.spawn(self._watch(), "eplb-watch")
         if self.cfg.metrics_port >= 0:
-            self._http = MetricsServer(self.metrics.render, lambda: {"status": "ok",
+            self._http = MetricsServer(self.metrics, lambda: {"status": "ok",
                                                                      "instances": list(self.instances)},
                                        self.cfg.metrics_host, self.cfg.metrics_port)
             await self._http.start()

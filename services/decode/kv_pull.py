@@ -29,17 +29,30 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Pull:
-    """One request of a hand-off."""
+    """One request of a hand-off, with the children of its prompt whose KV moves with it
+    (KVReadyItem.forks): one range of bytes, one lease."""
     item: KVReadyItem
     batch: "PullBatch"
     offset: int  # of its bytes in the batch's staging range
     reason: str = ""  # why this request alone failed (the prefill worker no longer held it)
-    aborted: bool = False
+    skip: set[str] = field(default_factory=set)  # requests in it refused or aborted: not to run
     done: bool = False  # imported, failed or dropped: it no longer needs the staging range
 
     @property
     def request_id(self) -> str:
+        """The request that names its lease."""
         return self.item.request_id
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [self.item.request_id, *(f.request_id for f in self.item.forks)]
+
+    @property
+    def aborted(self) -> bool:
+        return all(r in self.skip for r in self.request_ids)
+
+    def abort(self, request_id: str) -> None:
+        self.skip.add(request_id)
 
     @property
     def state(self) -> TransferState:

@@ -11,6 +11,10 @@ Request lifecycle here:
 5. finished or aborted: blocks freed.
 If step 2 fails: "recompute" re-runs the prompt here, "fail" ends the request with an
 error; a KVRelease tells the prefill worker to drop its lease either way.
+
+Parallel sampling: children of one prompt may come as one item (KVReadyItem.forks), their
+prompt's KV once in its bytes; each is a request of its own here (refused, aborted,
+decoded and ended alone), and they are imported together (engine/fork_io.py).
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ from opentelemetry import trace
 
 from moemesh.services.decode.config import DecodeConfig
 from moemesh.services.decode.kv_pull import Pull, PullBatch, finish, pull_kv
+from moemesh.shared.engine import fork_io
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.kv.spec import compatible
 from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, ErrorReply, Heartbeat, KVReady, KVReadyItem, KVReadyReply, KVRelease, PrefillJob,
+    ALREADY_SERVED, Abort, Ack, ErrorReply, Heartbeat, KVReady, KVReadyReply, KVRelease, PrefillJob,
 )
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
@@ -63,10 +68,10 @@ class DecodeService(AsyncService):
         transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
         self.rt = WorkerRuntime(cfg, "decode", self._on_outputs, engine, transport,
-                                lambda: {"num_transfers": len(self.pulls)})
+                                lambda: {"num_transfers": len(self.pulls), "requests_by_gateway": dict(self._gateways)})
         self.pulls: dict[str, Pull] = {}
         self.aborted = Tombstones()
-        self.gateways = GatewayWatch(self._gateway_gone, cfg.heartbeat_interval_s)
+        self.gateways = GatewayWatch(self._gateway_gone)
         self.active: dict[str, Active] = {}
         self._gateways: Counter[str] = Counter()  # gateways of the active requests
         self._step_events = False
@@ -118,31 +123,43 @@ class DecodeService(AsyncService):
             return ErrorReply(f"incompatible KV layout: {c.reason}", "bad_request")
         batch, refused, off = PullBatch(r), {}, 0
         for item in r.items:
-            why = self._refusal(item)
-            if why:
-                refused[item.request_id] = why
+            members = [(item.request_id, item.sampling, item.output_ids, item.traceparent),
+                       *((f.request_id, f.sampling, f.output_ids, f.traceparent) for f in item.forks)]
+            skip = set()
+            for rid, sampling, output_ids, _ in members:
+                why = self._refusal(rid, sampling, output_ids)
+                if item.forks and not fork_io.together(rt.engine):
+                    why = "this worker takes the children of a prompt one by one"
+                if why:
+                    refused[rid] = why
+                    skip.add(rid)
+            if len(skip) == len(members):
                 continue
-            span = rt.tracer.start_span("decode", context=extract_context({"traceparent": item.traceparent}),
-                                        attributes={"request.id": item.request_id, "worker.id": rt.worker_id,
-                                                    "prompt.tokens": len(item.prompt_ids)})
-            self._activate(item.request_id, Active(item.gateway_id, span, time.monotonic()))
-            pull = self.pulls[item.request_id] = Pull(item, batch, off)
+            pull = Pull(item, batch, off, skip=skip)
+            for rid, _, _, traceparent in members:
+                if rid in skip:
+                    continue
+                span = rt.tracer.start_span("decode", context=extract_context({"traceparent": traceparent}),
+                                            attributes={"request.id": rid, "worker.id": rt.worker_id,
+                                                        "prompt.tokens": len(item.prompt_ids)})
+                self._activate(rid, Active(item.gateway_id, span, time.monotonic()))
+                self.pulls[rid] = pull
             batch.pulls.append(pull)
             off += item.nbytes
         if batch.pulls:
             rt.spawn(self._pull_and_import(batch), f"pull-{r.prefill_id}")
         return KVReadyReply(refused)
 
-    def _refusal(self, item: KVReadyItem) -> str:
+    def _refusal(self, request_id: str, sampling, output_ids: list[int]) -> str:
         try:
-            item.sampling.to_params()
+            sampling.to_params()
         except SamplingParamError as e:
             return str(e)
-        if not item.output_ids:
+        if not output_ids:
             return "KVReady must carry the first sampled token"
-        if item.request_id in self.pulls or item.request_id in self.active:
-            return f"duplicate request {item.request_id}"
-        if item.request_id in self.aborted:
+        if request_id in self.pulls or request_id in self.active:
+            return ALREADY_SERVED
+        if request_id in self.aborted:
             return "aborted"
         return ""
 
@@ -181,21 +198,27 @@ class DecodeService(AsyncService):
         action = self.cfg.on_transfer_failure
         self.m_pull_fail.labels(action).inc()
         log.warning("KV pull for %s failed (%s); %s", item.request_id, pull.error, action)
-        act = self.active.get(item.request_id)
-        if act is not None:
-            act.span.add_event("kv_pull_failed", {"error": pull.error, "action": action})
-        if action == "recompute":
-            params = item.sampling.to_params()
-            try:
-                await rt.loop.call(lambda e: e.add_request(item.request_id, item.prompt_ids, params, item.output_ids))
-            except RequestError as e:
-                await self._fail(item.request_id, f"recompute refused: {e}")
-        else:
-            await self._fail(item.request_id, f"KV transfer failed: {pull.error}")
+        for rid, output_ids, sampling in [(item.request_id, item.output_ids, item.sampling),
+                                          *((f.request_id, f.output_ids, f.sampling) for f in item.forks)]:
+            if rid in pull.skip:
+                continue
+            act = self.active.get(rid)
+            if act is not None:
+                act.span.add_event("kv_pull_failed", {"error": pull.error, "action": action})
+            if action == "recompute":  # each child on its own
+                params = sampling.to_params()
+                try:
+                    await rt.loop.call(lambda e: e.add_request(rid, item.prompt_ids, params, output_ids))
+                except RequestError as e:
+                    await self._fail(rid, f"recompute refused: {e}")
+            else:
+                await self._fail(rid, f"KV transfer failed: {pull.error}")
 
     def _import(self, pull: Pull) -> None:
         """Between steps, once blocks are free: scatter the request's bytes into the cache."""
         rt, item = self.rt, pull.item
+        if item.forks:
+            return self._import_forks(pull)
         params = item.sampling.to_params()
         dtype, shape = rt.kv_spec.dtype, rt.kv_spec.shape(item.num_blocks)
 
@@ -216,10 +239,38 @@ class DecodeService(AsyncService):
 
         rt.loop.retry_each_step(attempt)
 
+    def _import_forks(self, pull: Pull) -> None:
+        """The children of one prompt, their bytes as one buffer: imported together."""
+        rt, item = self.rt, pull.item
+        members = [(item.request_id, item.prompt_ids + item.output_ids, item.sampling.to_params(), item.draft_ids),
+                   *((f.request_id, item.prompt_ids + f.output_ids, f.sampling.to_params(), f.draft_ids)
+                     for f in item.forks)]
+        n_prompt, dtype, shape = len(item.prompt_ids), rt.kv_spec.dtype, rt.kv_spec.shape(item.num_blocks)
+
+        def attempt(engine) -> bool:
+            skip = pull.skip | {m[0] for m in members if m[0] not in self.active}  # aborted meanwhile
+            if len(skip) == len(members):
+                self._drop_pull(pull)
+                return True
+            if not fork_io.can_import(engine, n_prompt, len(members) - len(skip)):
+                return False  # wait for blocks to free up
+            try:
+                fork_io.add(engine, members, n_prompt, pull.staging().typed(dtype, shape), skip)
+            except RequestError as e:
+                for rid, *_ in members:
+                    if rid not in skip:
+                        rt.spawn(self._fail(rid, f"import refused: {e}"), "fail")
+            finally:
+                self._drop_pull(pull)
+            return True
+
+        rt.loop.retry_each_step(attempt)
+
     def _drop_pull(self, pull: Pull) -> None:
         finish(self.rt, pull)
-        if self.pulls.get(pull.request_id) is pull:
-            del self.pulls[pull.request_id]
+        for rid in pull.request_ids:
+            if self.pulls.get(rid) is pull:
+                del self.pulls[rid]
 
     async def _release_remote(self, pull: Pull, ok: bool) -> None:
         try:
@@ -346,7 +397,7 @@ class DecodeService(AsyncService):
             self.aborted.add(rid)  # its hand-off may still be on the way
             pull = self.pulls.get(rid)
             if pull is not None:
-                pull.aborted = True
+                pull.abort(rid)
             act = self._deactivate(rid)
             if act is not None:
                 act.span.add_event("aborted", {"reason": a.reason})

@@ -30,7 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from moemesh.services.gateway import openai_api as api
+from moemesh.services.gateway import choices, openai_api as api
+from moemesh.services.gateway import span_attrs as attrs
 from moemesh.services.gateway.auth import ApiKeyMiddleware, load_api_keys
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
@@ -38,9 +39,10 @@ from moemesh.services.gateway.openapi import openapi_document
 from moemesh.services.gateway.slow_clients import read_body
 from moemesh.services.gateway.sse import EventStream
 from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
+from moemesh.services.gateway.tool_calls import ToolCallParser
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.service.metrics_http import MetricsServer
-from moemesh.shared.telemetry.metrics import Metrics
+from moemesh.shared.telemetry.metrics import REQUEST_LATENCY_BUCKETS, Metrics
 from moemesh.shared.telemetry.propagation import extract_context, inject_headers
 from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
@@ -73,17 +75,20 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         provider = setup_tracing("moemesh-gateway", cfg.trace_file or None, cfg.otlp_endpoint or None)
         tok = Tokenizer(cfg.model)
         mcfg = ModelConfig.from_dir(cfg.model)
-        metrics = Metrics()
+        metrics = Metrics(const_labels={"model_name": cfg.model_name})
         mesh = MeshClient(cfg, gateway_id, metrics)
         await mesh.start()
         max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         st = GatewayState(cfg, mesh, tok, max_model_len, get_tracer(provider, "moemesh.gateway", root=True), metrics,
-                          mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len))
+                          mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len,
+                                                            cfg.max_n))
         st.m = {
             "requests": metrics.counter("requests_total", "HTTP requests by route and status",
                                         ("route", "status")),
-            "ttft": metrics.histogram("ttft_seconds", "time to first token"),
-            "e2e": metrics.histogram("request_seconds", "request latency, end to end"),
+            "ttft": metrics.histogram("ttft_seconds", "time to first token", buckets=REQUEST_LATENCY_BUCKETS),
+            "e2e": metrics.histogram("request_seconds", "request latency, end to end", buckets=REQUEST_LATENCY_BUCKETS),
+            "itl": metrics.histogram("inter_token_latency_seconds",
+                                     "a streamed request's mean gap between tokens after the first (one per request)"),
             "tokens": metrics.counter("output_tokens_total", "tokens streamed to clients"),
             "inflight": metrics.gauge("inflight_requests", "admitted requests in flight"),
         }
@@ -94,7 +99,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             log.warning("no API keys set and listening on %s: the API is open to anyone who can reach it", cfg.host)
         metrics_http = None
         if separate_metrics:
-            metrics_http = MetricsServer(metrics.render, lambda: {"status": "ok", **_readiness(st)},
+            metrics_http = MetricsServer(metrics, lambda: {"status": "ok", **_readiness(st)},
                                          cfg.metrics_host, cfg.metrics_port)
             await metrics_http.start()
             log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, metrics_http.port)
@@ -111,6 +116,7 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/health/ready", ready, methods=["GET"]),
             *([] if separate_metrics else [Route("/metrics", metrics_route, methods=["GET"])]),
@@ -150,6 +156,8 @@ async def _generate(request: Request, kind: str) -> Response:
     route = request.scope["path"]
     ctx = extract_context(request.headers)
     span = st.tracer.start_span(f"POST {route}", context=ctx, kind=trace.SpanKind.SERVER)
+    if span.is_recording():
+        span.set_attributes(attrs.http_request("POST", route, request.url.scheme, request.scope.get("server"), kind))
     t0 = time.perf_counter()
     try:
         req = await _admit(request, st, kind, span)
@@ -157,6 +165,7 @@ async def _generate(request: Request, kind: str) -> Response:
         err = e if isinstance(e, api.ApiError) else _internal(e, "admitting a request")
         span.set_status(trace.StatusCode.ERROR, err.message)
         span.set_attribute("http.status_code", err.status)
+        span.set_attributes(attrs.http_response(err.status))
         span.end()
         st.m["requests"].labels(route, str(err.status)).inc()
         raise err from None
@@ -173,16 +182,22 @@ async def _generate(request: Request, kind: str) -> Response:
         st.m["requests"].labels(route, str(status)).inc()
         st.m["e2e"].observe(time.perf_counter() - t0)
         span.set_attribute("http.status_code", status)
+        span.set_attributes(attrs.http_response(status))
         span.end()
 
     handle = None
     try:
         headers = inject_headers(context=trace.set_span_in_context(span))
-        handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
+        if req.n == 1:
+            handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
+        else:  # one handle per choice, read as one (choices.py)
+            handle = await st.mesh.submit_choices(req.request_id, req.prompt_ids, req.params, headers, req.n)
         span.set_attribute("decode.id", handle.decode_id)
         if req.stream:
-            return EventStream(_sse(st, req, handle, span, t0, done), handle,
-                               {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id})
+            body = _sse(st, req, handle, span, t0, done) if req.n == 1 else choices.sse(st, req, handle, span, t0, done)
+            return EventStream(body, handle, _headers(st, req, handle))
+        if req.n > 1:
+            return await choices.collect(request, st, req, handle, span, t0, done, _headers(st, req, handle))
         return await _collect(request, st, req, handle, span, t0, done)
     except NoWorkers as e:
         done(503)
@@ -230,6 +245,9 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
     if st.inflight >= st.cfg.max_inflight:  # others were admitted while this one was parsed
         raise _at_capacity(st)
     span.set_attributes({"request.id": req.request_id, "prompt.tokens": n, "max_tokens": m, "stream": req.stream})
+    if span.is_recording():
+        span.set_attributes(attrs.gen_ai_request(req))
+        span.set_attributes(req.trace_attrs)
     return req
 
 
@@ -239,7 +257,7 @@ def _parse(raw: bytes, st: GatewayState, kind: str) -> api.GenerateRequest:
     except orjson.JSONDecodeError as e:
         raise api.ApiError(400, f"request body is not valid JSON: {e}") from None
     parse = api.parse_chat if kind == "chat" else api.parse_completion
-    return parse(body, st.tok, st.cfg.default_max_tokens, st.vocab_size)
+    return parse(body, st.tok, st.cfg.default_max_tokens, st.vocab_size, st.cfg.max_n)
 
 
 def _at_capacity(st: GatewayState) -> api.ApiError:
@@ -251,10 +269,14 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     """Everything that arrived for the stream since the last write goes out in one write,
     one SSE event per token."""
     n_out, first, status = 0, True, 499  # 499 until the stream ends (the client left first)
+    t_first, finished_as = 0.0, None
     fast = api.ChunkBytes(req)
     reader = Reader(st.tok, req.params.stop)
-    add = reader.detok.add
-    plain = not req.params.stop and req.logprobs is None  # the common case: no per-token extras
+    each = reader.detok.each
+    cont = req.continuous_usage
+    # the common case: no per-token extras
+    plain = not req.params.stop and req.logprobs is None and req.tools is None
+    calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
     stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
     try:
         while True:
@@ -270,45 +292,79 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                 break
             ids, lps, finish, error = handle.take()
             if ids and first:
-                st.m["ttft"].observe(time.perf_counter() - t0)
+                t_first = time.perf_counter()
+                st.m["ttft"].observe(t_first - t0)
                 stream_span.add_event("first_token")
+            n_sent = n_out  # tokens in the chunks before this take (continuous usage counts on from it)
             n_out += len(ids)
             if plain and not first and finish is None and error is None:
-                yield b"".join([fast.text(add([t])) for t in ids])
+                if cont:
+                    cached = handle.cached_tokens
+                    yield b"".join([fast.counted(t, n_sent + i, cached) for i, t in enumerate(each(ids), 1)])
+                else:
+                    yield fast.texts(each(ids))
                 continue
             if not ids and finish is None and error is None:
                 continue
             parts, end = [], False
+            k = 0  # the id of each token event, for the tool-call parser (it finds the markers by id)
             for ev in reader.events(ids, lps, finish, error):
+                if calls is not None and not ev.error:
+                    tid = -1
+                    if ev.token:
+                        tid, k = ids[k], k + 1
+                    n_sent += ev.token
+                    out = [api.chunk(req, "", None, True)] if first else []
+                    first = False
+                    out += [api.delta_chunk(req, d) for d in calls.feed(tid, ev.text)]
+                    if ev.finish:
+                        finished_as = api.tool_finish(ev.finish, calls.calls)
+                        out.append(api.chunk(req, "", finished_as))
+                        end = True
+                    for c in out:
+                        if cont:
+                            c["usage"] = api.usage(len(req.prompt_ids), n_sent, handle.cached_tokens)
+                        parts.append(_sse_data(c))
+                    continue
                 if ev.error:
                     stream_span.set_status(trace.StatusCode.ERROR, ev.error)
                     status = 500
                     parts.append(_sse_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]}))
                     end = True
                     break
+                n_sent += ev.token
                 if not (first or ev.finish or ev.logprob):
-                    parts.append(fast.text(ev.text))
+                    parts.append(fast.counted(ev.text, n_sent, handle.cached_tokens) if cont else fast.text(ev.text))
                 else:
                     lp = api.logprobs_payload(req, st.tok, [ev.logprob] if ev.logprob else [])
-                    parts.append(_sse_data(api.chunk(req, ev.text, ev.finish, first, lp)))
+                    c = api.chunk(req, ev.text, ev.finish, first, lp)
+                    if cont:
+                        c["usage"] = api.usage(len(req.prompt_ids), n_sent, handle.cached_tokens)
+                    parts.append(_sse_data(c))
                 first = False
                 end = ev.finish is not None
+                if end:
+                    finished_as = ev.finish
             if end:
                 status = 200 if status == 499 else status
                 handle.close("stop_string" if reader.stopped_by_string else None)
                 if req.include_usage:
-                    parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out)))
+                    parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out, handle.cached_tokens)))
                 parts.append(b"data: [DONE]\n\n")
                 yield b"".join(parts)
                 break
             yield b"".join(parts)
     finally:
         st.m["tokens"].inc(n_out)  # once per request, not per token
+        if status == 200 and n_out > 1:
+            st.m["itl"].observe((time.perf_counter() - t_first) / (n_out - 1))
         if not handle.closed:  # the client went away (or the stream broke): stop the work
             handle.close("client")
             stream_span.add_event("client_disconnected")
         stream_span.set_attribute("completion.tokens", n_out)
         stream_span.end()
+        if span.is_recording():
+            span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, finished_as, handle.cached_tokens))
         done(status)
 
 
@@ -320,23 +376,33 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
     async def gather():
         reader = Reader(st.tok, req.params.stop)
         text, n_out, lps, first = [], 0, [], True
+        calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
         while True:
             if await handle.wait() is TIMED_OUT:
                 handle.close("timeout")
                 return "".join(text), n_out, lps, "error", \
-                    f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted"
+                    f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted", None
             ids, wire_lps, finish, error = handle.take()
             if first and ids:
                 st.m["ttft"].observe(time.perf_counter() - t0)
                 first = False
             n_out += len(ids)
+            k = 0
             for ev in reader.events(ids, wire_lps, finish, error):
-                text.append(ev.text)
+                if calls is None:
+                    text.append(ev.text)
+                else:  # the content is what the parser finds outside the calls
+                    tid = -1
+                    if ev.token:
+                        tid, k = ids[k], k + 1
+                    text += [d.content for d in calls.feed(tid, ev.text) if d.content]
                 if ev.logprob is not None:
                     lps.append(ev.logprob)
                 if ev.finish:
                     handle.close("stop_string" if reader.stopped_by_string else None)
-                    return "".join(text), n_out, lps, ev.finish, ev.error
+                    if calls is not None:
+                        return "".join(text), n_out, lps, api.tool_finish(ev.finish, calls.calls), ev.error, calls.calls
+                    return "".join(text), n_out, lps, ev.finish, ev.error, None
 
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
@@ -356,7 +422,7 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
         done(499)
         return Response(status_code=499)
     try:
-        text, n_out, lps, finish, error = work.result()
+        text, n_out, lps, finish, error, tool_calls = work.result()
     except Exception:
         handle.close("client")
         done(500)
@@ -365,14 +431,34 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
     if error:
         done(500)
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
+    if span.is_recording():
+        span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, finish, handle.cached_tokens))
     done(200)
     lp = api.logprobs_payload(req, st.tok, lps)
-    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp),
-                        headers={"X-Request-Id": req.request_id, "X-Moemesh-Worker": handle.decode_id})
+    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, handle.cached_tokens,
+                                  tool_calls),
+                        headers=_headers(st, req, handle))
+
+
+def _headers(st: GatewayState, req: api.GenerateRequest, handle) -> dict[str, str]:
+    if st.cfg.worker_header:  # opt-in, for benchmarks: it names an internal worker
+        return {"x-request-id": req.request_id, "x-moemesh-worker": handle.decode_id}
+    return {"x-request-id": req.request_id}
 
 
 async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_entry(_state(request))]})
+
+
+async def model(request: Request) -> JSONResponse:
     st = _state(request)
+    name = request.path_params["model"]
+    if name != st.cfg.model_name:
+        raise api.ApiError(404, f"The model {name!r} does not exist", "model", code="model_not_found")
+    return JSONResponse(_model_entry(st))
+
+
+def _model_entry(st: GatewayState) -> dict:
     entry = {"id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "moemesh",
              "max_model_len": st.max_model_len}
     engines = sorted({hb.engine for hb in st.mesh.live("decode") + st.mesh.live("prefill")})
@@ -380,7 +466,7 @@ async def models(request: Request) -> JSONResponse:
         entry["moemesh_engines"] = engines  # a mock engine must never pass for the real model
     if st.cfg.decode_only_bench:
         entry["moemesh_mode"] = "decode-only-bench"
-    return JSONResponse({"object": "list", "data": [entry]})
+    return entry
 
 
 def _readiness(st: GatewayState) -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moemesh.shared.config.common import ServiceConfig
+from moemesh.shared.protocol.forks import MAX_N
 
 
 @dataclass(frozen=True)
@@ -25,11 +26,17 @@ class GatewayConfig(ServiceConfig):
     # Decode-only benchmarking: send requests straight to decode workers started with
     # bench_dummy_kv, skipping prefill and KV transfer. Logged loudly, shown in /v1/models.
     decode_only_bench: bool = False
+    # Name the decode worker that served a response in an x-moemesh-worker header, for
+    # `moemesh bench serve`'s per-worker throughput. Off: it tells clients internal names.
+    worker_header: bool = False
     # Bearer keys clients must send (services/gateway/auth.py); none given: the API is open.
     # Prefer api_keys_file or the environment: flags show up in `ps`. repr=False keeps keys
     # out of any log line that prints the config.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_keys_file: str = ""
+    # Parallel sampling: the most choices (`n`) one request may ask for; each is a sequence
+    # on the workers (a request of n counts n against their max_num_seqs).
+    max_n: int = 16
 
     def __post_init__(self):
         super().__post_init__()
@@ -39,6 +46,8 @@ class GatewayConfig(ServiceConfig):
             raise ValueError("port must be in [0, 65535]")
         if self.max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
+        if not 1 <= self.max_n <= MAX_N:
+            raise ValueError(f"max_n must be in [1, {MAX_N}]")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.body_timeout_s <= 0 or self.header_timeout_s <= 0:

@@ -13,9 +13,20 @@ decode worker, with no fallback.
 
 Each admitted request gets a Handle (stream.py), which owns its stream and its end.
 Token batches from workers (one per worker step) are decoded once, and each row's ids
-are appended to its handle, which wakes the request's reader if it waits. When the
+are appended to its handle, which wakes the request's reader if it waits. A row is taken
+only from a worker that serves its request: the prefill worker it went to, the decode
+worker it was handed to (the gateway's choice, or the one its prefill worker named in a
+hand-off notice), in the request's current migration attempt.
+
+A worker is suspect, and gets no new requests, from the moment a request to it finds
+nobody there or its prefill worker could not hand KV to it; if its heartbeats stop too,
+it is dead sooner than by its heartbeats alone, and its requests move. When the
 reader closes the handle, the request is forgotten here and, if it was aborted, the
 abort goes out to the workers from a tracked task.
+
+A request of n > 1 is one job (its prompt is prefilled once) and n handles, one per
+choice, under the ids the workers give its children (protocol/forks.py): each is a
+stream of its own from then on, with its own end, abort, resends and migration.
 """
 
 from __future__ import annotations
@@ -33,11 +44,12 @@ from nats.aio.client import Client as NATS
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.kv_index import KVIndex
 from moemesh.services.gateway.router import pick_decode, route_prefill
-from moemesh.services.gateway.stream import Handle, sweep_inactive
+from moemesh.services.gateway.stream import Choices, Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
     Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, TokenEnd, TokenResend,
     WireSampling, WorkerLoad,
 )
+from moemesh.shared.protocol.forks import fork_ids, fork_params
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.heartbeat import Heartbeater, WorkerRegistry
@@ -71,12 +83,19 @@ class MeshClient:
         self.c_gaps = m.counter("token_gaps_total", "token rows that arrived after a gap in their stream")
         self.c_resends = m.counter("token_resends_total", "streams a worker was asked to send again")
         self.c_migrations = m.counter("request_migrations_total", "requests resubmitted because their worker died")
+        self.c_refused = m.counter("token_rows_refused_total",
+                                   "token rows dropped because their sender does not serve their request")
+        self._refused_from: set[str] = set()  # senders already logged
         self.gateway_id = gateway_id or cfg.worker_id or f"gw-{uuid.uuid4().hex[:8]}"
         self.subjects = Subjects(cfg.subject_prefix)
         # Silent for two beats (at least 1 s): gone. Its streams move at once (migration).
-        self.registry = WorkerRegistry(miss_factor=2.0, min_timeout_s=1.0)
+        # Only the watch forgets workers, so that every death moves its streams.
+        self.registry = WorkerRegistry(miss_factor=2.0, min_timeout_s=1.0, owner_prunes=True)
         self._draining: dict[str, tuple[float, float]] = {}  # worker -> (last beat, silence that means dead)
         self.handles: dict[str, Handle] = {}
+        # Requests whose job is on its way and not yet taken: _send_job's own fallbacks see
+        # them through a worker's death, and a migration then would send a second job.
+        self._sending: set[str] = set()
         self._assigned: dict[str, int] = defaultdict(int)
         self._assigned_prompt: dict[str, int] = defaultdict(int)
         self.kv = KVIndex()
@@ -148,6 +167,8 @@ class MeshClient:
         except (Unreachable, RemoteError) as e:
             self._snapshots.discard(holder)  # try again on a later heartbeat
             log.debug("KV snapshot of %s failed: %s", holder, e)
+            if isinstance(e, Unreachable):
+                self._suspect(holder, "its KV snapshot went unanswered")
 
     async def _on_kv_events(self, ev: KVEvents, msg, ctx) -> None:
         self.kv.apply(ev)
@@ -170,19 +191,43 @@ class MeshClient:
             raise
         return h
 
-    async def _send_job(self, h: Handle, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Choose the workers for h and send its job (raises NoWorkers or Rejected)."""
+    async def submit_choices(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                             headers: dict | None, n: int) -> Choices:
+        """A request of n > 1: one job, and a handle per child the workers fork it into."""
+        if self.cfg.decode_only_bench:
+            raise Rejected("n > 1 needs a prefill: it is not served in decode-only bench mode")
+        now = asyncio.get_running_loop().time()
+        hs = [Handle(cid, "", self._closed, now) for cid in fork_ids(request_id, n)]
+        for i, h in enumerate(hs):
+            h.prompt_ids, h.params, h.headers = prompt_ids, fork_params(params, i), headers
+        try:
+            await self._send_job(hs[0], prompt_ids, params, (request_id, hs))
+        except asyncio.CancelledError:
+            for h in hs:
+                h.close("client")
+            raise
+        except BaseException:
+            for h in hs:
+                h.close()
+            raise
+        return Choices(hs)
+
+    async def _send_job(self, h: Handle, prompt_ids: list[int], params: SamplingParams,
+                        fork: tuple[str, list[Handle]] | None = None) -> None:
+        """Choose the workers for h and send its job (raises NoWorkers or Rejected).
+        fork: (job id, the handles of its children) for a request of n > 1; h is the first."""
         decode = pick_decode(self.live("decode"), self._assigned)
         if decode is None:
             raise NoWorkers("no decode worker is alive")
         if not self.cfg.decode_only_bench and not self.live("prefill"):
             raise NoWorkers("no prefill worker is alive")
-        request_id = h.request_id
-        h.decode_id, h.prefill_id = decode.worker_id, ""
-        self.handles[request_id] = h
-        self._assigned[decode.worker_id] += params.max_tokens
+        request_id, members = fork or (h.request_id, [h])
+        for m in members:
+            m.decode_id, m.prefill_id = decode.worker_id, ""
+            self.handles[m.request_id] = m
+        self._assigned[decode.worker_id] += params.max_tokens * len(members)
         job = PrefillJob(request_id, list(prompt_ids), WireSampling.from_params(params), self.gateway_id,
-                         decode.worker_id, time.time())
+                         decode.worker_id, time.time(), n=len(members))
         if self.cfg.decode_only_bench:
             subject = self.subjects.decode_bench_job(decode.worker_id)
             h.next_pos = 1  # the worker makes up the first token (the prompt's last) and never sends it
@@ -190,19 +235,25 @@ class MeshClient:
             prefill, job.kv_sources = route_prefill(prompt_ids, self.live("prefill"), self.registry.live(None),
                                                     self.kv, self._assigned_prompt)
             subject = self.subjects.prefill_direct(prefill.worker_id)
-            h.prefill_id = prefill.worker_id
+            for m in members:
+                m.prefill_id = prefill.worker_id
             self._assigned_prompt[prefill.worker_id] += len(prompt_ids)
+        self._sending.add(request_id)
         try:
             try:
                 await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, h.headers)
-            except Unreachable:
+            except Unreachable as e:
+                self._suspect(h.prefill_id or h.decode_id, str(e))
                 if self.cfg.decode_only_bench:
                     raise
                 # The chosen worker just went away: any prefill worker will do.
-                job.kv_sources, h.prefill_id = [], ""
+                job.kv_sources = []
+                for m in members:
+                    m.prefill_id = ""
                 ack = await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s,
                                     h.headers)
-                h.prefill_id = ack.worker_id
+                for m in members:
+                    m.prefill_id = ack.worker_id
         except Unreachable as e:
             log.warning("request %s: no prefill worker took it (%s)", request_id, e)
             raise NoWorkers("no prefill worker took the request") from None
@@ -213,8 +264,16 @@ class MeshClient:
             if e.reply.code == "unavailable":
                 raise NoWorkers("no worker can take the request now") from None
             raise Rejected("the request was refused by the serving workers") from None
+        finally:
+            self._sending.discard(request_id)
 
     # ---- migration ----------------------------------------------------------------------
+    def _suspect(self, worker_id: str, why: str) -> None:
+        """No new requests go to the worker from now on; if its heartbeats stop too, its
+        requests move sooner than by heartbeats alone (WorkerRegistry.suspect)."""
+        if self.registry.suspect(worker_id):
+            log.warning("worker %s is suspect (%s): no new requests go to it until it beats again", worker_id, why)
+
     def _check_workers(self) -> None:
         """Workers that fell silent: their requests go elsewhere (each sweep)."""
         dead = self.registry.prune()
@@ -236,8 +295,11 @@ class MeshClient:
             self._check_workers()
 
     def _migrate_from(self, dead: set[str], why: str) -> None:
+        # A dead prefill worker strands what has not reached its decode worker: no first
+        # token yet, or the first token only (its KV may never have been handed off).
         moving = [h for h in self.handles.values() if not h.closed and h.finish is None
-                  and (h.decode_id in dead or (h.prefill_id in dead and h.next_pos == 0))]
+                  and h.request_id not in self._sending
+                  and (h.decode_id in dead or (h.prefill_id in dead and h.next_pos <= 1))]
         for w in sorted(dead):
             n = sum(1 for h in moving if w in (h.decode_id, h.prefill_id))
             log.warning("worker %s stopped sending heartbeats: migrating its %d requests", w, n)
@@ -277,19 +339,43 @@ class MeshClient:
         self.ask_resend(list(self.handles.values()))
 
     async def _on_tokens(self, batch: TokenBatch, msg, ctx) -> None:
-        handles, rids, pos = self.handles, batch.request_ids, batch.positions
+        handles, rids, pos, w = self.handles, batch.request_ids, batch.positions, batch.worker_id
         now = asyncio.get_running_loop().time()
+        if batch.handoffs:
+            self._take_handoffs(batch)
         if not pos:  # a worker that does not number its rows: taken as they come
             return self._take_unnumbered(batch, now)
-        ends = {e.row for e in batch.ends}
-        took: dict[int, int] = {}  # for rows with an end: how many of its ids were new (-1: a gap)
         gaps: list[Handle] = []
         toks, counts = batch.token_ids, batch.counts
+        refused = 0
+        if counts is None and not batch.ends:  # most steps: one id per row, nothing ends
+            for rid, t, p in zip(rids, toks, pos):
+                h = handles.get(rid)
+                if h is not None:
+                    if w != h.decode_id and w != h.prefill_id:
+                        refused += 1
+                    elif p == h.next_pos:
+                        h.ids.append(t)
+                        h.next_pos = p + 1
+                        h.last_seen = now
+                        h.wake()
+                    elif p > h.next_pos:  # a batch went missing
+                        gaps.append(h)
+            if gaps:
+                self.c_gaps.inc(len(gaps))
+                self.ask_resend(gaps)
+            if refused:
+                self._refuse(w, refused)
+            return
+        ends = {e.row for e in batch.ends}
+        took: dict[int, int] = {}  # for rows with an end: how many of its ids were new (-1: a gap)
         i = 0
         for row, rid in enumerate(rids):
             n = 1 if counts is None else counts[row]
             h = handles.get(rid)
-            if h is not None and n:
+            if h is not None and w != h.decode_id and w != h.prefill_id:
+                refused += 1
+            elif h is not None and n:
                 p, want = pos[row], h.next_pos
                 if p == want:  # the common case
                     if n == 1:
@@ -315,7 +401,7 @@ class MeshClient:
             i += n
         for e in batch.ends:
             h = handles.get(rids[e.row])
-            if h is None:
+            if h is None or (w != h.decode_id and w != h.prefill_id):
                 continue
             new = took.get(e.row, 0)
             if new < 0:
@@ -327,14 +413,44 @@ class MeshClient:
         if gaps:
             self.c_gaps.inc(len(gaps))
             self.ask_resend(gaps)
+        if refused:
+            self._refuse(w, refused)
+
+    def _take_handoffs(self, batch: TokenBatch) -> None:
+        """A prefill worker handed these requests' KV to other decode workers than the
+        ones chosen here (those did not answer it): their rows come from those now."""
+        w, refused = batch.worker_id, 0
+        for rid, decode_id in batch.handoffs.items():
+            h = self.handles.get(rid)
+            if h is None or h.decode_id == decode_id:
+                continue
+            if w != h.prefill_id:
+                refused += 1
+                continue
+            old, h.decode_id = h.decode_id, decode_id
+            self._suspect(old, f"prefill worker {w} could not hand it a request")
+        if refused:
+            self._refuse(w, refused)
+
+    def _refuse(self, worker_id: str, num_rows: int) -> None:
+        """Rows from a worker that serves none of their requests: dropped, counted, and
+        logged the first time that worker sends any."""
+        self.c_refused.inc(num_rows)
+        if worker_id not in self._refused_from:
+            self._refused_from.add(worker_id)
+            log.warning("dropped %d token rows from %s, which serves none of their requests (logged once per "
+                        "sender; token_rows_refused_total counts them all)", num_rows, worker_id)
 
     def _take_unnumbered(self, batch: TokenBatch, now: float) -> None:
-        handles, rids = self.handles, batch.request_ids
+        handles, rids, w = self.handles, batch.request_ids, batch.worker_id
+        refused = 0
         i = 0
         for row, rid in enumerate(rids):
             n = 1 if batch.counts is None else batch.counts[row]
             h = handles.get(rid)
-            if h is not None and n:
+            if h is not None and w != h.decode_id and w != h.prefill_id:
+                refused += 1
+            elif h is not None and n:
                 h.ids += batch.token_ids[i : i + n]
                 h.next_pos += n
                 h.last_seen = now
@@ -342,9 +458,11 @@ class MeshClient:
             i += n
         for e in batch.ends:
             h = handles.get(rids[e.row])
-            if h is not None:
+            if h is not None and (w == h.decode_id or w == h.prefill_id):
                 h.last_seen = now
-                _end(h, e, batch.worker_id)
+                _end(h, e, w)
+        if refused:
+            self._refuse(w, refused)
 
     def ask_resend(self, handles: list[Handle]) -> None:
         """Ask the workers serving these streams to send again from what each lacks (at

@@ -11,7 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from moemesh.shared.protocol.sampling import INT32_MAX, SamplingParamError, SamplingParams
+from moemesh.services.gateway.request_fields import ONLY_AT, FieldError, caller_attributes, check_known
+from moemesh.services.gateway.structured import FormatError, grammar_of
+from moemesh.services.gateway.tool_calls import Delta, ToolError, Tools, parse_tools
+from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParamError, SamplingParams
 from moemesh.shared.tokenizer.tokenizer import Tokenizer, TokenizerError
 
 
@@ -34,7 +37,11 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
+    trace_attrs: dict = field(default_factory=dict)  # the caller's user, safety id and metadata, for the span
     logprobs: int | None = None  # number of alternatives per token, when requested
+    n: int = 1  # choices, each sampled on its own from the one prompt (shared/protocol/forks.py)
+    tools: Tools | None = None  # set when the answer may hold tool calls (chat only)
     request_id: str = field(default_factory=lambda: f"{random.getrandbits(128):032x}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -43,10 +50,18 @@ class GenerateRequest:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
 
 
-UNSUPPORTED = {  # parameter -> the one value we can honour (null means the same)
-    "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
-    "tools": None, "tool_choice": None, "functions": None, "logit_bias": None,
-}
+UNSUPPORTED = ONLY_AT  # parameter -> the one value we can honour (null means the same)
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
+def _known(body: dict, kind: str) -> None:
+    try:
+        check_known(body, kind)
+    except FieldError as e:
+        raise ApiError(400, str(e), e.param) from None
 
 
 def _honoured(v, ok) -> bool:
@@ -90,18 +105,44 @@ def _names(types: tuple) -> str:
     return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
 
 
-def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") -> tuple[SamplingParams, dict]:
+def _n(body: dict, max_n: int) -> int:
+    n = _get(body, "n", (int,), 1)
+    if not 1 <= n <= max_n:
+        raise ApiError(400, f"'n' must be in [1, {max_n}] on this server, got {n}", "n")
+    return n
+
+
+def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
+            grammar: GrammarSpec | None = None) -> tuple[SamplingParams, dict]:
+    """grammar: a constraint the caller built (forced tool calls); response_format gives
+    one otherwise, and the two together are refused."""
     for name, ok in UNSUPPORTED.items():
         if name in body and not _honoured(body[name], ok):
             raise ApiError(400, f"'{name}' is not supported by this server (use {ok!r} or leave it out)", name)
+    try:
+        trace_attrs = caller_attributes(body)
+    except FieldError as e:
+        raise ApiError(400, str(e), e.param) from None
+    try:
+        fmt = grammar_of(body.get("response_format"))
+    except FormatError as e:
+        raise ApiError(400, f"'response_format' {e}", "response_format", code=e.code) from None
+    if fmt is not None and grammar is not None:
+        raise ApiError(400, "'response_format' cannot be combined with a tool_choice that forces a tool call",
+                       "response_format", code="tool_mismatch")
+    grammar = grammar or fmt
     stop = _get(body, "stop", (str, list), [])
     if isinstance(stop, str):
         stop = [stop]
     if not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "'stop' must be a string or an array of non-empty strings", "stop")
     stream_opts = _get(body, "stream_options", (dict,), {})
-    if not isinstance(stream_opts.get("include_usage", False), bool):
-        raise ApiError(400, "'stream_options.include_usage' must be a boolean", "stream_options")
+    for k, v in stream_opts.items():
+        if k not in STREAM_OPTIONS:
+            raise ApiError(400, f"'stream_options.{k}' is not supported by this server (it takes "
+                                f"{' and '.join(STREAM_OPTIONS)})", "stream_options")
+        if not isinstance(v, bool):
+            raise ApiError(400, f"'stream_options.{k}' must be a boolean", "stream_options")
     max_tokens = _get(body, max_key, (int,), None)
     if max_key != "max_tokens":  # checked even when max_completion_tokens wins over it
         legacy = _get(body, "max_tokens", (int,), None)
@@ -125,6 +166,7 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
             stop_token_ids=tuple(_ints(_get(body, "stop_token_ids", (list,), []))),
             ignore_eos=_get(body, "ignore_eos", (bool,), False),
             min_tokens=min_tokens,
+            grammar=grammar,
         )
     except SamplingParamError as e:
         param, message = e.param, str(e)
@@ -132,12 +174,15 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens") ->
             param, message = max_key, message.replace("max_tokens", max_key, 1)
         raise ApiError(400, message, param) from None
     return params, {"stream": _get(body, "stream", (bool,), False),
-                    "include_usage": bool(stream_opts.get("include_usage", False))}
+                    "include_usage": stream_opts.get("include_usage", False),
+                    "continuous_usage": stream_opts.get("continuous_usage_stats", False), "trace_attrs": trace_attrs}
 
 
-def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None) -> GenerateRequest:
+def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
+                     max_n: int = 1) -> GenerateRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    _known(body, "completion")
     model = _get(body, "model", (str,), None)
     if model is None:
         raise ApiError(400, "'model' is required", "model")
@@ -157,43 +202,39 @@ def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_s
     else:
         raise ApiError(400, "'prompt' must be a string, an array of token ids, or a one-element array of either",
                        "prompt")
+    for name in CHAT_ONLY:
+        if body.get(name) is not None:
+            raise ApiError(400, f"'{name}' is supported on /v1/chat/completions only", name)
     params, opts = _common(body, default_max_tokens)
     lp = _get(body, "logprobs", (int,), None)
     if lp is not None and not 0 <= lp <= 20:
         raise ApiError(400, "'logprobs' must be in [0, 20]", "logprobs")
     if lp is not None:
         params = _with_logprobs(params, lp)
-    return GenerateRequest("completion", model, ids, params, logprobs=lp, **opts)
+    return GenerateRequest("completion", model, ids, params, logprobs=lp, n=_n(body, max_n), **opts)
 
 
-def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None) -> GenerateRequest:
+def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
+               max_n: int = 1) -> GenerateRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    _known(body, "chat")
     model = _get(body, "model", (str,), None)
     if model is None:
         raise ApiError(400, "'model' is required", "model")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", "messages")
-    norm = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
-            raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is supported
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        norm.append({"role": role, "content": content})
     try:
-        ids = tok.encode_chat(norm)
+        tools = parse_tools(body, tok)
+    except ToolError as e:
+        raise ApiError(400, str(e), e.param, code=e.code) from None
+    norm = [_message(i, m) for i, m in enumerate(messages)]
+    try:
+        ids = tok.encode_chat(norm, tools=tools.tools if tools else None)
     except TokenizerError as e:
         raise ApiError(400, str(e), "messages") from None
-    params, opts = _common(body, default_max_tokens, "max_completion_tokens")
+    params, opts = _common(body, default_max_tokens, "max_completion_tokens", tools.grammar() if tools else None)
     lp = None
     top = _get(body, "top_logprobs", (int,), 0)
     if not 0 <= top <= 20:  # checked even without logprobs: the request asked for something
@@ -201,7 +242,50 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
     if _get(body, "logprobs", (bool,), False):
         lp = top
         params = _with_logprobs(params, lp)
-    return GenerateRequest("chat", model, ids, params, logprobs=lp, **opts)
+    n = _n(body, max_n)
+    if n > 1 and tools is not None:  # each choice would need its own tool-call parser (not built yet)
+        raise ApiError(400, "'n' above 1 is not supported together with tools on this server", "n")
+    return GenerateRequest("chat", model, ids, params, logprobs=lp, n=n, tools=tools, **opts)
+
+
+def _message(i: int, m) -> dict:
+    """One chat message as the template reads it: role, content text (null is empty), and
+    an assistant's tool_calls or a tool result's tool_call_id. The fields are checked on
+    every role, as the OpenAPI document describes one message shape for all."""
+    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+        raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", "messages")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text is supported
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+        content = "".join(p["text"] for p in content)
+    if content is None:  # an assistant turn that only calls tools
+        content = ""
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+    role = "system" if m["role"] == "developer" else m["role"]
+    out = {"role": role, "content": content}
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list) or not all(_tool_call_ok(c) for c in calls):
+            raise ApiError(400, f"messages[{i}].tool_calls must be an array of "
+                                '{"id", "type": "function", "function": {"name", "arguments"}}', "messages")
+        if role == "assistant":
+            out["tool_calls"] = [{"id": c.get("id", ""), "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": c["function"].get("arguments", "")}} for c in calls]
+    if not isinstance(m.get("tool_call_id", ""), str):
+        raise ApiError(400, f"messages[{i}].tool_call_id must be a string", "messages")
+    if role == "tool":
+        out["tool_call_id"] = m.get("tool_call_id", "")
+    return out
+
+
+def _tool_call_ok(c) -> bool:
+    if not isinstance(c, dict) or not isinstance(c.get("id", ""), str) or c.get("type", "function") != "function":
+        return False
+    f = c.get("function")
+    return isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("arguments", ""), str)
 
 
 def _with_logprobs(p: SamplingParams, n: int) -> SamplingParams:
@@ -211,22 +295,40 @@ def _with_logprobs(p: SamplingParams, n: int) -> SamplingParams:
 
 
 # ---- responses -------------------------------------------------------------------------
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """cached: prompt tokens whose KV was reused (prefix cache, other workers, the KV store)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def chunk(req: GenerateRequest, text: str, finish: str | None, first: bool = False,
-          logprobs: Any = None) -> dict[str, Any]:
+          logprobs: Any = None, index: int = 0) -> dict[str, Any]:
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text or first:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
+
+
+def delta_chunk(req: GenerateRequest, d: Delta, first: bool = False) -> dict[str, Any]:
+    """A chat chunk for one piece of an answer that may hold tool calls: content text, a
+    call's start (its id, type and name) or a piece of its arguments, as OpenAI streams them."""
+    if not d.call_id and d.index < 0:
+        return chunk(req, d.content, None, first)
+    call: dict[str, Any] = {"index": d.index}
+    if d.call_id:
+        call.update(id=d.call_id, type="function", function={"name": d.name, "arguments": d.arguments})
+    else:
+        call["function"] = {"arguments": d.arguments}
+    delta: dict[str, Any] = {"role": "assistant", "content": None} if first else {}
+    delta["tool_calls"] = [call]
+    return {"id": req.response_id, "object": "chat.completion.chunk", "created": req.created, "model": req.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]}
 
 
 class ChunkBytes:
@@ -234,37 +336,69 @@ class ChunkBytes:
     built once per request: per token, only the text is serialised. Other chunks go
     through chunk() and the general serialiser."""
 
-    def __init__(self, req: GenerateRequest):
+    def __init__(self, req: GenerateRequest, index: int = 0):
         import orjson
 
         self._dumps = orjson.dumps
         head = self._dumps({"id": req.response_id, "object": "chat.completion.chunk" if req.kind == "chat"
                             else "text_completion", "created": req.created, "model": req.model})[:-1]
         key = b'"delta":{"content":' if req.kind == "chat" else b'"text":'
-        self._prefix = b"data: " + head + b',"choices":[{"index":0,' + key
-        self._suffix = (b'},' if req.kind == "chat" else b',') + b'"finish_reason":null,"logprobs":null}]}\n\n'
+        self._prefix = b"data: " + head + b',"choices":[{"index":' + str(index).encode() + b',' + key
+        tail = (b'},' if req.kind == "chat" else b',') + b'"finish_reason":null,"logprobs":null}]'
+        self._suffix = tail + b'}\n\n'
+        # continuous usage: the chunk ends with the counts so far (as usage() writes them)
+        n_prompt = self._n_prompt = len(req.prompt_ids)
+        self._usage = tail + b',"usage":{"prompt_tokens":%d,"completion_tokens":' % n_prompt
 
     def text(self, text: str) -> bytes:
         return self._prefix + self._dumps(text) + self._suffix
 
+    def texts(self, texts: list[str]) -> bytes:
+        """One chunk per text, in one write."""
+        prefix, dumps, suffix = self._prefix, self._dumps, self._suffix
+        return b"".join([prefix + dumps(t) + suffix for t in texts])
 
-def usage_chunk(req: GenerateRequest, prompt: int, completion: int) -> dict[str, Any]:
+    def counted(self, text: str, n: int, cached: int) -> bytes:
+        """text's chunk with usage after n completion tokens (stream_options.continuous_usage_stats)."""
+        return (self._prefix + self._dumps(text) + self._usage
+                + b'%d,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}}\n\n'
+                % (n, self._n_prompt + n, cached))
+
+
+def usage_chunk(req: GenerateRequest, prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model, "choices": [],
-            "usage": usage(prompt, completion)}
+            "usage": usage(prompt, completion, cached)}
 
 
 def final(req: GenerateRequest, text: str, finish: str, prompt: int, completion: int,
-          logprobs: Any = None) -> dict[str, Any]:
+          logprobs: Any = None, cached: int = 0, tool_calls: list[dict] | None = None) -> dict[str, Any]:
+    return final_choices(req, [(text, finish, logprobs, tool_calls)], prompt, completion, cached)
+
+
+def final_choices(req: GenerateRequest, choices: list[tuple], prompt: int, completion: int,
+                  cached: int = 0) -> dict[str, Any]:
+    """choices: (text, finish reason, logprobs payload[, tool calls]) by index; completion:
+    their tokens, all."""
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": logprobs}
+        out = []
+        for i, (text, finish, lp, *calls) in enumerate(choices):
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls and calls[0]:
+                message.update(content=text or None, tool_calls=calls[0])
+            out.append({"index": i, "message": message, "finish_reason": finish, "logprobs": lp})
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        out = [{"index": i, "text": text, "finish_reason": finish, "logprobs": lp}
+               for i, (text, finish, lp, *_) in enumerate(choices)]
         obj = "text_completion"
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [choice], "usage": usage(prompt, completion)}
+            "choices": out, "usage": usage(prompt, completion, cached)}
+
+
+def tool_finish(finish: str | None, calls: list[dict]) -> str | None:
+    """OpenAI's finish reason for an answer that ended in tool calls."""
+    return "tool_calls" if finish == "stop" and calls else finish
 
 
 def logprobs_payload(req: GenerateRequest, tok: Tokenizer, lps: list) -> Any:

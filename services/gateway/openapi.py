@@ -21,8 +21,43 @@ def _int(lo: int, hi: int, **kw) -> dict:
     return {"type": "integer", "minimum": lo, "maximum": hi, **kw}
 
 
-def _sampling(max_tokens_key: str, max_model_len: int) -> dict:
+_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+_UNENFORCEABLE = ("a JSON Schema; one the grammar library cannot enforce (an unknown type, an unsupported keyword) "
+                  "is a 400 with code unenforceable_schema")
+_RESPONSE_FORMAT = {"oneOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": _NAME, "strict": _opt({"type": "boolean"}),
+            "schema": _opt({"type": "object", "description": _UNENFORCEABLE})}}}},
+], "description": "structured output, enforced while sampling (docs/structured_outputs.md)"}
+_MISMATCH = ("a tool_choice naming a function not in tools, tool_choice required without tools, two tools of one "
+             "name, or response_format with a forced call, is a 400 with code tool_mismatch")
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _NAME, "description": _opt({"type": "string"}), "strict": _opt({"type": "boolean"}),
+        "parameters": _opt({"type": "object", "description": _UNENFORCEABLE + " (when tool_choice forces a call)"})}}}}
+_TOOLS = {
+    "tools": _opt({"type": "array", "items": _TOOL, "description": _MISMATCH}),
+    "tool_choice": _opt({"oneOf": [
+        {"enum": ["none", "auto", "required"]},
+        {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
+    "parallel_tool_calls": _opt({"type": "boolean"}),
+}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+
+
+def _sampling(max_tokens_key: str, max_model_len: int, max_n: int) -> dict:
     return {
+        "n": _opt(_int(1, max_n, description="choices, sampled from one prefill of the prompt")),
         max_tokens_key: _opt(_int(1, max_model_len, description=_CONTEXT)),
         "temperature": _opt({"type": "number", "minimum": 0, "maximum": 100}),
         "top_p": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
@@ -31,23 +66,40 @@ def _sampling(max_tokens_key: str, max_model_len: int) -> dict:
         "stop": _opt({"oneOf": [{"type": "string", "minLength": 1},
                                 {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]}),
         "stream": _opt({"type": "boolean"}),
-        "stream_options": _opt({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
+        "stream_options": _opt({"type": "object", "additionalProperties": False, "properties": {
+            "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}}),
         "ignore_eos": _opt({"type": "boolean", "description": "extension"}),
         "min_tokens": _opt(_int(0, INT32_MAX, description=f"extension; at most {max_tokens_key}")),
         "stop_token_ids": _opt({"type": "array", "items": _int(0, INT32_MAX), "maxItems": 1024,
                                 "description": "extension"}),
         # Accepted only at the one value this server honours (openai_api.UNSUPPORTED).
-        "n": _opt({"const": 1}),
         "best_of": _opt({"const": 1}),
         "presence_penalty": _opt({"const": 0}),
         "frequency_penalty": _opt({"const": 0}),
         "echo": _opt({"const": False}),
         "suffix": {"type": "null"},
-        "tools": {"type": "null"},
-        "tool_choice": {"type": "null"},
         "functions": {"type": "null"},
+        "function_call": {"type": "null"},
         "logit_bias": {"type": "null"},
+        **{k: {"type": "null"} for k in ("audio", "prediction", "reasoning_effort", "verbosity",
+                                         "web_search_options", "moderation", "prompt_cache_key",
+                                         "prompt_cache_options", "prompt_cache_retention")},
+        "response_format": _opt(_RESPONSE_FORMAT),
+        "user": _opt({"type": "string", "maxLength": 512, "description": "recorded on the request's trace span"}),
     }
+
+
+# Chat only: what describes the caller (recorded on the trace) and the values that mean
+# what this server does (request_fields.py).
+_CALLER = {
+    "safety_identifier": _opt({"type": "string", "maxLength": 512, "description": "recorded on the trace span"}),
+    "metadata": _opt({"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
+                      "additionalProperties": {"type": "string", "maxLength": 512},
+                      "description": "recorded on the trace span"}),
+    "store": _opt({"const": False}),
+    "service_tier": _opt({"enum": ["auto", "default"]}),
+    "modalities": _opt({"type": "array", "const": ["text"]}),
+}
 
 
 def _errors(*codes: int) -> dict:
@@ -67,26 +119,29 @@ _STREAM = {"text/event-stream": {"schema": {
 _POST_ERRORS = _errors(400, 404, 408, 413, 429, 500, 503)
 
 
-def openapi_document(model_name: str, vocab_size: int, max_model_len: int) -> dict:
+def openapi_document(model_name: str, vocab_size: int, max_model_len: int, max_n: int = 1) -> dict:
     model = {"type": "string", "enum": [model_name]}
     ids = {"type": "array", "minItems": 1, "items": _int(0, vocab_size - 1)}
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role", "content"], "properties": {
+    message = {"type": "object", "required": ["role"], "properties": {
         "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]}}}
-    completion = {"type": "object", "required": ["model", "prompt"], "properties": {
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]},
+        "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "an assistant turn's calls"},
+        "tool_call_id": {"type": "string", "description": "a tool result's call"}}}
+    completion = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
         "model": model,
         "prompt": {"oneOf": [{"type": "string"}, ids,
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]},
-        "logprobs": _opt(_int(0, 20)), **_sampling("max_tokens", max_model_len)}}
-    chat = {"type": "object", "required": ["model", "messages"], "properties": {
+        "logprobs": _opt(_int(0, 20)), **_sampling("max_tokens", max_model_len, max_n),
+        **{k: {"type": "null", "description": "chat only"} for k in _TOOLS}}}
+    chat = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
         "model": model,
         "messages": {"type": "array", "minItems": 1, "items": message},
         "logprobs": _opt({"type": "boolean"}),
         "top_logprobs": _opt(_int(0, 20)),
-        **_sampling("max_completion_tokens", max_model_len),
+        **_sampling("max_completion_tokens", max_model_len, max_n), **_TOOLS, **_CALLER,
         "max_tokens": _opt(_int(1, max_model_len, description="used when max_completion_tokens is absent"))}}
 
     def post(summary: str, op: str, schema: dict) -> dict:
@@ -106,6 +161,13 @@ def openapi_document(model_name: str, vocab_size: int, max_model_len: int) -> di
             "/v1/chat/completions": post("Chat completion", "createChatCompletion", chat),
             "/v1/models": {"get": {"summary": "Served models", "operationId": "listModels",
                                    "responses": {"200": {"description": "model list"}}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One served model", "operationId": "retrieveModel",
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string", "enum": [model_name]}}],
+                "responses": {"200": {"description": "the model"},
+                              "404": {"description": "no such model", "content": {"application/json": {
+                                  "schema": {"$ref": "#/components/schemas/Error"}}}}}}},
             "/health": {"get": {"summary": "Liveness, with readiness details",
                                 "responses": {"200": {"description": "alive"}}}},
             "/health/ready": {"get": {"summary": "Readiness: a prefill and a decode worker are alive",

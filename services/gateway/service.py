@@ -11,6 +11,7 @@ import uvicorn
 from moemesh.services.gateway.app import build_app
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.slow_clients import header_deadline_protocol
+from moemesh.services.gateway.sse import ServerSend
 from moemesh.shared.service.lifecycle import AsyncService
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ class GatewayService(AsyncService):
     def __init__(self, cfg: GatewayConfig, gateway_id: str | None = None):
         self.cfg = cfg
         self.app = build_app(cfg, gateway_id)
-        self._server = _Server(uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning",
+        self._server = _Server(uvicorn.Config(ServerSend(self.app), host=cfg.host, port=cfg.port, log_level="warning",
                                               lifespan="on", access_log=False, timeout_graceful_shutdown=5,
                                               http=header_deadline_protocol(cfg.header_timeout_s)))
         self._task: asyncio.Task | None = None

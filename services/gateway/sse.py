@@ -5,6 +5,11 @@ Starlette's StreamingResponse runs a task group of two tasks per response (one s
 one listens for the client going away). Here the request's own task sends, and one
 small task waits for the disconnect and wakes the stream's reader, so that a client
 that leaves while its request waits for tokens is noticed at once.
+
+The body chunks skip Starlette's middleware: each layer wraps `send` in a coroutine of
+its own that only watches for the response start, and at one write per stream per step
+those wrappers cost about as much as the rest of the token path in the gateway. The
+start still goes through them, so they know the response began.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import AsyncIterator
 
 from moemesh.services.gateway.stream import Handle
 
+SERVER_SEND = "moemesh.server_send"  # scope key: the server's own send (see ServerSend)
 _HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
@@ -25,6 +31,7 @@ class EventStream:
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        send = scope.get(SERVER_SEND, send)
         watch = asyncio.ensure_future(_disconnected(receive))
         watch.add_done_callback(lambda t: t.cancelled() or self.handle.disconnect())
         try:
@@ -39,3 +46,14 @@ class EventStream:
 async def _disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class ServerSend:
+    """Outermost ASGI layer: puts the server's own send into the scope for EventStream."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope[SERVER_SEND] = send
+        await self.app(scope, receive, send)

@@ -34,7 +34,7 @@ class Handle:
 
     __slots__ = ("request_id", "decode_id", "prefill_id", "ids", "logprobs", "finish", "error", "last_seen",
                  "gone", "closed", "next_pos", "asked_at", "prompt_ids", "params", "headers", "migrations",
-                 "streamed",
+                 "streamed", "cached_tokens", "_cached_known",
                  "_waiter", "_on_close")
 
     def __init__(self, request_id: str, decode_id: str, on_close: Callable[[str, str | None], None],
@@ -59,6 +59,8 @@ class Handle:
         self.migrations = 0
         self.streamed: list[int] = []  # ids the reader has taken
         self.asked_at = -1e9  # loop time of the last resend asked for it
+        self.cached_tokens = 0  # prompt tokens the first prefill found cached (usage reports them)
+        self._cached_known = False
         self._waiter: asyncio.Future | None = None
         self._on_close = on_close
 
@@ -79,6 +81,8 @@ class Handle:
                 w.set_result(why)
 
     def end(self, e: TokenEnd) -> None:
+        if e.cached_tokens is not None and not self._cached_known:  # a migration's prefill does not count
+            self.cached_tokens, self._cached_known = e.cached_tokens, True
         if e.logprobs:
             self.logprobs += e.logprobs
         if e.finish_reason is not None:
@@ -108,6 +112,61 @@ class Handle:
         self.ids, self.logprobs = [], []
         self.streamed += ids
         return ids, lps, self.finish, self.error
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.ids) or self.finish is not None
+
+    def watch(self, fut: asyncio.Future | None) -> None:
+        """Wake `fut` when something arrives: the one wait of a request's n handles (Choices)."""
+        self._waiter = fut
+
+
+class Choices:
+    """The n handles of a request of n > 1 (one per choice, each its own stream on the
+    workers), waited on as one: a wait ends when any of them has something. Closing it
+    closes those still open."""
+
+    def __init__(self, handles: list[Handle]):
+        self.handles = handles
+        self.gone = False
+
+    @property
+    def decode_id(self) -> str:
+        return self.handles[0].decode_id
+
+    @property
+    def closed(self) -> bool:
+        return all(h.closed for h in self.handles)
+
+    @property
+    def cached_tokens(self) -> int:
+        return max(h.cached_tokens for h in self.handles)
+
+    def close(self, abort: str | None = None) -> None:
+        for h in self.handles:
+            h.close(abort)
+
+    def disconnect(self) -> None:
+        self.gone = True
+        for h in self.handles:
+            h.disconnect()
+
+    async def wait(self) -> object:
+        """As Handle.wait, for the handles not closed yet."""
+        if self.gone:
+            return DISCONNECTED
+        open_ = [h for h in self.handles if not h.closed]
+        if any(h.ready for h in open_):
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        for h in open_:
+            h.watch(fut)
+        try:
+            return await fut
+        finally:
+            for h in open_:
+                h.watch(None)
 
 
 @dataclass

@@ -56,13 +56,17 @@ class KVStoreService(AsyncService):
         self.mem = MemoryTier(cfg.capacity_mb << 20)
         self.disk = DiskTier(cfg.disk_dir, cfg.disk_capacity_mb << 20) if cfg.disk_dir else None
         self.peers = KVPeers()
-        self.metrics = m = Metrics()
+        self.metrics = m = Metrics(const_labels={"model_name": cfg.model_name} if cfg.model_name else None)
         self.c_blocks = m.counter("kv_store_blocks_total", "fetch lookups by outcome", ("outcome",))
         self.c_bytes = m.counter("kv_store_transfer_bytes_total", "block bytes moved", ("direction",))
         self.c_evict = m.counter("kv_store_evictions_total", "blocks evicted", ("tier",))
         self.c_corrupt = m.counter("kv_store_corrupt_blocks_total", "blocks dropped for a bad checksum")
         self.g_used = m.gauge("kv_store_held_bytes", "bytes held", ("tier",))
         self.g_count = m.gauge("kv_store_held_blocks", "blocks held", ("tier",))
+        for tier, t in (("memory", self.mem), ("disk", self.disk)):  # read at scrape time
+            if t is not None:
+                self.g_used.labels(tier).set_function(lambda t=t: t.used)
+                self.g_count.labels(tier).set_function(lambda t=t: len(t))
         self.events = KVEventPublisher(lambda stored, removed: publish(
             self.nc, self.subjects.kv_events(self.id), KVEvents(self.id, "kv_store", b"*", stored, removed)))
         self._make_transport = transport or ucx_transport(cfg)
@@ -97,7 +101,7 @@ class KVStoreService(AsyncService):
         self.heartbeat = await stack.enter_async_context(Heartbeater(self.nc, s, self._beat, cfg.heartbeat_interval_s))
         if cfg.metrics_port >= 0:
             self._http = await stack.enter_async_context(
-                MetricsServer(self._render, lambda: {"status": "ok"}, cfg.metrics_host, cfg.metrics_port))
+                MetricsServer(self.metrics, lambda: {"status": "ok"}, cfg.metrics_host, cfg.metrics_port))
         # Blocks on disk from before a restart are announced again.
         self.events.add(_blocks(self.disk.hashes()) if self.disk else [])
         self.events.publish_soon()
@@ -124,13 +128,6 @@ class KVStoreService(AsyncService):
                     **{f"blocks_{o}": self.c_blocks.labels(o)._value.get() for o in ("hit", "miss")}}
         return WorkerStats(self.id, "kv_store", self._beat().load, staging_bytes_used=self.staging.bytes_used,
                            counters=counters)
-
-    def _render(self) -> tuple[bytes, str]:
-        for tier, t in (("memory", self.mem), ("disk", self.disk)):
-            if t is not None:
-                self.g_used.labels(tier).set(t.used)
-                self.g_count.labels(tier).set(len(t))
-        return self.metrics.render()
 
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         self.peers.observe(hb)

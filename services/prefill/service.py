@@ -10,6 +10,14 @@ Request lifecycle here:
 4. pulled: the decode worker sends KVPull for them; their blocks are gathered end to end
    into staging memory, sent over UCX as one message, and freed.
    Or expired (no pull before the lease ends), or aborted: the blocks are freed.
+
+A job of n > 1 (parallel sampling) is n requests here from the start, named and seeded
+by protocol/forks.py: each has its own state, span, first token, lease and hand-off, and
+is aborted on its own. Only the engine sees them as one prompt (engine/fork.py), which it
+computes once. The children held in one step move as one KVReadyItem under one lease
+(the first child's, the others its `forks`): the prompt's KV once, then the block each
+owns (engine/fork_io.py). The lease goes when it is pulled, or expires, or when every
+child in it is aborted. (A DeepSeek-V4 engine's children move one by one.)
 """
 
 from __future__ import annotations
@@ -17,29 +25,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 
 from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.leases import LeaseTable
-from moemesh.shared.engine import block_io
+from moemesh.shared.engine import block_io, fork_io
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats, request_outputs
+from moemesh.shared.protocol.forks import MAX_N, fork_ids, fork_params
 from moemesh.shared.protocol.prefix_hash import chain
 from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
+    ALREADY_SERVED,
     Abort,
     Ack,
     ErrorReply,
     Heartbeat,
     KVPull,
     KVPullReply,
+    KVFork,
     KVReady,
     KVReadyItem,
     KVReadyReply,
     KVRelease,
     PrefillJob,
+    WireSampling,
 )
 from moemesh.shared.kv.events import KVPeers
 from moemesh.shared.service.lifecycle import AsyncService
@@ -66,6 +79,7 @@ class Handoff:
     lease: object
     output_ids: list[int]
     draft_ids: list[int]  # MTP drafts for the decode worker's first step
+    forks: list["Handoff"] = field(default_factory=list)  # children whose KV moves with this one's
 
 
 @dataclass
@@ -76,6 +90,7 @@ class JobState:
     phase: trace.Span  # "queue.wait" until first scheduled, then "prefill.batch"
     scheduled: bool = False
     queued_ns: int = 0
+    parent: str = ""  # a child's: the job it was forked from (its prompt's KV may move with its siblings')
 
 
 class PrefillService(AsyncService):
@@ -84,10 +99,10 @@ class PrefillService(AsyncService):
         transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
         self.rt = WorkerRuntime(cfg, "prefill", self._on_outputs, engine, transport,
-                                lambda: {"num_held": len(self.leases)})
+                                lambda: {"num_held": len(self.leases), "requests_by_gateway": self._by_gateway()})
         self.jobs: dict[str, JobState] = {}
         self.aborted = Tombstones()
-        self.gateways = GatewayWatch(self._gateway_gone, cfg.heartbeat_interval_s)
+        self.gateways = GatewayWatch(self._gateway_gone)
         self.leases = LeaseTable(cfg.lease_timeout_s)
         self.peers = KVPeers("decode")  # decode workers, to vet the UCX addresses we send to
         self._job_subs = []
@@ -121,11 +136,23 @@ class PrefillService(AsyncService):
     async def stop(self) -> None:
         await self.rt.close()
 
+    def _by_gateway(self) -> dict[str, int]:
+        """Gateway -> requests held for it, queued or computed and waiting for their pull."""
+        held = Counter(st.job.gateway_id for st in self.jobs.values())
+        for lease in self.leases.by_request.values():  # one lease holds a prompt's KV for all its children
+            held[lease.job.gateway_id] += len(lease.live)
+        return dict(held)
+
     # ---- jobs ---------------------------------------------------------------------
     async def _on_job(self, job: PrefillJob, msg, ctx):
         """Validate and acknowledge at once; admission into the engine follows. The engine
         takes new requests only between steps, and a long prompt's step can outlast the
         gateway's wait for an acknowledgement, which would turn a busy worker into a 503."""
+        max_n = min(MAX_N, self.rt.engine.cfg.max_num_seqs)
+        if not 1 <= job.n <= max_n:
+            return ErrorReply(f"n must be in [1, {max_n}] here, got {job.n}", "bad_request")
+        if self._is_repeat(job):
+            return Ack(worker_id=self.rt.worker_id)
         if self.rt.draining:
             return ErrorReply("worker is draining", "unavailable")
         try:
@@ -135,19 +162,37 @@ class PrefillService(AsyncService):
             return ErrorReply(str(e), "bad_request")
         except RequestError as e:
             return ErrorReply(str(e), "bad_request")
-        if job.request_id in self.jobs:
+        jobs = _children(job, params)
+        if any(j.request_id in self.jobs for j in jobs):
             return ErrorReply(f"duplicate request id {job.request_id!r}", "bad_request")
-        if job.request_id in self.aborted:  # the client left while its job was on the way
+        jobs = [j for j in jobs if j.request_id not in self.aborted]  # the client left while the job was on the way
+        if not jobs:
             return ErrorReply("request was aborted", "bad_request")
-        span = self.rt.tracer.start_span("prefill", context=ctx, attributes={
-            "request.id": job.request_id, "prompt.tokens": len(job.prompt_ids), "worker.id": self.rt.worker_id})
-        queued_ns = time.time_ns()
-        queue = self.rt.tracer.start_span("queue.wait", context=trace.set_span_in_context(span), start_time=queued_ns)
-        self.jobs[job.request_id] = JobState(job, span, time.monotonic(), queue, queued_ns=queued_ns)
-        self.rt.spawn(self._admit(job, params), f"admit-{job.request_id}")
+        for j in jobs:
+            span = self.rt.tracer.start_span("prefill", context=ctx, attributes={
+                "request.id": j.request_id, "prompt.tokens": len(j.prompt_ids), "worker.id": self.rt.worker_id})
+            queued_ns = time.time_ns()
+            queue = self.rt.tracer.start_span("queue.wait", context=trace.set_span_in_context(span),
+                                              start_time=queued_ns)
+            self.jobs[j.request_id] = JobState(j, span, time.monotonic(), queue, queued_ns=queued_ns,
+                                               parent=job.request_id if job.n > 1 else "")
+        self.rt.spawn(self._admit(job, params, jobs), f"admit-{job.request_id}")
         return Ack(worker_id=self.rt.worker_id)
 
-    async def _admit(self, job: PrefillJob, params) -> None:
+    def _is_repeat(self, job: PrefillJob) -> bool:
+        """Whether this worker holds the very same job already (queued, computing, or
+        computed and waiting for its pull). A gateway whose request for a job timed out
+        sends it once more; across a NATS outage both copies are delivered when the link
+        is back. The job runs once and the copy is acknowledged: refusing it as a duplicate
+        failed the request with a 400 while its first copy ran for nobody."""
+        for rid in [job.request_id] if job.n == 1 else fork_ids(job.request_id, job.n):
+            st, lease = self.jobs.get(rid), self.leases.of(rid)
+            first = st.job if st is not None else lease.job if lease is not None else None
+            if first is not None:
+                return first.gateway_id == job.gateway_id and first.prompt_ids == job.prompt_ids
+        return False
+
+    async def _admit(self, job: PrefillJob, params, jobs: list[PrefillJob]) -> None:
         rid = job.request_id
         cached: list[int] = []
         try:
@@ -163,25 +208,31 @@ class PrefillService(AsyncService):
             def add(e) -> bool:
                 # Runs on the engine thread, in order with aborts: a job aborted while its
                 # prefix was being pulled is no longer in self.jobs and is never added.
-                if rid not in self.jobs:
+                live = [j for j in jobs if j.request_id in self.jobs]
+                if not live:
                     block_io.release(e, cached)
                     return False
-                e.add_request(rid, job.prompt_ids, params, cached_blocks=cached)
+                if job.n == 1:
+                    e.add_request(rid, job.prompt_ids, params, cached_blocks=cached)
+                else:
+                    e.add_request(rid, job.prompt_ids, params, cached_blocks=cached,
+                                  forks=[(j.request_id, j.sampling.to_params()) for j in live])
                 return True
 
             await self.rt.loop.call(add)
         except Exception as e:
             if cached:
                 await self.rt.loop.call(lambda eng: block_io.release(eng, cached))
-            st = self.jobs.pop(rid, None)
-            if st is None:
-                return
-            log.warning("prefill of %s could not start: %s", rid, e)
-            st.phase.end()
-            st.span.set_status(trace.StatusCode.ERROR, str(e))
-            st.span.end()
             msg = str(e) if isinstance(e, RequestError) else f"prefill could not start: {type(e).__name__}: {e}"
-            self.rt.tokens.add(job.gateway_id, rid, [], "error", msg)
+            for j in jobs:
+                st = self.jobs.pop(j.request_id, None)
+                if st is None:
+                    continue
+                log.warning("prefill of %s could not start: %s", j.request_id, e)
+                st.phase.end()
+                st.span.set_status(trace.StatusCode.ERROR, str(e))
+                st.span.end()
+                self.rt.tokens.add(job.gateway_id, j.request_id, [], "error", msg)
             await self.rt.tokens.flush()
 
     async def _on_outputs(self, step: StepOutputs, stats: StepStats) -> None:
@@ -197,7 +248,8 @@ class PrefillService(AsyncService):
                 st.phase = self.rt.tracer.start_span(
                     "prefill.batch", context=trace.set_span_in_context(st.span), start_time=t,
                     attributes={"batch.num_tokens": stats.num_tokens, "batch.num_seqs": stats.num_seqs})
-        handoffs: dict[str, list] = {}  # decode worker -> what it is to pull
+        held: dict[str, list[Handoff]] = {}  # by the job they move with (children of one prompt move as one)
+        together = fork_io.together(rt.engine)
         for out in outputs:
             st = self.jobs.pop(out.request_id, None)
             if st is None:
@@ -208,16 +260,22 @@ class PrefillService(AsyncService):
             span.set_attribute("prefill.first_token", out.new_token_ids[0] if out.new_token_ids else -1)
             reason = out.finish_reason.value if out.finished else None
             rt.tokens.add(job.gateway_id, job.request_id, out.new_token_ids, reason,
-                          logprobs=out.logprobs or None, position=out.position)
+                          logprobs=out.logprobs or None, position=out.position,
+                          cached_tokens=out.num_cached_tokens if out.num_prompt_tokens else None)
             if out.prefill_done:
-                seq = rt.engine.held_sequence(job.request_id)
-                n_blocks = rt.engine.blocks.blocks_for(seq.num_computed)
-                nbytes = rt.kv_spec.nbytes(n_blocks)
-                lease = self.leases.grant(job, n_blocks, nbytes)
-                handoffs.setdefault(job.decode_id, []).append(
-                    Handoff(job, span, lease, list(out.new_token_ids), rt.engine.held_drafts(job.request_id)))
+                h = Handoff(job, span, None, list(out.new_token_ids), rt.engine.held_drafts(job.request_id))
+                held.setdefault(st.parent if st.parent and together else job.request_id, []).append(h)
             else:
                 span.end()
+        handoffs: dict[str, list[Handoff]] = {}  # decode worker -> what it is to pull
+        for h, *forks in held.values():
+            seq = rt.engine.held_sequence(h.job.request_id)
+            n_blocks = fork_io.num_blocks(seq.num_prompt_tokens, 1 + len(forks), rt.engine.cfg.block_size) \
+                if forks else rt.engine.blocks.blocks_for(seq.num_computed)
+            h.lease = self.leases.grant(h.job, n_blocks, rt.kv_spec.nbytes(n_blocks),
+                                        forks=[f.job.request_id for f in forks])
+            h.forks = forks
+            handoffs.setdefault(h.job.decode_id, []).append(h)
         await rt.tokens.flush()
         for decode_id, group in handoffs.items():
             rt.spawn(self._hand_off(decode_id, group), f"handoff-{decode_id}")
@@ -229,13 +287,22 @@ class PrefillService(AsyncService):
         rt = self.rt
         ready = KVReady(rt.worker_id, rt.transport.address, rt.kv_spec.wire, [
             KVReadyItem(h.job.request_id, h.job.prompt_ids, h.output_ids, h.job.sampling, h.job.gateway_id,
-                        h.lease.lease_id, h.lease.num_blocks, h.lease.nbytes, traceparent_of(h.span), h.draft_ids)
+                        h.lease.lease_id, h.lease.num_blocks, h.lease.nbytes, traceparent_of(h.span), h.draft_ids,
+                        [KVFork(f.job.request_id, f.output_ids, f.job.sampling, traceparent_of(f.span), f.draft_ids)
+                         for f in h.forks])
             for h in group], self.cfg.lease_timeout_s)
         others = [hb.worker_id for hb in self.peers.live("decode") if hb.worker_id != decode_id]
         err: Exception | None = None
         refused: dict[str, str] = {}
         taken_by = None
         for candidate in [decode_id, *others]:
+            if candidate != decode_id:
+                # The gateway takes a request's tokens only from the workers it knows serve
+                # it. Told on this worker's own token subject before the KVReady goes out, it
+                # hears of the new decode worker before anything that worker sends.
+                for h in group:
+                    rt.tokens.hand_off(h.job.gateway_id, h.job.request_id, candidate)
+                await rt.tokens.flush()
             try:
                 reply = await request(rt.nc, rt.subjects.decode_kv_ready(candidate), ready, KVReadyReply,
                                       self.cfg.kv_ready_timeout_s)
@@ -249,16 +316,23 @@ class PrefillService(AsyncService):
                     break
             log.warning("decode worker %s did not take %d requests: %s", candidate, len(group), err)
         for h in group:
-            rid = h.job.request_id
-            if taken_by is not None and rid not in refused:
-                h.span.add_event("kv_ready_sent", {"decode.id": taken_by, "kv.bytes": h.lease.nbytes})
-                h.span.end()
-                continue
-            why = refused.get(rid) or f"decode worker {decode_id} unavailable: {err}"
-            h.span.set_status(trace.StatusCode.ERROR, f"handoff failed: {why}")
-            h.span.end()
-            self._free_lease_soon(rid)
-            rt.tokens.add(h.job.gateway_id, rid, [], "error", why)
+            for m in (h, *h.forks):
+                rid = m.job.request_id
+                if taken_by is not None and rid not in refused:
+                    m.span.add_event("kv_ready_sent", {"decode.id": taken_by, "kv.bytes": h.lease.nbytes})
+                    m.span.end()
+                    continue
+                why = refused.get(rid) or f"decode worker {decode_id} unavailable: {err}"
+                h.lease.live.discard(rid)
+                if why == ALREADY_SERVED:  # another copy of this job got there first: it is served
+                    m.span.add_event("kv_ready_refused", {"reason": why})
+                    m.span.end()
+                    continue
+                m.span.set_status(trace.StatusCode.ERROR, f"handoff failed: {why}")
+                m.span.end()
+                rt.tokens.add(m.job.gateway_id, rid, [], "error", why)
+            if not h.lease.live:  # nobody is to pull it
+                self._free_lease_soon(h.job.request_id)
         await rt.tokens.flush()
 
     # ---- KV pulls -----------------------------------------------------------------
@@ -306,9 +380,9 @@ class PrefillService(AsyncService):
                     # the engine, not between its steps: a pull never waits behind a long prefill.
                     # A small one is cheaper here than a thread's round trip.
                     if item.nbytes <= INLINE_EXPORT_BYTES:
-                        engine.export_kv(item.request_id, dst)
+                        _export(engine, lease, dst)
                     else:
-                        await asyncio.to_thread(engine.export_kv, item.request_id, dst)
+                        await asyncio.to_thread(_export, engine, lease, dst)
                 off += item.nbytes
             if self.cfg.debug_kv_fault != "drop":
                 await rt.transport.send(p.decode_address, slot.buffer(), p.tag, self.cfg.transfer_timeout_s)
@@ -341,7 +415,8 @@ class PrefillService(AsyncService):
         lease = self.leases.pop(request_id)
         if lease is None:
             return None
-        fut = self.rt.loop.post(lambda e: e.release(request_id), f"freeing the KV of {request_id}")
+        ids = lease.request_ids
+        fut = self.rt.loop.post(lambda e: [e.release(r) for r in ids], f"freeing the KV of {request_id}")
         e = self.rt.engine
         if e.blocks.enable_caching:  # the prompt's blocks stay cached here; offer them to the store
             self.rt.kv_sharing.push_soon(chain(lease.job.prompt_ids, e.cfg.block_size, e.kv_identity))
@@ -358,18 +433,37 @@ class PrefillService(AsyncService):
     async def _gateway_gone(self, gateway_id: str) -> None:
         self.rt.tokens.forget(gateway_id)
         mine = {rid for rid, st in self.jobs.items() if st.job.gateway_id == gateway_id}
-        mine |= {rid for rid, lease in self.leases.by_request.items() if lease.job.gateway_id == gateway_id}
+        mine |= {rid for lease in self.leases.by_request.values() if lease.job.gateway_id == gateway_id
+                 for rid in lease.request_ids}
         if mine:
             await self._on_abort(Abort(sorted(mine), "gateway gone"), None, None)
 
     async def _on_abort(self, a: Abort, msg, ctx) -> None:
         for rid in a.request_ids:
             self.aborted.add(rid)  # its job may still be on the way
-            if rid in self.leases.by_request and not self.leases.by_request[rid].pulling:
-                await self._free_lease(rid)
+            lease = self.leases.of(rid)
+            if lease is not None and not lease.pulling:
+                lease.live.discard(rid)
+                if not lease.live:  # the last of the requests whose KV it holds
+                    await self._free_lease(lease.job.request_id)
             st = self.jobs.pop(rid, None)
             if st is not None:
                 st.phase.end()
                 st.span.add_event("aborted", {"reason": a.reason})
                 st.span.end()
                 await self.rt.loop.call(lambda e, r=rid: e.abort(r))
+
+
+def _export(engine, lease, dst) -> None:
+    if lease.forks:
+        fork_io.export(engine, lease.request_ids, dst)
+    else:
+        engine.export_kv(lease.job.request_id, dst)
+
+
+def _children(job: PrefillJob, params) -> list[PrefillJob]:
+    """The requests a job stands for: itself, or its n children, each a job of its own."""
+    if job.n == 1:
+        return [job]
+    return [replace(job, request_id=cid, sampling=WireSampling.from_params(fork_params(params, i)), n=1)
+            for i, cid in enumerate(fork_ids(job.request_id, job.n))]

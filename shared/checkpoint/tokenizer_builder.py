@@ -14,17 +14,56 @@ BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
-SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]  # ids 0..3
+# DeepSeek-V3's tool-call markers, as its tokenizer has them (one special token each).
+TOOL_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+TOOL_CALLS_END = "<｜tool▁calls▁end｜>"
+TOOL_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+TOOL_CALL_END = "<｜tool▁call▁end｜>"
+TOOL_SEP = "<｜tool▁sep｜>"
+TOOL_OUTPUTS_BEGIN = "<｜tool▁outputs▁begin｜>"
+TOOL_OUTPUTS_END = "<｜tool▁outputs▁end｜>"
+TOOL_OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
+TOOL_OUTPUT_END = "<｜tool▁output▁end｜>"
+TOOL_TOKENS = [TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP, TOOL_OUTPUTS_BEGIN,
+               TOOL_OUTPUTS_END, TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END]
+# ids 0..3, then the tool markers at 4..12: the first four keep the ids they always had.
+SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT, *TOOL_TOKENS]
 
+# DeepSeek-V3.1's conventions: tools are described in the system prompt with the exact call
+# format; an assistant turn's calls are `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS-JSON
+# <｜tool▁call▁end｜>`, all of them between the calls markers; consecutive tool results are
+# wrapped in the outputs markers and followed by the next assistant turn.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% set ns = namespace(in_outputs=false) %}"
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] }}{% endif %}{% endfor %}"
+    "{% if tools %}"
+    "{{ '\\n\\n## Tools\\nYou have access to the following tools:\\n' }}"
+    "{% for tool in tools %}"
+    "{{ '\\n### ' + tool['function']['name'] + '\\nDescription: ' + (tool['function']['description'] or '')"
+    " + '\\n\\nParameters: ' }}{{ (tool['function']['parameters'] or {}) | tojson }}{{ '\\n' }}"
+    "{% endfor %}"
+    "{{ '\\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\\n'"
+    " + '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>tool_call_arguments'"
+    " + '<｜tool▁call▁end｜>{{additional_tool_calls}}<｜tool▁calls▁end｜>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}"
-    "{% elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
-    "{% elif message['role'] == 'tool' %}{{ '<｜User｜>[tool] ' + message['content'] }}"
+    "{% if message['role'] != 'tool' and ns.in_outputs %}{{ '<｜tool▁outputs▁end｜>' }}"
+    "{% set ns.in_outputs = false %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + (message['content'] or '') }}"
+    "{% if message['tool_calls'] %}{{ '<｜tool▁calls▁begin｜>' }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<｜tool▁call▁begin｜>' + call['function']['name'] + '<｜tool▁sep｜>' + call['function']['arguments']"
+    " + '<｜tool▁call▁end｜>' }}"
+    "{% endfor %}{{ '<｜tool▁calls▁end｜>' }}{% endif %}"
+    "{{ '<｜end▁of▁sentence｜>' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if not ns.in_outputs %}{{ '<｜tool▁outputs▁begin｜>' }}{% set ns.in_outputs = true %}{% endif %}"
+    "{{ '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}"
     "{% endif %}"
     "{% endfor %}"
+    "{% if ns.in_outputs %}{{ '<｜tool▁outputs▁end｜>' }}{% endif %}"
     "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
 )
 

@@ -21,6 +21,10 @@ class ServiceConfig:
     # nats-py's _INBOX without a user). Each NATS user may read only its own prefix.
     nats_inbox_prefix: str = ""
     subject_prefix: str = "mm"
+    # The first connection to NATS gives up after this long, naming the URL (a service
+    # that cannot reach it exits, and its supervisor restarts it); later outages are
+    # waited out for ever.
+    nats_connect_timeout_s: float = 10.0
     worker_id: str = ""
     model: str = ""
     served_model_name: str = ""
@@ -35,6 +39,8 @@ class ServiceConfig:
     def __post_init__(self):
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be > 0")
+        if self.nats_connect_timeout_s <= 0:
+            raise ValueError("nats_connect_timeout_s must be > 0")
         for name in ("nats_user", "worker_id"):
             if any(c in getattr(self, name) for c in ".*> \t"):
                 # Both are subject tokens (heartbeats, inbox prefixes): a dot or a wildcard

@@ -25,9 +25,12 @@ from functools import partial
 import torch
 
 from moemesh.shared.checkpoint.loader import load_model
+from moemesh.shared.grammar.compile import GrammarError
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.drafter import Drafter
+from moemesh.shared.engine.fork import can_fork, make_children, take_copy
+from moemesh.shared.engine.grammar import GrammarRows, GrammarRuntime
 from moemesh.shared.engine.hybrid_batch import HybridBatcher
 from moemesh.shared.engine.hybrid_cache import HybridKVCache
 from moemesh.shared.engine.kv_cache import KVCache
@@ -109,6 +112,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.blocks, self.snapshots)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
+        self._parent_of: dict[str, str] = {}  # child request id -> its parent's, until the fork
         self.eos_ids = set(mcfg.eos_token_ids)
         self._eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.drafter = Drafter(self.model, self.kv.forward_arg, cfg.block_size, self.num_spec, self.max_model_len,
@@ -118,6 +122,10 @@ class LLMEngine:
         self.num_accepted_total = 0
         self.num_prompt_tokens_total = 0
         self.num_cached_tokens_total = 0  # prompt tokens whose KV came from the prefix cache
+        # Structured output: the running requests with a grammar, by id. Empty (the common
+        # case) means a step does no grammar work at all.
+        self.grammar = GrammarRuntime(cfg.model, mcfg.vocab_size, self.eos_ids)
+        self.constrained: dict[str, Sequence] = {}
 
     @property
     def can_overlap(self) -> bool:
@@ -173,17 +181,23 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
-        cached_blocks: list[int] = (),
+        cached_blocks: list[int] = (), forks: list[tuple[str, SamplingParams]] = (),
     ) -> None:
         """output_ids: tokens already generated elsewhere (a decode worker recomputing a
         prompt whose KV transfer failed); they are recomputed with the prompt.
         cached_blocks: blocks (references already held, handed over to the request) that
-        hold the KV of the prompt's first len(cached_blocks) full blocks."""
-        if request_id in self.seqs or request_id in self.held:
+        hold the KV of the prompt's first len(cached_blocks) full blocks.
+        forks: parallel sampling, the (request id, params) of n children: request_id
+        computes the prompt once and forks into them (engine/fork.py); every output is
+        theirs. `params` is then unused."""
+        if forks:
+            return self._add_parent(request_id, list(prompt_ids), list(forks), list(cached_blocks))
+        if request_id in self.seqs or request_id in self.held or request_id in self._parent_of:
             raise RequestError(f"duplicate request id {request_id!r}")
         self.check_request(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, num_prompt_tokens=len(prompt_ids))
         seq.last_slot = self._last_slot(seq)
+        seq.matcher = self._matcher(seq)
         seq.block_hashes = chain(seq.token_ids, self.cfg.block_size, self.kv_identity)
         if cached_blocks:
             bs = self.cfg.block_size
@@ -201,14 +215,66 @@ class LLMEngine:
             if self.snapshots is not None:
                 self.scheduler.pin_snapshot(seq)
         self.seqs[request_id] = seq
+        if seq.matcher is not None:
+            self.constrained[request_id] = seq
         self.scheduler.add(seq)
 
+    def _add_parent(self, request_id: str, prompt_ids: list[int], forks: list[tuple[str, SamplingParams]],
+                    cached_blocks: list[int]) -> None:
+        ids = [request_id] + [rid for rid, _ in forks]
+        if len(set(ids)) < len(ids) or any(r in self.seqs or r in self.held or r in self._parent_of for r in ids):
+            raise RequestError(f"duplicate request id among {ids!r}")
+        if len(forks) > self.cfg.max_num_seqs:
+            raise RequestError(f"n = {len(forks)} is more than the {self.cfg.max_num_seqs} sequences a step "
+                               f"holds here", "n")
+        for _, p in forks:
+            self.check_request(prompt_ids, p)
+        if len(forks) == 1 or self.hybrid or not can_fork(len(prompt_ids)):
+            # V4 (its children would need copies of the parent's ring) and one-token prompts:
+            # the children compute the prompt each.
+            for i, (rid, p) in enumerate(forks):
+                self.add_request(rid, prompt_ids, p, cached_blocks=cached_blocks if i == 0 else ())
+            return
+        keep = (len(prompt_ids) - 2) // self.cfg.block_size  # the parent computes up to P-2
+        if len(cached_blocks) > keep:
+            self.blocks.free(cached_blocks[keep:])
+            cached_blocks = cached_blocks[:keep]
+        self.add_request(request_id, prompt_ids, forks[0][1], cached_blocks=cached_blocks)
+        self.seqs[request_id].forks = forks
+        for rid, _ in forks:
+            self._parent_of[rid] = request_id
+
     def abort(self, request_id: str) -> bool:
+        """A request, a parent (with its children), or one child of a parent not forked yet."""
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
+            for rid, _ in seq.forks:
+                self._parent_of.pop(rid, None)
             self.scheduler.finish(seq, FinishReason.ABORT)
             return True
+        parent_id = self._parent_of.pop(request_id, None)
+        if parent_id is not None:
+            parent = self.seqs[parent_id]
+            parent.forks = [f for f in parent.forks if f[0] != request_id]
+            if not parent.forks:
+                self.abort(parent_id)
+            return True
         return self.release(request_id)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """The parent has computed its prompt but the last position: its children take its
+        place (engine/fork.py)."""
+        children = make_children(parent, self.blocks, self._last_slot)
+        self.scheduler.fork(parent, children)
+        del self.seqs[parent.request_id]
+        self.constrained.pop(parent.request_id, None)
+        for child in children:
+            self._parent_of.pop(child.request_id, None)
+            self.seqs[child.request_id] = child
+            child.matcher = self._matcher(child)  # its own grammar state (the parent's spec was checked)
+            if child.matcher is not None:
+                self.constrained[child.request_id] = child
+        return children
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -280,6 +346,29 @@ class LLMEngine:
         plus the tokens sampled there (at least the first). draft_ids: the MTP drafts the
         prefill side proposed after the last of them (held_drafts), for the first step to
         verify; those past this engine's num_spec or the request's budget are dropped."""
+        self.check_prefilled(request_id, token_ids, num_prompt_tokens, params, draft_ids)
+        n_blocks = self.blocks.blocks_for(num_prompt_tokens)
+        if tuple(kv.shape) != self.kv_shape(n_blocks):
+            raise RequestError(f"KV buffer has shape {tuple(kv.shape)}, {self.kv_shape(n_blocks)} expected "
+                               f"for {n_blocks} blocks")
+        if not self.can_import(num_prompt_tokens):
+            raise NoCapacity(f"{n_blocks} KV blocks needed, {self.blocks.num_free_blocks} free")
+        block_ids, ring = self.blocks.allocate(n_blocks), -1
+        try:
+            if self.hybrid:
+                ring = self.blocks.take_ring()
+                self.kv.import_(block_ids, ring, num_prompt_tokens, kv)
+            else:
+                self.kv.import_blocks(block_ids, kv)
+        except Exception:
+            self.blocks.free(block_ids)
+            if ring >= 0:
+                self.blocks.give_ring(ring)
+            raise
+        self.run_prefilled(request_id, token_ids, num_prompt_tokens, params, block_ids, ring, draft_ids)
+
+    def check_prefilled(self, request_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
+                        draft_ids: list[int] = ()) -> None:
         if request_id in self.seqs:
             raise RequestError(f"duplicate request id {request_id!r}")
         self.check_request(token_ids[:num_prompt_tokens], params)
@@ -287,32 +376,29 @@ class LLMEngine:
             raise RequestError("a prefilled request must carry its first sampled token")
         if draft_ids and not all(0 <= d < self.model_config.vocab_size for d in draft_ids):
             raise RequestError(f"draft token ids must be in [0, {self.model_config.vocab_size})")
-        n_blocks = self.blocks.blocks_for(num_prompt_tokens)
-        if tuple(kv.shape) != self.kv_shape(n_blocks):
-            raise RequestError(f"KV buffer has shape {tuple(kv.shape)}, {self.kv_shape(n_blocks)} expected "
-                               f"for {n_blocks} blocks")
-        if not self.can_import(num_prompt_tokens):
-            raise NoCapacity(f"{n_blocks} KV blocks needed, {self.blocks.num_free_blocks} free")
+
+    def run_prefilled(self, request_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
+                      block_ids: list[int], ring: int = -1, draft_ids: list[int] = ()) -> None:
+        """A checked prefilled request whose prompt KV is in block_ids (references handed
+        over to it) joins the running sequences."""
         seq = Sequence(request_id, list(token_ids), params, num_prompt_tokens=num_prompt_tokens)
         seq.last_slot = self._last_slot(seq)
-        seq.block_ids = self.blocks.allocate(n_blocks)
         try:
-            if self.hybrid:
-                seq.ring = self.blocks.take_ring()
-                self.kv.import_(seq.block_ids, seq.ring, num_prompt_tokens, kv)
-            else:
-                self.kv.import_blocks(seq.block_ids, kv)
-        except Exception:
-            self.blocks.free(seq.block_ids)
-            if seq.ring >= 0:
-                self.blocks.give_ring(seq.ring)
+            seq.matcher = self._matcher(seq)
+        except RequestError:  # output that breaks its grammar: the blocks handed over go back
+            self.blocks.free(block_ids)
+            if ring >= 0:
+                self.blocks.give_ring(ring)
             raise
+        seq.block_ids, seq.ring = block_ids, ring
         seq.num_computed = len(token_ids) - 1
         if self.use_mtp:
             seq.draft_ids = list(draft_ids[: min(self.num_spec, self.drafter.budget(seq))])
         seq.block_hashes = chain(seq.token_ids, self.cfg.block_size, self.kv_identity)
         self._register(seq)
         self.seqs[request_id] = seq
+        if seq.matcher is not None:
+            self.constrained[request_id] = seq
         self.scheduler.add_running(seq)
 
     # ---- the step -------------------------------------------------------------------
@@ -346,7 +432,7 @@ class LLMEngine:
         step.stats = st
         sid = step.step_id
         seqs, slots, params, rows = step.seqs, step.slots, step.params, []
-        fill_rows, fill_from, register = [], [], []
+        fill_rows, fill_from, register, forked = [], [], [], []
         bs = self.cfg.block_size
         for c in chunks:
             seq = c.seq
@@ -354,9 +440,19 @@ class LLMEngine:
             if c.token_ids[-1] == PLACEHOLDER:  # its input is what the step in flight samples
                 fill_rows.append(c.row + q - 1)
                 fill_from.append(seq.sample_row)
+            if seq.cow_src >= 0:  # a child's first step: its copy of the parent's tail block first
+                step.release.append(seq.cow_src)
+                step.copies.append(take_copy(seq, bs))
             end = seq.num_computed = c.start + q
             if end // bs > seq.num_registered:
                 register.append((seq, end))
+            if seq.forks:  # a parent samples nothing; once at P-1 it forks, and child 0 registers
+                forked += [rid for rid, _ in seq.forks]  # a worker's view: its children were scheduled
+                if end == seq.num_tokens - 1:
+                    children = self._fork(seq)
+                    if register and register[-1][0] is seq:
+                        register[-1] = (children[0], end)
+                continue
             if end == len(seq.token_ids):  # it reaches its newest token: it samples the next
                 rows.append(c.row + q - 1)
                 seq.sample_step, seq.sample_row = sid, len(seqs)
@@ -375,13 +471,15 @@ class LLMEngine:
             step.generators = [self._gen_at(s, slot) for s, slot in zip(seqs, slots)]
         if any(p.logprobs is not None for p in params):
             step.logprobs = [p.logprobs for p in params]
+        if self.constrained:
+            step.grammar = self.grammar_rows(sid)
         step.prev = inflight
         step.register = register
         if self.snapshots is not None:
             step.restores = self._restores(chunks)
             step.snapshots = self._snapshot_plan(chunks, [(c.start + c.q_len,) * 2 for c in chunks])
         st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
-        st.scheduled = [c.seq.request_id for c in chunks]
+        st.scheduled = [c.seq.request_id for c in chunks] + forked
         t2 = time.perf_counter()
         st.schedule_s, st.prepare_s = t1 - t0, t2 - t1
         return step
@@ -415,6 +513,8 @@ class LLMEngine:
         for seq, end in step.register:
             if seq.status is SeqStatus.RUNNING:
                 self._register(seq, end)
+        if step.release:  # the children's copies of their parent's tail block are made
+            self.blocks.free(step.release)
         if step.restores:
             self._unpin(step.restores)
         if step.snapshots:
@@ -462,10 +562,11 @@ class LLMEngine:
         p = seq.params
         n_out = slot + 1 - seq.num_prompt_tokens
         extra = Finished(0)
-        if slot == seq.num_prompt_tokens:  # its prompt is done
-            self.num_prompt_tokens_total += seq.num_prompt_tokens
-            self.num_cached_tokens_total += seq.num_cached_tokens
-            extra.num_prompt_tokens = seq.num_prompt_tokens
+        if slot == seq.num_prompt_tokens:  # its prompt is done (once for a parent's children)
+            if not seq.fork_index:
+                self.num_prompt_tokens_total += seq.num_prompt_tokens
+                self.num_cached_tokens_total += seq.num_cached_tokens
+            extra.num_prompt_tokens, extra.num_cached_tokens = seq.num_prompt_tokens, seq.num_cached_tokens
         if step.token_logprobs is not None and step.token_logprobs[i] is not None:
             extra.logprobs = [step.token_logprobs[i]]
         if n_out >= p.min_tokens and ((t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids):
@@ -489,6 +590,33 @@ class LLMEngine:
         if reason is None and not extra.prefill_done and not extra.logprobs and not extra.num_prompt_tokens:
             return None
         return extra
+
+    # ---- structured output (grammar.py) ---------------------------------------------------
+    def _matcher(self, seq: Sequence):
+        """A request's grammar state, fed the tokens it has generated (None: no grammar)."""
+        if seq.params.grammar is None:
+            return None
+        try:
+            return self.grammar.matcher(seq.params.grammar, seq.output_ids)
+        except GrammarError as e:
+            raise RequestError(f"response_format: {e}", "response_format") from None
+
+    def grammar_rows(self, step_id: int) -> GrammarRows | None:
+        """The constrained rows that the planned step step_id samples. Walks the
+        constrained requests only."""
+        rows = [(seq.sample_row, seq.matcher) for seq in self.live_constrained() if seq.sample_step == step_id]
+        return GrammarRows(self.grammar, rows) if rows else None
+
+    def live_constrained(self) -> list[Sequence]:
+        """The constrained requests that may still sample here; forgets those that are
+        over (finished, or held for a pull: a held request samples nothing more here)."""
+        live = []
+        for rid, seq in list(self.constrained.items()):
+            if seq.status is SeqStatus.FINISHED or seq.status is SeqStatus.HELD:
+                del self.constrained[rid]
+            else:
+                live.append(seq)
+        return live
 
     def _last_slot(self, seq: Sequence) -> int:
         n_out = 1 if self.cfg.role == "prefill" else seq.params.max_tokens

@@ -18,6 +18,7 @@ class Finished:
     prefill_done: bool = False
     block_hashes: list[bytes] | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # with num_prompt_tokens: those of them found in the prefix cache
 
 
 @dataclass
@@ -62,6 +63,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prefill_done: bool = False  # prefill role: the request is HELD, its KV ready to export
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of num_prompt_tokens, found in the prefix cache (first token only)
     block_hashes: list[bytes] | None = None  # on finish: hashes of its full computed blocks
     position: int = 0  # index in the request's output of new_token_ids[0]
 
@@ -103,7 +105,7 @@ def request_outputs(out: StepOutputs) -> list[RequestOutput]:
         if e is not None:
             o.finished, o.finish_reason = e.finish_reason is not None, e.finish_reason
             o.logprobs, o.prefill_done, o.block_hashes = e.logprobs, e.prefill_done, e.block_hashes
-            o.num_prompt_tokens = e.num_prompt_tokens
+            o.num_prompt_tokens, o.num_cached_tokens = e.num_prompt_tokens, e.num_cached_tokens
         res.append(o)
     return res
 
@@ -116,7 +118,7 @@ def step_outputs(outs: list[RequestOutput]) -> StepOutputs:
         res.token_ids += o.new_token_ids
         res.counts.append(len(o.new_token_ids))
         res.positions.append(o.position)
-        if o.finished or o.logprobs or o.prefill_done or o.block_hashes:
+        if o.finished or o.logprobs or o.prefill_done or o.block_hashes or o.num_cached_tokens:
             res.extras.append(Finished(i, o.finish_reason if o.finished else None, o.logprobs, o.prefill_done,
-                                       o.block_hashes, o.num_prompt_tokens))
+                                       o.block_hashes, o.num_prompt_tokens, o.num_cached_tokens))
     return res

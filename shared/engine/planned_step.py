@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moemesh.shared.engine import sampler
+from moemesh.shared.engine.fork import copy_blocks
 from moemesh.shared.engine.runner import Chunk
 from moemesh.shared.engine.sequence import Sequence
 from moemesh.shared.model.batch import ForwardBatch
@@ -52,6 +53,11 @@ class PlannedStep:
     # DeepSeek-V4 prefix reuse: ring copies (source, destination, ...) before and after the forward.
     restores: list = field(default_factory=list)  # snapshots into the rings of sequences starting on them
     snapshots: list = field(default_factory=list)  # (ring, snapshot ring, sequence, boundary)
+    # Parallel sampling (fork.py): children's copies of their parent's tail block, made
+    # before the forward; the sources' references are dropped when the step has landed.
+    copies: list = field(default_factory=list)  # (source, destination) blocks
+    release: list = field(default_factory=list)  # source blocks
+    grammar: object = None  # GrammarRows: the constrained rows and their matchers; None: no constrained row
     stats: object = None  # the engine's StepStats for this step
     step_id: int = field(default_factory=lambda: next(_step_ids))
     # Set by run():
@@ -85,6 +91,8 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> 
         batch.input_ids[step.fill_rows] = ids[step.fill_from]
     if step.restores:
         kv_caches.copy_rings([r[:2] for r in step.restores])
+    if step.copies:
+        copy_blocks(kv_caches, step.copies)
     hidden = model(batch, kv_caches)
     if step.snapshots:
         kv_caches.copy_rings([s[:2] for s in step.snapshots])
@@ -93,7 +101,12 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> 
         rows = hidden[: step.num_rows] if step.sample_rows is None else hidden[step.sample_rows]
         logits = model.compute_logits(rows)
         t2 = time.perf_counter()
+        gram = step.grammar
+        if gram is not None:  # the matchers hold every token sampled before, this thread having fed them
+            gram.runtime.mask(logits, gram.rows)
         sampled = sampler.sample(logits, step.params, step.generators or [None] * step.num_rows)
+        if gram is not None:
+            gram.runtime.advance(gram.rows, sampled)
         if step.logprobs is not None:
             step.token_logprobs = sampler.logprobs_of(logits, sampled, step.logprobs)
         t3 = time.perf_counter()

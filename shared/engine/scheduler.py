@@ -9,6 +9,10 @@ than for the whole of it. When a running sequence cannot get the blocks it needs
 the newest running sequence is preempted: its blocks are freed and it will be
 recomputed from its tokens. This keeps the oldest requests moving.
 
+Parallel sampling (engine/fork.py): a parent counts as the n sequences it forks into,
+against max_num_seqs, from the step it is admitted; its chunks end one position short of
+its prompt, where the engine forks it (`fork`).
+
 DeepSeek-V4 (with `snapshots`): a cached prefix is taken only as deep as its deepest
 boundary snapshot, whose copy into the sequence's ring goes with its first step, and a
 prefill chunk ends at each boundary the sequence is to snapshot (engine/snapshots.py).
@@ -81,6 +85,7 @@ class Scheduler:
         self.snapshots = snapshots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._parents: dict[str, Sequence] = {}  # running parents that have not forked yet
 
     # ---- queue management --------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -97,6 +102,7 @@ class Scheduler:
             return
         if seq in self.running:
             self.running.remove(seq)
+            self._parents.pop(seq.request_id, None)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
@@ -107,6 +113,12 @@ class Scheduler:
         """Take a running sequence out of scheduling but keep its blocks (HELD)."""
         self.running.remove(seq)
         seq.status = SeqStatus.HELD
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """The running parent's children take its place (they share its arrival)."""
+        i = self.running.index(parent)
+        self.running[i : i + 1] = children
+        self._parents.pop(parent.request_id, None)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -154,8 +166,13 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        # A parent not forked yet holds the places of its children.
+        num_seqs = len(self.running) + sum(len(p.forks) - 1 for p in self._parents.values())
+        while self.waiting and budget > 0 and num_seqs < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            width = max(1, len(seq.forks))
+            if num_seqs + width > self.cfg.max_num_seqs:
+                break
             cached = self._reuse_prefix(seq)
             num_new = self._cut(seq, min(seq.num_tokens - seq.num_computed, budget))
             need = self.blocks.blocks_for(seq.num_computed + num_new + max(k - 1, 0)) - len(seq.block_ids)
@@ -171,6 +188,9 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)  # a preempted sequence goes back to its place
+            num_seqs += width
+            if seq.forks:
+                self._parents[seq.request_id] = seq
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
@@ -217,7 +237,8 @@ class Scheduler:
         least one token is left to compute, since sampling needs its logits."""
         if seq.block_ids or seq.num_computed or not self.blocks.enable_caching:
             return [], 0
-        usable = (seq.num_tokens - 1) // self.blocks.block_size
+        # A parent's own last position to compute is P-2 (its children compute P-1).
+        usable = (seq.num_tokens - (2 if seq.forks else 1)) // self.blocks.block_size
         blocks = self.blocks.lookup(seq.block_hashes[:usable])
         if self.snapshots is None:
             return blocks, len(blocks)
@@ -225,7 +246,10 @@ class Scheduler:
 
     @staticmethod
     def _cut(seq: Sequence, num_new: int) -> int:
-        """End a prefill chunk at the next boundary the sequence snapshots."""
+        """End a prefill chunk at the next boundary the sequence snapshots, and a parent's
+        at its last position but one, where it forks."""
+        if seq.forks:
+            num_new = min(num_new, seq.num_tokens - 1 - seq.num_computed)
         for t in seq.snap_targets:
             if t > seq.num_computed:
                 return min(num_new, t - seq.num_computed)
@@ -245,6 +269,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._parents.pop(seq.request_id, None)
         self._free(seq)
         seq.num_computed = 0
         seq.num_registered = 0
@@ -260,6 +285,9 @@ class Scheduler:
         if seq.block_ids:
             self.blocks.free(seq.block_ids)
             seq.block_ids = []
+        if seq.cow_src >= 0:  # a child that never ran: the tail block it was to copy
+            self.blocks.free([seq.cow_src])
+            seq.cow_src = -1
         if seq.ring >= 0:
             self.blocks.give_ring(seq.ring)
             seq.ring = -1

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moemesh.shared.engine import sampler
+from moemesh.shared.engine.fork import copy_blocks, take_copy
 from moemesh.shared.engine.outputs import RequestOutput, StepStats
 from moemesh.shared.engine.runner import Chunk, build_batch
 from moemesh.shared.engine.sequence import FinishReason, Sequence
@@ -37,6 +38,8 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
     batch = build_batch(chunks, eng.cfg.block_size, eng.device, eng.batcher)
     st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
     st.scheduled = [c.seq.request_id for c in chunks]
+    if eng._parent_of:  # a parent's chunk: to a worker, its children were scheduled
+        st.scheduled += [rid for c in chunks for rid, _ in c.seq.forks]
     t2 = time.perf_counter()
     st.prepare_s = t2 - t1
     snaps = eng.snapshots is not None
@@ -45,6 +48,11 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
         if restores:
             eng.kv.copy_rings([r[:2] for r in restores])
             eng._unpin(restores)
+    # Children's first steps: their copies of the parent's tail block (engine/fork.py).
+    cow = [c.seq.cow_src for c in chunks if c.seq.cow_src >= 0]
+    if cow:
+        copy_blocks(eng.kv.forward_arg, [take_copy(c.seq, eng.cfg.block_size) for c in chunks
+                                         if c.seq.cow_src >= 0])
     hidden = eng.model(batch, eng.kv.forward_arg)
     t3 = time.perf_counter()
     st.forward_s = t3 - t2
@@ -56,6 +64,12 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
     if eng.use_mtp and (mtp_work or eng.lockstep):
         eng.drafter.propose(mtp_work, hidden)
         st.draft_s = time.perf_counter() - t4
+    if cow:
+        eng.blocks.free(cow)
+    for c in chunks:  # after the drafts: the MTP layer's KV of the parent's positions is in its blocks
+        seq = c.seq
+        if seq.forks and seq.num_computed == seq.num_tokens - 1:
+            eng._fork(seq)
     if snaps:  # after the drafts: the MTP layer's rows are part of a snapshot
         ends = [(c.seq.num_computed, max(c.start + c.q_len, c.seq.num_computed + eng.num_spec)) for c in chunks]
         taken = eng._snapshot_plan(chunks, ends, rings)
@@ -93,13 +107,26 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
         idx = [r for _, r in plain]
         seqs = [c.seq for c, _ in plain]
         sel = logits if len(idx) == logits.shape[0] else logits[idx]
-        toks = sampler.sample(sel, [s.params for s in seqs], [eng._gen(s) for s in seqs]).tolist()
+        gram = [(k, s.matcher) for k, s in enumerate(seqs) if s.matcher is not None] \
+            if eng.constrained and eng.live_constrained() else None
+        if gram:
+            eng.grammar.mask(sel, gram)
+        sampled = sampler.sample(sel, [s.params for s in seqs], [eng._gen(s) for s in seqs])
+        if gram:
+            eng.grammar.advance(gram, sampled)
+        toks = sampled.tolist()
         for (c, r), t in zip(plain, toks):
             new_tokens[id(c)] = [t]
     for c, r, n in samplers:
         if n > 1:
             drafts = c.token_ids[c.q_len - (n - 1):]
+            m = c.seq.matcher
+            # Constrained: each row is masked with the grammar's state after the drafts before
+            # it, so a forbidden draft is rejected; the rejected ones are rolled back after.
+            n_consumed = eng.grammar.mask_drafts(logits[r : r + n], m, drafts) if m is not None else 0
             toks = verify(logits[r : r + n], drafts, c.seq.params, eng._gen(c.seq))
+            if m is not None:
+                eng.grammar.settle(m, n_consumed, toks)
             new_tokens[id(c)] = toks
             c.seq.num_drafted += len(drafts)
             c.seq.num_accepted += len(toks) - 1
@@ -120,13 +147,15 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
             continue
         seq.num_computed = c.start + (c.q_len - (row_of[id(c)][1] - 1)) + (len(toks) - 1)
         eng._register(seq, pending=toks[:-1])  # accepted drafts are computed but not yet appended
-        if seq.num_output_tokens == 0:  # its prompt is done
+        first = seq.num_output_tokens == 0  # its prompt is done
+        if first and not seq.fork_index:  # a parent's children count it once
             eng.num_prompt_tokens_total += seq.num_prompt_tokens
             eng.num_cached_tokens_total += seq.num_cached_tokens
         lp = _logprobs(seq, logits, row_of[id(c)][0], toks)
         emitted = _append(eng, seq, toks)
         out = RequestOutput(seq.request_id, emitted, logprobs=lp[: len(emitted)] if lp else None,
-                            num_prompt_tokens=seq.num_prompt_tokens, position=seq.num_output_tokens - len(emitted))
+                            num_prompt_tokens=seq.num_prompt_tokens, position=seq.num_output_tokens - len(emitted),
+                            num_cached_tokens=seq.num_cached_tokens if first else 0)
         if seq.is_finished:
             out.finished, out.finish_reason = True, seq.finish_reason
             if eng.blocks.enable_caching:

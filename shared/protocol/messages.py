@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParams
 from moemesh.shared.protocol.tokens import (
     TokenLogprob, ids_from_wire, ids_to_wire, logprobs_from_plain, logprobs_to_plain,
 )
@@ -27,6 +27,11 @@ class WireSampling:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    # Structured output (GrammarSpec): "" = none. The spec, not a matcher's state, travels:
+    # a worker that takes a request over (the decode side of a hand-off) rebuilds the state
+    # by feeding the grammar the tokens generated so far.
+    grammar_kind: str = ""
+    grammar: str = ""
 
     def to_params(self) -> SamplingParams:
         # Stop strings never reach workers: the gateway detokenizes and applies them.
@@ -34,12 +39,14 @@ class WireSampling:
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
             logprobs=self.logprobs, min_tokens=self.min_tokens,
+            grammar=GrammarSpec(self.grammar_kind, self.grammar) if self.grammar_kind else None,
         )
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> "WireSampling":
+        g = p.grammar
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop_token_ids), p.ignore_eos,
-                   p.logprobs, p.min_tokens)
+                   p.logprobs, p.min_tokens, g.kind if g else "", g.text if g else "")
 
 
 @dataclass
@@ -51,6 +58,9 @@ class PrefillJob:
     decode_id: str  # the decode worker the gateway chose
     arrival_time: float = 0.0
     kv_sources: list["KVSource"] = field(default_factory=list)  # holders of longer cached prefixes
+    # Parallel sampling: n > 1 forks the prompt into n requests of their own, named and
+    # seeded by protocol/forks.py (fork_id, fork_params); request_id names only the job.
+    n: int = 1
 
 
 @dataclass
@@ -78,6 +88,20 @@ class KVReadyItem:
     # MTP drafts for the first decode step: the prefill worker proposes them from the last
     # prompt position's hidden state, which the decode worker never has.
     draft_ids: list[int] = field(default_factory=list)
+    forks: list["KVFork"] = field(default_factory=list)  # children whose KV moves with this one
+
+
+@dataclass
+class KVFork:
+    """Parallel sampling: a child of the same prompt as its KVReadyItem (protocol/forks.py)
+    whose KV moves with it. The item's buffer then holds the prompt's shared full blocks
+    once, followed by the last block of the item's own request and of each fork, in order
+    (shared/engine/fork_io.py); num_blocks and nbytes count them all."""
+    request_id: str
+    output_ids: list[int]
+    sampling: WireSampling
+    traceparent: str = ""
+    draft_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -89,6 +113,12 @@ class KVReady:
     layout: KVLayout
     items: list[KVReadyItem]
     lease_expires_in_s: float = 30.0
+
+
+# KVReadyReply.refused's reason for a request the decode worker serves already, from another
+# copy of its job (a job sent twice across a NATS outage can reach two prefill workers): the
+# prefill worker with the other copy lets it go quietly; the request itself is fine.
+ALREADY_SERVED = "already served here"
 
 
 @dataclass
@@ -151,6 +181,7 @@ class TokenEnd:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int | None = None  # with a request's first token: its prompt tokens found cached
 
 
 @dataclass
@@ -159,7 +190,10 @@ class TokenBatch:
     ids are the next counts[i] of token_ids (one each when counts is None). The few rows
     that end their request, fail it, or carry logprobs have an entry in `ends`.
     positions[i]: where row i's ids go in its request's output (the index of the first),
-    so that the gateway sees a lost or repeated batch; empty when not known."""
+    so that the gateway sees a lost or repeated batch; empty when not known.
+    handoffs: from a prefill worker, request id -> the decode worker its KV goes to when
+    that is not the one the gateway chose (which did not answer); the gateway takes a
+    request's rows only from the workers it knows serve it. Sent only when not empty."""
     request_ids: list[str]
     token_ids: list[int]
     counts: list[int] | None = None
@@ -167,6 +201,7 @@ class TokenBatch:
     worker_id: str = ""
     sent_at: float = 0.0
     positions: list[int] = field(default_factory=list)
+    handoffs: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def error(cls, request_id: str, error: str, worker_id: str = "") -> "TokenBatch":
@@ -174,21 +209,31 @@ class TokenBatch:
 
 
 def _batch_to_plain(b: TokenBatch) -> list:
-    return [b.sent_at, b.worker_id, b.request_ids, ids_to_wire(b.token_ids),
-            None if b.counts is None else ids_to_wire(b.counts),
-            [[e.row, e.finish_reason, e.error, None if e.logprobs is None else logprobs_to_plain(e.logprobs)]
-             for e in b.ends], ids_to_wire(b.positions)]
+    out = [b.sent_at, b.worker_id, b.request_ids, ids_to_wire(b.token_ids),
+           None if b.counts is None else ids_to_wire(b.counts),
+           [[e.row, e.finish_reason, e.error, None if e.logprobs is None else logprobs_to_plain(e.logprobs),
+             *(() if e.cached_tokens is None else (e.cached_tokens,))] for e in b.ends], ids_to_wire(b.positions)]
+    if b.handoffs:  # rare; without them a batch stays readable by a build before handoffs
+        out.append(b.handoffs)
+    return out
+
+
+_STR = {str}
 
 
 def _batch_from_plain(raw) -> TokenBatch:
     """The compact form, checked column by column: this runs once per step per gateway."""
     try:
         sent_at, worker, rids, toks, counts, ends, *rest = raw  # a build before positions sends 6
-        positions = rest.pop() if len(rest) == 1 else b""
-        if rest:
-            raise ValueError(f"{7 + len(rest)} fields")
+        if len(rest) > 2:
+            raise ValueError(f"{6 + len(rest)} fields")
+        positions = rest[0] if rest else b""
+        handoffs = rest[1] if len(rest) == 2 else {}
+        if not (isinstance(handoffs, dict)
+                and all(type(k) is str and type(v) is str for k, v in handoffs.items())):
+            raise TypeError("handoffs")
         if not (isinstance(sent_at, (int, float)) and isinstance(worker, str) and isinstance(rids, list)
-                and all(type(r) is str for r in rids) and isinstance(ends, list)):
+                and set(map(type, rids)) <= _STR and isinstance(ends, list)):  # C speed: 256 rows a step
             raise TypeError("header")
         token_ids = ids_from_wire(toks, "token_ids")
         if counts is None:
@@ -202,14 +247,16 @@ def _batch_from_plain(raw) -> TokenBatch:
         if positions and (len(positions) != len(rids) or min(positions) < 0):
             raise ValueError("positions do not match the rows")
         out = []
-        for row, finish, error, lps in ends:
+        for row, finish, error, lps, *more in ends:  # more: [cached_tokens] when it is known
+            cached = more[0] if len(more) == 1 else None
             if not (type(row) is int and 0 <= row < len(rids) and (finish is None or isinstance(finish, str))
-                    and (error is None or isinstance(error, str))):
+                    and (error is None or isinstance(error, str)) and len(more) <= 1
+                    and (cached is None or (type(cached) is int and 0 <= cached <= INT32_MAX))):
                 raise TypeError(f"end of row {row!r}")
-            out.append(TokenEnd(row, finish, error, None if lps is None else logprobs_from_plain(lps)))
+            out.append(TokenEnd(row, finish, error, None if lps is None else logprobs_from_plain(lps), cached))
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"TokenBatch: malformed ({e})") from None
-    return TokenBatch(rids, token_ids, counts, out, worker, float(sent_at), positions)
+    return TokenBatch(rids, token_ids, counts, out, worker, float(sent_at), positions, handoffs)
 
 
 register_codec(TokenBatch, _batch_to_plain, _batch_from_plain)
@@ -276,6 +323,9 @@ class WorkerStats:
     # serving-loop gap before the step] seconds, then the number of sequences in the step
     recent_steps: list[list[float]] = field(default_factory=list)
     placement_version: int = 0
+    # gateway -> the requests this worker holds for it (queued, running, handed over, pulling):
+    # what a dead gateway's clients can no longer read (`moemesh bench chaos` counts these orphans)
+    requests_by_gateway: dict[str, int] = field(default_factory=dict)
 
 
 # ---- expert-parallel load balancing (balancer <-> the ranks of a DEP instance) ----------

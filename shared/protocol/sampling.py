@@ -19,6 +19,26 @@ class SamplingParamError(ValueError):
         self.param = param
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "lark")
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on what a request may generate, in a form no library owns: a JSON
+    Schema (json_schema; json_object is any JSON object), or a Lark grammar (lark) such as
+    the gateway writes for forced tool calls. Workers compile it (shared/grammar/)."""
+    kind: str
+    text: str = ""  # the schema as JSON text, or the grammar
+
+    def __post_init__(self):
+        if self.kind not in GRAMMAR_KINDS:
+            raise SamplingParamError("response_format", f"grammar kind must be one of {GRAMMAR_KINDS}")
+        if not isinstance(self.text, str) or len(self.text) > MAX_GRAMMAR_CHARS:
+            raise SamplingParamError("response_format", f"a grammar is a string of at most {MAX_GRAMMAR_CHARS} "
+                                                        f"characters")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -31,6 +51,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n >= 0 = chosen token plus n alternatives
     min_tokens: int = 0
+    grammar: GrammarSpec | None = None  # structured output: sampled tokens must keep to it
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

@@ -14,12 +14,19 @@ from moemesh.shared.protocol.messages import Heartbeat
 from moemesh.shared.service.heartbeat import WorkerRegistry
 
 log = logging.getLogger(__name__)
+# Silent for two of its beats (at least 1 s): gone, as the gateway judges workers. Checked
+# every CHECK_EVERY_S, so at the default 1 s beat a dead gateway's requests are aborted
+# within about 2.25 s of its last beat: nothing runs for it 3 s after it died. (Three
+# beats and a check once a beat left them running for up to 4 s.)
+MISS_FACTOR = 2.0
+MIN_SILENCE_S = 1.0
+CHECK_EVERY_S = 0.25
 
 
 class GatewayWatch:
-    def __init__(self, on_gone: Callable[[str], Awaitable[None]], check_every_s: float):
+    def __init__(self, on_gone: Callable[[str], Awaitable[None]], check_every_s: float = CHECK_EVERY_S):
         self._on_gone, self._every = on_gone, check_every_s
-        self.registry = WorkerRegistry()
+        self.registry = WorkerRegistry(miss_factor=MISS_FACTOR, min_timeout_s=MIN_SILENCE_S)
 
     async def on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         self.registry.observe(hb)

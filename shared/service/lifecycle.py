@@ -2,7 +2,8 @@
 
 SIGTERM or SIGINT sets a stop event; the service's `drain()` then runs (stop taking
 new work, finish what is in flight, bounded by its drain timeout) and its context
-manager closes. A second signal skips the drain.
+manager closes. A second signal skips the drain. A signal while the service is still
+starting (connecting to NATS, loading a model) cancels the start: it exits in any state.
 """
 
 from __future__ import annotations
@@ -40,7 +41,19 @@ async def serve(make_service: Callable[[], Any], drain_timeout_s: float) -> None
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     async with AsyncExitStack() as stack:
-        svc = await stack.enter_async_context(make_service())
+        starting = asyncio.ensure_future(stack.enter_async_context(make_service()))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not starting.done():  # AsyncService.__aenter__ undoes what was started
+            starting.cancel()
+            try:
+                await starting
+            except asyncio.CancelledError:
+                pass
+            logging.getLogger(__name__).info("stopped while starting")
+            return
+        svc = starting.result()
         # What start-up built (a model, a tokenizer, the engine) lives as long as the process:
         # out of the collector's reach, a full collection no longer walks it. Such a walk
         # paused a serving loop for 40-60 ms every few hundred steps.

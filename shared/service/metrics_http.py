@@ -1,33 +1,78 @@
-"""A minimal HTTP endpoint for /metrics and /health on services that have no web app.
+"""/metrics and /health on their own address: the workers, the balancer and the KV store
+(which have no web app), and the gateway when its metrics move off the public port.
 
-asyncio's own server, two routes, no framework: workers and the balancer expose their
-Prometheus metrics without carrying an ASGI stack.
+/metrics is prometheus_client's own ASGI exposition (content negotiation: the text
+format, OpenMetrics, gzip), mounted beside a /health route in a small Starlette app that
+uvicorn serves on the service's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 from typing import Callable
+
+import uvicorn
+from prometheus_client import make_asgi_app
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from moemesh.shared.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the service owns its signals (shared/service/lifecycle.py)
+        yield
+
+
+def build_app(metrics: Metrics, health: Callable[[], dict]) -> Starlette:
+    async def health_route(request: Request) -> JSONResponse:
+        return JSONResponse(health())
+
+    return Starlette(routes=[Route("/health", health_route, methods=["GET"]),
+                             Route("/health/ready", health_route, methods=["GET"]),
+                             Route("/metrics", _Asgi(make_asgi_app(metrics.exposition())), methods=["GET"])])
+
+
+class _Asgi:
+    """An ASGI callable as a Route endpoint (a plain function would be taken for a request
+    handler; a Mount would redirect /metrics to /metrics/)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)
+
+
 class MetricsServer:
-    def __init__(self, render: Callable[[], tuple[bytes, str]], health: Callable[[], dict], host: str, port: int):
-        self._render, self._health, self.host, self.port = render, health, host, port
-        self._server: asyncio.AbstractServer | None = None
+    def __init__(self, metrics: Metrics, health: Callable[[], dict], host: str, port: int):
+        self.host, self.port = host, port
+        self._server = _Server(uvicorn.Config(build_app(metrics, health), host=host, port=port, log_level="warning",
+                                              access_log=False, lifespan="off"))
+        self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._task = asyncio.create_task(self._server.serve(), name="metrics-http")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # surfaces a bind error
+                raise RuntimeError(f"metrics server on {self.host}:{self.port} did not start")
+            await asyncio.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        if self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
 
     async def __aenter__(self) -> "MetricsServer":
         await self.start()
@@ -35,27 +80,3 @@ class MetricsServer:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass  # headers are not needed
-            parts = line.decode(errors="replace").split()
-            path = parts[1] if len(parts) > 1 else ""
-            if parts and parts[0] != "GET":
-                status, body, ctype = "405 Method Not Allowed", b"", "text/plain"
-            elif path.startswith("/metrics"):
-                body, ctype = self._render()
-                status = "200 OK"
-            elif path.startswith("/health"):
-                body, ctype, status = json.dumps(self._health()).encode(), "application/json", "200 OK"
-            else:
-                status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
-            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                         f"Connection: close\r\n\r\n".encode() + body)
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError) as e:
-            log.debug("metrics request dropped: %s", e)
-        finally:
-            writer.close()

@@ -42,6 +42,23 @@ class RemoteError(RuntimeError):
         self.reply = reply
 
 
+def redact_url(urls: str) -> str:
+    """NATS URLs as they may be shown: without a user:password@ part."""
+    return ",".join(_strip_userinfo(u) for u in urls.split(","))
+
+
+def _strip_userinfo(url: str) -> str:
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep:
+        scheme, rest = "", url.strip()
+    host = rest.rsplit("@", 1)[-1]
+    return f"{scheme}{sep}{host}"
+
+
+class NatsUnreachable(ConnectionError):
+    """The first connection to NATS did not succeed in time."""
+
+
 class Unreachable(RuntimeError):
     """Nobody answered: no responders, or the request timed out."""
 
@@ -87,7 +104,12 @@ async def connect(cfg: ServiceConfig, name: str, link: LinkEvents | None = None)
         kw.update(user=cfg.nats_user, password=cfg.nats_password)
     if cfg.nats_creds:
         kw["user_credentials"] = cfg.nats_creds
-    return await nats.connect(**kw)
+    # nats-py retries a first connection for ever (max_reconnect_attempts=-1): bound it.
+    try:
+        return await asyncio.wait_for(nats.connect(**kw), cfg.nats_connect_timeout_s)
+    except asyncio.TimeoutError:
+        raise NatsUnreachable(f"cannot reach NATS at {redact_url(cfg.nats_url)} (no connection within "
+                              f"{cfg.nats_connect_timeout_s:g}s)") from None
 
 
 async def disconnect(nc: NATS) -> None:

@@ -65,7 +65,7 @@ class WorkerRuntime:
         self.role = role
         self.worker_id = cfg.worker_id
         self.subjects = Subjects(cfg.subject_prefix)
-        self.metrics = Metrics()
+        self.metrics = Metrics(const_labels={"model_name": cfg.model_name})
         self.draining = False
         self._on_outputs = on_outputs
         self._given_engine = engine
@@ -131,7 +131,7 @@ class WorkerRuntime:
         await self.kv_sharing.start()
         if cfg.metrics_port >= 0:
             self.metrics_server = await stack.enter_async_context(MetricsServer(
-                self.metrics.render, lambda: {"status": "ok", "role": self.role, "draining": self.draining},
+                self.metrics, lambda: {"status": "ok", "role": self.role, "draining": self.draining},
                 cfg.metrics_host, cfg.metrics_port))
         self.heartbeat = await stack.enter_async_context(
             Heartbeater(self.nc, self.subjects, self._beat, cfg.heartbeat_interval_s))

@@ -29,7 +29,17 @@ class StepAccounting:
         self.c_prompt = metrics.counter("prompt_tokens_total", "prompt tokens prefilled or reused")
         self.c_cached = metrics.counter("prefix_cache_hit_tokens_total",
                                         "prompt tokens whose KV came from the prefix cache")
-        self._seen_prompt = self._seen_cached = 0
+        self.c_drafted = metrics.counter("spec_decode_draft_tokens_total", "MTP draft tokens proposed")
+        self.c_accepted = metrics.counter("spec_decode_accepted_tokens_total",
+                                          "MTP draft tokens the target model accepted")
+        # Read at scrape time from the load snapshot the loop keeps anyway: nothing per step.
+        metrics.gauge("num_requests_running", "requests in the running batch").set_function(
+            lambda: self.load.num_running)
+        metrics.gauge("num_requests_waiting", "requests admitted and waiting to run").set_function(
+            lambda: self.load.num_waiting)
+        metrics.gauge("kv_cache_usage_ratio", "share of KV cache blocks in use, 0 to 1").set_function(
+            lambda: 1.0 - self.load.num_free_blocks / self.load.num_blocks if self.load.num_blocks else 0.0)
+        self._seen_prompt = self._seen_cached = self._seen_drafted = self._seen_accepted = 0
         self.last_account: StepAccount | None = None
         self.recent_steps: deque[list[float]] = deque(maxlen=4096)
         self.load = WorkerLoad()
@@ -43,6 +53,10 @@ class StepAccounting:
         self.c_prompt.inc(e.num_prompt_tokens_total - self._seen_prompt)
         self.c_cached.inc(e.num_cached_tokens_total - self._seen_cached)
         self._seen_prompt, self._seen_cached = e.num_prompt_tokens_total, e.num_cached_tokens_total
+        if e.num_drafted_total != self._seen_drafted:
+            self.c_drafted.inc(e.num_drafted_total - self._seen_drafted)
+            self.c_accepted.inc(e.num_accepted_total - self._seen_accepted)
+            self._seen_drafted, self._seen_accepted = e.num_drafted_total, e.num_accepted_total
         if a.num_seqs:  # empty lockstep steps are waiting, not serving
             self.recent_steps.append([time.time(), a.total_s, a.forward_s, a.host_s, a.rank_wait_s,
                                       gap, a.num_seqs, a.exposed_s])

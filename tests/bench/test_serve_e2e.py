@@ -126,7 +126,7 @@ def test_unreachable_server_and_bad_arguments(capsys):
         assert main(["bench", "serve", "--url", "http://127.0.0.1:1", "--no-progress", *bad]) == 2, bad
 
 
-def test_tokenizer_counts_chunk_tokens_without_usage(stub, tmp_path):
+def test_the_tokenizer_sets_prompt_lengths_and_never_counts_output(stub, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "tok": 1}, unk_token="[UNK]"))
@@ -139,8 +139,62 @@ def test_tokenizer_counts_chunk_tokens_without_usage(stub, tmp_path):
             kind="fixed", num_requests=2, isl=LengthDist.parse("9"), osl=LengthDist.parse("5")))
     r = asyncio.run(runner.run_async(cfg))
     for q in r["points"][0]["requests"]:
-        assert (q["chunk_tokens"], q["token_source"], q["output_tokens"]) == ([2, 2, 1], "tokenizer", 5)
+        # no usage at all: one token per chunk, and the record says so
+        assert (q["chunk_tokens"], q["token_source"], q["output_tokens"]) == ([1, 1, 1], "chunks", 3)
         assert q["input_tokens"] is None and q["target_input_tokens"] == 9
     assert all("stream_options" not in b and b["model"] == "any" for b in stub.state.bodies)
     # the word-level tokenizer makes prompt lengths exact: 9 words, one token each
     assert all(len(b["prompt"].split()) == 9 for b in stub.state.bodies)
+
+
+@pytest.mark.parametrize("line_end", ["\n", "\r\n", "\r"])
+def test_line_separators_inside_text_and_multi_token_chunks_are_read_exactly(stub, line_end):
+    # U+2028, U+0085 and U+2029 in the streamed text are not line ends; the counts come from usage
+    stub.state.reset(tokens_per_chunk=3, continuous_usage=True, token_text="a\u2028b\u0085c\u2029 ",
+                     line_end=line_end)
+    cfg = runner.ServeBenchConfig(client=ClientConfig(url=stub.url), progress=False, workload=WorkloadConfig(
+        kind="fixed", num_requests=4, isl=LengthDist.parse("4"), osl=LengthDist.parse("8")))
+    r = asyncio.run(runner.run_async(cfg))
+    s = r["points"][0]["summary"]
+    assert (s["num_ok"], s["num_errors"]) == (4, 0), s["errors"]
+    for q in r["points"][0]["requests"]:
+        assert (q["chunk_tokens"], q["token_source"], q["output_tokens"]) == ([3, 3, 2], "usage", 8)
+    assert s["total_output_tokens"] == s["completed"] * 8 == 32  # vLLM's names beside ours
+    assert s["itl_ms"]["count"] == 4 * 5 and len(s["itls"]) == 4 and all(len(x) == 2 for x in s["itls"])
+    assert all(b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+               for b in stub.state.bodies)
+
+
+def test_a_final_usage_is_spread_over_multi_token_chunks(stub):
+    stub.state.reset(tokens_per_chunk=3)  # no usage per chunk, a total at the end
+    cfg = runner.ServeBenchConfig(client=ClientConfig(url=stub.url), progress=False, workload=WorkloadConfig(
+        kind="fixed", num_requests=2, isl=LengthDist.parse("4"), osl=LengthDist.parse("7")))
+    r = asyncio.run(runner.run_async(cfg))
+    for q in r["points"][0]["requests"]:
+        assert (q["chunk_tokens"], q["token_source"], q["output_tokens"]) == ([2, 2, 3], "spread", 7)
+
+
+def test_a_dataset_file_drives_the_prompts(stub, tmp_path):
+    jl = tmp_path / "prompts.jsonl"
+    jl.write_text('{"prompt": "one two three", "output_len": 4}\n\n{"prompt": "four five"}\n')
+    share = tmp_path / "sharegpt.json"
+    share.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "a b c d e f"}]},
+        {"conversations": [{"from": "gpt", "value": "no human turn"}]},
+        {"conversations": [{"from": "human", "value": "just asking"}]}]))
+    for path, want in ((jl, {("one two three", 4), ("four five", 3)}),
+                       (share, {("hello there", 6), ("just asking", 3)})):
+        stub.state.reset()
+        cfg = runner.ServeBenchConfig(client=ClientConfig(url=stub.url), progress=False, workload=WorkloadConfig(
+            kind="dataset", dataset_path=str(path), num_requests=10, osl=LengthDist.parse("3")))
+        r = asyncio.run(runner.run_async(cfg))
+        assert r["points"][0]["summary"]["num_ok"] == 2
+        assert {(b["prompt"], b["max_tokens"]) for b in stub.state.bodies} == want
+    for name, text, needle in (("a.jsonl", '{"text": "x"}\n', "non-empty string"), ("b.jsonl", "{oops\n", "not JSON"),
+                               ("c.jsonl", '{"prompt": "x", "output_len": 0}\n', "positive integer"),
+                               ("d.json", "[]", "no prompts"), ("missing.json", None, "cannot read")):
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=needle):
+            runner.wl.load_dataset(tmp_path / name)
+    assert main(["bench", "serve", "--url", stub.url, "--workload", "dataset", "--no-progress"]) == 2

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moemesh.tools.bench.serve import metrics as m
-from moemesh.tools.bench.serve.client import DONE, event_content, event_error, parse_sse_line
+from moemesh.tools.bench.serve.client import DONE, event_content, event_error, parse_event
 
 
 def rec(index=0, start=0.0, chunks=(), tokens=None, end=None, out=None, turn=1, **kw) -> m.RequestRecord:
@@ -99,13 +99,11 @@ def test_itl_covers_the_stream(chunks):
     assert sum(gaps) == pytest.approx(times[-1] - times[0], abs=1e-9)
 
 
-def test_parse_sse_lines():
-    assert parse_sse_line("data: [DONE]") == DONE
-    assert parse_sse_line('data: {"a": 1}\n') == {"a": 1}
-    assert parse_sse_line(": keep-alive") is None
-    assert parse_sse_line("event: message") is None
-    assert parse_sse_line("") is None
-    assert "unparseable" in event_error(parse_sse_line("data: {oops"))
+def test_parse_event_data():
+    assert parse_event("[DONE]") == DONE
+    assert parse_event('{"a": 1}') == {"a": 1}
+    assert "unparseable" in event_error(parse_event("{oops"))
+    assert "unexpected" in event_error(parse_event("[1]"))
 
 
 def test_event_errors_and_content():

@@ -53,6 +53,19 @@ def test_our_tokenizer_matches_transformers(tiny_model):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "café 日本語 🙂?"},
             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
     assert ours.apply_chat_template(msgs) == ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    # tools, an assistant's tool calls and the tool results, as DeepSeek's format writes them
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "now", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    msgs = [{"role": "user", "content": "weather <here>?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    got = ours.apply_chat_template(msgs, tools=tools)
+    assert got == ref.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+    # the schema as written: keys in their order, nothing HTML-escaped
+    assert 'Parameters: {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}' in got
+    assert "weather <here>?" in got
+    assert "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Oslo\"}<｜tool▁call▁end｜>" in got
     text = "The expert router sends tokens → ranks."
     assert ours.encode(text) == ref(text)["input_ids"]
 

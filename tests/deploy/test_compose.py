@@ -28,7 +28,8 @@ def spec() -> dict:
 def env_file(tmp_path) -> Path:
     keys = tmp_path / "api_keys"
     keys.write_text("sk-test\n")
-    lines = [f"{n}_NATS_PASSWORD=pw-{n.lower()}" for n in PASSWORDS] + [f"MOEMESH_API_KEYS_FILE={keys}"]
+    lines = [f"{n}_NATS_PASSWORD=pw-{n.lower()}" for n in PASSWORDS] + [f"MOEMESH_API_KEYS_FILE={keys}",
+                                                                        "GRAFANA_ADMIN_PASSWORD=pw-grafana"]
     p = tmp_path / "test.env"
     p.write_text("\n".join(lines) + "\n")
     return p

@@ -71,8 +71,23 @@ def test_example_env_uses_settings_the_loader_knows():
     # It is rank 3 of the rack's DEP32 decode instance: the file holds what the ranks share.
     cfg = load(DecodeConfig, "decode", UNITS.parent / "rack" / "moemesh.toml", environ=moemesh)
     assert (cfg.worker_id, cfg.dp_rank, cfg.dp_size, cfg.nats_user, cfg.ucx_net_devices) == \
-        (env["MOEMESH_WORKER_ID"], 3, 32, "decode", "mlx5_3:1")
+        (env["MOEMESH_WORKER_ID"], 3, 32, "decode-i0-r3", "mlx5_3:1")
     assert cfg.metrics_port == 9103 and cfg.nats_password == env["MOEMESH_NATS_PASSWORD"]
+
+
+def test_example_env_connects_as_its_own_user_in_the_racks_nats_table():
+    """The rank's NATS user is its worker id, one of the users `moemesh nats-auth` writes
+    for the rack file, and its password is the one the servers read for that user."""
+    from moemesh.tools.launch.nats_auth import identities, permissions
+    from moemesh.tools.launch.up import password_env, up_config
+
+    text = (UNITS / "example.env").read_text()
+    env = dict(line.split("=", 1) for line in text.splitlines() if line.strip() and not line.startswith("#"))
+    users = {w.worker_id: w for w in identities(up_config(str(UNITS.parent / "rack" / "moemesh.toml")))}
+    me = env["MOEMESH_NATS_USER"]
+    assert me == env["MOEMESH_WORKER_ID"] and me in users
+    assert f"mm.heartbeat.decode.{me}" in permissions(users[me]).publish
+    assert f"${password_env(me)}" in text  # the comment names the servers' variable for it
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")

@@ -147,6 +147,18 @@ def test_the_compose_deployment_file_is_valid_for_every_service(section, cls):
     assert cfg.nats_user == ""  # each container's own, from docker-compose.yml (MOEMESH_NATS_USER)
     assert cfg.metrics_port == 9100 and cfg.otlp_endpoint.startswith("http://otel-collector:")
     assert cfg.nats_password == ""  # secrets come from the environment, never the file
+    if hasattr(cfg, "ucx_net_devices"):  # moves KV bytes: other containers reach it on eth0, not loopback
+        assert (cfg.ucx_net_devices, cfg.ucx_tls) == ("eth0", "tcp"), section
+
+
+@pytest.mark.parametrize("section, cls", _service_configs())
+def test_the_rack_file_leaves_each_process_its_own_nats_user(section, cls):
+    """No per-role NATS user in the rack file: each process connects as its worker id,
+    from its env file (compose/systemd/example.env), with a password of its own."""
+    # A prefill instance's rendezvous is in its ranks' env files too.
+    env = {"MOEMESH_PREFILL_DIST_INIT": "tcp://10.1.2.1:29500"}
+    cfg = load(cls, section, REPO / "compose" / "rack" / "moemesh.toml", environ=env)
+    assert cfg.nats_user == "" and cfg.nats_password == ""
 
 
 def test_the_rack_file_plans_a_dep32_decode_instance_and_dep4_prefills():

@@ -128,8 +128,8 @@ def test_balancer_reports_target_and_draft_balance(dep_mesh):
         if 'model="draft"' in text or time.monotonic() > deadline:
             break
         time.sleep(0.3)
-    assert 'moemesh_eplb_balance_ratio{instance="decode-t",model="target"}' in text
-    assert 'moemesh_eplb_balance_ratio{instance="decode-t",model="draft"}' in text
+    assert 'moemesh_eplb_balance_ratio{instance="decode-t",model="target",model_name=' in text
+    assert 'moemesh_eplb_balance_ratio{instance="decode-t",model="draft",model_name=' in text
     assert "moemesh_eplb_layer_balance_ratio" in text
 
 

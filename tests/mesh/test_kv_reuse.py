@@ -37,7 +37,7 @@ def _want(no_reuse, turns=TURNS, max_tokens=24):
     return answers
 
 
-def _chat(url, turns=TURNS, max_tokens=24):
+def _chat(url, turns=TURNS, max_tokens=24, usages=None):
     msgs, answers = [], []
     with httpx.Client(timeout=120) as c:
         for t in turns:
@@ -47,6 +47,8 @@ def _chat(url, turns=TURNS, max_tokens=24):
             assert r.status_code == 200, r.text
             a = r.json()["choices"][0]["message"]["content"]
             answers.append(a)
+            if usages is not None:
+                usages.append(r.json()["usage"])
             msgs.append({"role": "assistant", "content": a})
     return answers
 
@@ -63,10 +65,14 @@ def _stats(mesh, worker):
 
 
 def test_turns_reuse_the_prefix_and_match_a_no_reuse_run(kv_mesh, no_reuse):
-    got = _chat(kv_mesh.url)
+    usages = []
+    got = _chat(kv_mesh.url, usages=usages)
     assert got == _want(no_reuse)
     hits = sum(_stats(kv_mesh, w).counters["prefix_cache_hit_tokens"] for w in ("prefill-t", "prefill-t1"))
     assert hits > 3 * 40  # turns 2-4 each found at least the previous prompt's full blocks
+    # the client sees the same reuse, request by request
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:]) and sum(cached) == hits
 
 
 def test_a_new_prefill_worker_pulls_the_context_from_the_store(kv_mesh, no_reuse):

@@ -47,12 +47,43 @@ def test_completions_and_chat_stream_and_non_stream(mesh, offline, request_clean
     r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
-    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.prompt_tokens_details.cached_tokens == 0
     chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True,
                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
     assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_n_choices_over_ucx_through_the_official_client(mesh, offline, request_cleanup):
+    """n > 1 across processes: one prefill, each child's KV over UCX, every choice the
+    offline engine's greedy answer, streamed under its index, and nothing left held."""
+    from tests.mesh.conftest import wait_free
+
+    c = _client(mesh)
+    request_cleanup(c)
+    want = offline.generate(["Hello world"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
+    r = c.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0, n=3,
+                             extra_body={"ignore_eos": True})
+    assert [ch.text for ch in r.choices] == [want] * 3 and r.usage.completion_tokens == 24
+    texts: dict[int, str] = {}
+    for part in c.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0, n=2,
+                                     stream=True, extra_body={"ignore_eos": True}):
+        for ch in part.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert texts == {0: want, 1: want}
+    wait_free(mesh)
+
+
+def test_continuous_usage_counts_every_chunk(mesh):
+    # vLLM's stream_options.continuous_usage_stats: a client counts tokens per chunk exactly
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 9, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", mesh.url + "/v1/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert counts[-1] == 9 and counts[:9] == list(range(1, 10))  # the finish chunk repeats the count
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 9
 
 
 def test_32_concurrent_streams_match_the_offline_engine(mesh, offline):
@@ -95,7 +126,8 @@ def test_logprobs_stop_strings_and_seeds(mesh, offline, request_cleanup):
 @pytest.mark.parametrize("body,status,param", [
     ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "n": 17}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 2}, 400, "best_of"),
     ({"model": "tiny"}, 400, "prompt"),
     ({"model": "other", "prompt": "x"}, 404, "model"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 100000}, 400, "prompt"),
@@ -120,11 +152,20 @@ def test_malformed_http_and_unsupported_shapes(mesh):
 
 def test_models_health_metrics_openapi(mesh):
     assert httpx.get(mesh.url + "/v1/models").json()["data"][0]["id"] == "tiny"
+    m = _client(mesh).models.retrieve("tiny")  # the official client's own call
+    assert m.id == "tiny" and m.object == "model"
+    r = httpx.get(mesh.url + "/v1/models/other/model", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     h = httpx.get(mesh.url + "/health").json()
     assert h["status"] == "ok" and h["ready"] and h["workers"] == {"prefill": 1, "decode": 1}
     assert httpx.get(mesh.url + "/health/ready").status_code == 200
     m = httpx.get(mesh.url + "/metrics").text
     assert "moemesh_ttft_seconds_bucket" in m and "moemesh_requests_total" in m
+    # vLLM-level: model_name on every moemesh series, process metrics, per-request ITL, hours-long requests
+    assert 'moemesh_inter_token_latency_seconds_count{model_name="tiny"}' in m
+    assert 'moemesh_request_seconds_bucket{le="7680.0",model_name="tiny"}' in m
+    assert "process_cpu_seconds_total" in m and "python_gc_objects_collected_total" in m
+    assert all('model_name="tiny"' in line for line in m.splitlines() if line.startswith("moemesh_"))
     spec = httpx.get(mesh.url + "/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"]
 
@@ -163,3 +204,10 @@ def test_one_request_is_one_trace_across_all_services(mesh):
     assert parent("queue.wait") == "prefill" and parent("prefill.batch") == "prefill"
     dec = next(s for s in mine if s["name"] == "decode")
     assert [e["name"] for e in dec["events"]].count("step") == dec["attributes"]["decode.steps"]
+    # the HTTP and generative-AI semantic conventions on the request's span
+    a = roots[0]["attributes"]
+    assert (a["http.request.method"], a["http.route"], a["http.response.status_code"]) == \
+        ("POST", "/v1/chat/completions", 200)
+    assert (a["gen_ai.operation.name"], a["gen_ai.request.model"], a["gen_ai.request.max_tokens"]) == ("chat", "tiny", 4)
+    assert a["gen_ai.usage.output_tokens"] == 4 and a["gen_ai.usage.input_tokens"] > 0
+    assert a["gen_ai.response.finish_reasons"] == ["length"] and a["gen_ai.response.id"].startswith("chatcmpl-")

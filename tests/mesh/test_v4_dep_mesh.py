@@ -97,9 +97,9 @@ def test_ranks_report_every_v4_moe_layer_and_the_balancer_the_draft_apart(v4_dep
             break
         time.sleep(0.3)
     for which in ("target", "draft"):
-        assert f'moemesh_eplb_balance_ratio{{instance="decode-t",model="{which}"}}' in text
+        assert f'moemesh_eplb_balance_ratio{{instance="decode-t",model="{which}",model_name=' in text
     for layer in range(LAYERS):
-        assert f'moemesh_eplb_layer_balance_ratio{{instance="decode-t",layer="{layer}"}}' in text
+        assert f'moemesh_eplb_layer_balance_ratio{{instance="decode-t",layer="{layer}",model_name=' in text
 
 
 def test_live_move_under_v4_traffic_keeps_every_output(v4_dep_mesh, v4_offline):

@@ -159,3 +159,19 @@ def test_live_window(tmp_path):
         assert doc["steps"]["num_steps"] == 1
     finally:
         group.stop()
+
+
+def test_every_phase_is_readable_on_the_chart():
+    # decode runs for seconds, a KV transfer for a millisecond: each gets its own bar on a log axis
+    from moemesh.tools.profile import report
+
+    plt = report._plt()
+    fig, ax = plt.subplots()
+    report._bars(ax, {"queue": 0.4, "prefill": 12.0, "kv_transfer": 0.9, "decode": 4000.0, "streaming": 0.0},
+                 "t", "ms")
+    assert ax.get_xscale() == "log" and len(ax.patches) == 4
+    top_down = sorted(((y, t.get_text()) for y, t in zip(ax.get_yticks(), ax.get_yticklabels())), reverse=True)
+    assert [t for _, t in top_down] == ["queue", "prefill", "KV transfer", "decode"]
+    widths = sorted(p.get_width() for p in ax.patches)
+    assert widths == [0.4, 0.9, 12.0, 4000.0]
+    plt.close(fig)

@@ -47,3 +47,14 @@ def test_logprobs_travel_with_int_ids():
 def test_a_malformed_logprob_is_one_protocol_error(lps, needle):
     with pytest.raises(ProtocolError, match=needle):
         decode(_batch_with(lps), TokenBatch)
+
+
+def test_a_first_tokens_cached_count_travels_and_older_ends_still_decode():
+    got = decode(encode(TokenBatch(["a"], [5], None, [TokenEnd(0, None, None, None, 48)], positions=[0])),
+                 TokenBatch)
+    assert got.ends[0].cached_tokens == 48
+    assert decode(_batch_with(None), TokenBatch).ends[0].cached_tokens is None  # a build without the field
+    for bad in (-1, 1.0, "3", 2**40):
+        with pytest.raises(ProtocolError, match="end of row"):
+            decode(msgpack.packb([0.0, "w", ["a"], ids_to_wire([5]), None, [[0, None, None, None, bad]]]),
+                   TokenBatch)

@@ -20,6 +20,9 @@ def test_round_trip_keeps_every_field():
     assert decode(encode(batch), TokenBatch) == batch
     one_each = TokenBatch(["a", "b"], [7, 8], worker_id="w")
     assert decode(encode(one_each), TokenBatch) == one_each
+    notice = TokenBatch(["a"], [7], [1], worker_id="p", positions=[0], handoffs={"a": "d2"})
+    assert decode(encode(notice), TokenBatch) == notice
+    assert len(msgpack.unpackb(encode(one_each))) == 7  # no hand-offs: what a gateway before them reads
 
 
 @pytest.mark.parametrize("raw,needle", [
@@ -29,6 +32,8 @@ def test_round_trip_keeps_every_field():
     ([0.0, "w", ["a"], b"\x01\x00\x00\x00", None, [[3, "stop", None, None]]], "end of row 3"),
     ([0.0, "w", [1], b"\x01\x00\x00\x00", None, []], "header"),
     ([0.0, "w"], "malformed"),
+    ([0.0, "w", ["a"], b"\x01\x00\x00\x00", None, [], b"", {"a": 5}], "handoffs"),
+    ([0.0, "w", ["a"], b"\x01\x00\x00\x00", None, [], b"", {}, 1], "9 fields"),
 ])
 def test_a_malformed_token_batch_is_one_protocol_error(raw, needle):
     with pytest.raises(ProtocolError, match=needle):
@@ -37,8 +42,8 @@ def test_a_malformed_token_batch_is_one_protocol_error(raw, needle):
 
 @pytest.mark.parametrize("payload,needle", [
     (b"\xc1", "not valid MessagePack"),
-    (msgpack.packb([1, 2]), "expected an object, got list"),
-    (msgpack.packb({"request_id": "r"}), "missing field"),
+    (msgpack.packb([1, 2]), "PrefillJob: expected object, got array"),
+    (msgpack.packb({"request_id": "r"}), "PrefillJob: object missing required field prompt_ids"),
     (msgpack.packb({"request_id": "r", "prompt_ids": [1, "x"], "sampling": {}, "gateway_id": "g",
                     "decode_id": "d"}), r"PrefillJob.prompt_ids\[1\]: expected int, got str"),
     (msgpack.packb({"request_id": "r", "prompt_ids": [1], "sampling": {"max_tokens": True}, "gateway_id": "g",
@@ -65,3 +70,26 @@ def test_wire_sampling_validates_through_sampling_params():
         WireSampling(max_tokens=0).to_params()
     p = WireSampling(max_tokens=3, temperature=0.0, stop_token_ids=[9]).to_params()
     assert p.greedy and p.stop_token_ids == (9,)
+
+
+def test_msgspec_writes_the_bytes_the_field_walk_wrote():
+    # the swap to msgspec kept the wire format: a map per message, fields by name, in order
+    import dataclasses
+
+    from moemesh.shared.protocol.messages import Heartbeat, PrefillJob, WireSampling, WorkerLoad
+    from moemesh.shared.protocol.sampling import SamplingParams
+
+    def walk(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: walk(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [walk(x) for x in v]
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        return v
+
+    job = PrefillJob("r", list(range(300)), WireSampling.from_params(SamplingParams(max_tokens=9, seed=3)), "g", "d")
+    beat = Heartbeat("decode-0", "decode", "tiny", WorkerLoad(3, 1, 90, 128, 700, 12))
+    for msg in (job, beat):
+        assert encode(msg) == msgpack.packb(walk(msg), use_bin_type=True)
+        assert decode(encode(msg), type(msg)) == msg

@@ -49,6 +49,8 @@ BAD = [
     ({"prompt": "hi", "max_tokens": 2 ** 40}, "max_tokens"),
     ({"prompt": "hi", "min_tokens": 2 ** 40}, "min_tokens"),
     ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"prompt": "hi", "stream_options": {"continuous_usage_stats": 1}}, "stream_options"),
+    ({"prompt": "hi", "stream_options": {"include_obfuscation": True}}, "stream_options"),  # not silently dropped
 ]
 
 
@@ -179,3 +181,32 @@ def test_a_service_sets_its_own_log_level_over_an_earlier_setup():
         assert root.level == logging.INFO
     finally:
         root.setLevel(before)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_counted_chunk_is_the_general_chunk_with_usage(kind):
+    # The fast bytes and the general serialiser must agree, byte for byte.
+    import orjson
+
+    req = openai_api.GenerateRequest(kind, "tiny", [1, 2, 3], openai_api.SamplingParams(max_tokens=8),
+                                     stream=True, continuous_usage=True)
+    fast = openai_api.ChunkBytes(req)
+    for text, n, cached in (("a\u2028b", 1, 0), ('"quoted"', 7, 16)):
+        c = openai_api.chunk(req, text, None)
+        c["usage"] = openai_api.usage(3, n, cached)
+        assert fast.counted(text, n, cached) == b"data: " + orjson.dumps(c) + b"\n\n"
+        assert fast.text(text) == b"data: " + orjson.dumps(openai_api.chunk(req, text, None)) + b"\n\n"
+
+
+def test_the_serving_worker_is_named_in_a_header_only_when_asked_for():
+    """Benchmarks split throughput per worker by x-moemesh-worker; clients otherwise never
+    learn internal worker ids."""
+    from types import SimpleNamespace
+
+    from moemesh.services.gateway.app import _headers
+
+    req, handle = SimpleNamespace(request_id="cmpl-1"), SimpleNamespace(decode_id="decode-7")
+    off = SimpleNamespace(cfg=GatewayConfig(model="m"))
+    on = SimpleNamespace(cfg=GatewayConfig(model="m", worker_header=True))
+    assert _headers(off, req, handle) == {"x-request-id": "cmpl-1"}
+    assert _headers(on, req, handle) == {"x-request-id": "cmpl-1", "x-moemesh-worker": "decode-7"}

@@ -205,3 +205,92 @@ def test_a_failed_request_tells_the_client_no_worker_ids_or_subjects(nats_url, c
     with caplog.at_level("WARNING"):
         _run(nats_url, body)
     assert LEAK in caplog.text
+
+
+def _count(counter) -> float:
+    return next(s.value for s in counter.collect()[0].samples if s.name.endswith("_total"))
+
+
+def test_rows_from_a_worker_that_does_not_serve_the_request_are_dropped_counted_and_logged_once(nats_url, caplog):
+    """A worker may publish only as itself, but it can name any request: only the prefill
+    and decode workers serving a request get rows into its stream."""
+    async def body(mesh, fake):
+        await fake.ack_jobs_on(S.prefill_direct("p1"), "p1")
+        await fake.beat("d1", "decode")
+        await fake.beat("p1", "prefill")
+        await _until(lambda: mesh.live("decode") and mesh.live("prefill"))
+        h = await mesh.submit("r1", [1, 2, 3], SamplingParams(max_tokens=3), None)
+
+        async def send(worker, ids, pos, end=None):
+            ends = [TokenEnd(0, end)] if end else []
+            await fake.nc.publish(S.gateway_tokens("gw-test", worker),
+                                  encode(TokenBatch(["r1"], ids, [len(ids)], ends, worker, positions=[pos])))
+
+        await send("p1", [7], 0)
+        await send("d2", [666], 1)  # serves another request, or none
+        await send("d2", [666, 667], 1, "length")  # its end is not taken either
+        await send("d1", [8, 9], 1, "length")
+        await _until(lambda: h.finish is not None)
+        assert h.take() == ([7, 8, 9], [], "length", None)
+        assert _count(mesh.c_refused) == 2
+        h.close()
+
+    with caplog.at_level("WARNING"):
+        _run(nats_url, body)
+    assert len([r for r in caplog.records if "dropped" in r.getMessage() and "d2" in r.getMessage()]) == 1
+
+
+def test_a_hand_off_notice_from_the_prefill_worker_moves_the_stream_to_the_named_decode_worker(nats_url):
+    """The decode worker chosen here did not answer the prefill worker, which handed the
+    KV to another: its notice (on its own token subject) makes the gateway take that
+    worker's rows, and no new request goes to the one that did not answer."""
+    async def body(mesh, fake):
+        await fake.ack_jobs_on(S.prefill_direct("p1"), "p1")
+        for w in ("d1", "d2"):
+            await fake.beat(w, "decode")
+        await fake.beat("p1", "prefill")
+        await _until(lambda: len(mesh.live("decode")) == 2 and mesh.live("prefill"))
+        h = await mesh.submit("r1", [1, 2, 3], SamplingParams(max_tokens=3), None)
+        assert h.decode_id == "d1"
+
+        async def send(worker, ids, pos, end=None, handoffs=None):
+            ends = [TokenEnd(0, end)] if end else []
+            await fake.nc.publish(S.gateway_tokens("gw-test", worker), encode(TokenBatch(
+                ["r1"], ids, [len(ids)], ends, worker, positions=[pos], handoffs=handoffs or {})))
+
+        # Only the request's prefill worker may say so.
+        await fake.nc.publish(S.gateway_tokens("gw-test", "d2"),
+                              encode(TokenBatch([], [], [], [], "d2", handoffs={"r1": "d2"})))
+        await asyncio.sleep(0.05)
+        assert h.decode_id == "d1" and [hb.worker_id for hb in mesh.live("decode")] == ["d1", "d2"]
+        await send("p1", [7], 0, handoffs={"r1": "d2"})
+        await _until(lambda: h.decode_id == "d2")
+        assert [hb.worker_id for hb in mesh.live("decode")] == ["d2"]  # d1 is suspect: no new requests
+        await send("d1", [666], 1)
+        await send("d2", [8, 9], 1, "length")
+        await _until(lambda: h.finish is not None)
+        assert h.take() == ([7, 8, 9], [], "length", None)
+        assert _count(mesh.c_refused) == 2  # d2's notice, and d1's row
+        h.close()
+
+    _run(nats_url, body)
+
+
+def test_a_worker_that_does_not_answer_gets_no_new_requests_until_it_beats_again(nats_url):
+    """No responders on a prefill worker's own subject: the job goes to the queue group,
+    and the worker is left out of routing at once, not only after its heartbeats lapse."""
+    async def body(mesh, fake):
+        await fake.ack_jobs_on(S.prefill_jobs, "any", queue=S.prefill_queue_group)
+        await fake.ack_jobs_on(S.prefill_direct("p1"), "p1")
+        await fake.beat("d1", "decode")
+        await fake.beat("p1", "prefill")
+        await fake.beat("pz", "prefill")  # beats, but nothing serves its subject; wins ties on its name
+        await _until(lambda: len(mesh.live("prefill")) == 2 and mesh.live("decode"))
+        await mesh.submit("r1", [1, 2, 3], SamplingParams(max_tokens=4), None)
+        assert [who for who, _ in fake.jobs] == ["any"]
+        assert [hb.worker_id for hb in mesh.live("prefill")] == ["p1"]
+        await asyncio.sleep(0.6)  # half a heartbeat interval on: a beat now was sent after it was found gone
+        await fake.beat("pz", "prefill")
+        await _until(lambda: len(mesh.live("prefill")) == 2)
+
+    _run(nats_url, body)

@@ -121,6 +121,7 @@ def test_a_request_streams_through_prefill_kv_handoff_and_decode(nats_url, tiny_
             async with httpx.AsyncClient(timeout=30) as c:
                 r = await c.post(m.url + "/v1/completions", json=body)
             assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            assert "x-moemesh-worker" not in r.headers  # internal names stay inside (worker_header: opt-in)
             await _wait_free(m)
             return r.text, m.prefill.rt.metrics.render()[0], m.decode.rt.metrics.render()[0]
 
@@ -131,6 +132,12 @@ def test_a_request_streams_through_prefill_kv_handoff_and_decode(nats_url, tiny_
     assert _metric(pre_metrics, "moemesh_kv_bytes_sent_total") > 0
     assert _metric(dec_metrics, "moemesh_kv_bytes_received_total") == _metric(pre_metrics, "moemesh_kv_bytes_sent_total")
     assert "kv_pull_failures_total{" not in dec_metrics.decode()
+    # vLLM-level worker gauges, read at scrape time: nothing runs now, and the counters are there
+    for name in ("moemesh_num_requests_running", "moemesh_num_requests_waiting", "moemesh_kv_cache_usage_ratio"):
+        assert _metric(dec_metrics, name) == 0
+    assert 'moemesh_spec_decode_draft_tokens_total{model_name="tiny"}' in dec_metrics.decode()
+    assert _metric(dec_metrics, "moemesh_spec_decode_accepted_tokens_total") <= \
+        _metric(dec_metrics, "moemesh_spec_decode_draft_tokens_total")
 
 
 def test_the_first_decode_step_after_a_handoff_verifies_the_prefill_draft(nats_url, tiny_model, tiny_engine_factory,

@@ -27,3 +27,39 @@ def test_registry_forgets_silent_and_draining_workers():
     r.observe(_hb("a", 0), now=4.0)
     r.observe(_hb("a", 0, draining=True), now=4.1)
     assert "a" not in r.workers
+
+
+def _ids(hbs):
+    return [hb.worker_id for hb in hbs]
+
+
+def test_a_suspect_gets_no_new_work_at_once_and_dies_sooner_unless_it_beats_again():
+    r = WorkerRegistry(miss_factor=2, min_timeout_s=1.0)
+    for w in ("a", "b"):
+        r.observe(_hb(w, 0), now=0.0)
+    assert r.suspect("a", now=0.1)
+    assert not r.suspect("a", now=0.2) and not r.suspect("nobody", now=0.2)  # once; only the known
+    assert _ids(r.live("decode", now=0.2)) == ["b"]
+    r.observe(_hb("a", 0), now=0.15)  # a beat already on its way when it was found gone
+    assert r.is_suspect("a") and _ids(r.live("decode", now=0.2)) == ["b"]
+    assert r.prune(now=1.6) == []  # 1.45 s of silence: under 1.5 of its intervals
+    assert r.prune(now=1.7) == ["a"]  # dead, where an unsuspected worker has until 2 s
+    assert r.prune(now=1.9) == [] and _ids(r.live("decode", now=1.9)) == ["b"]
+
+    r.observe(_hb("c", 0), now=3.0)
+    r.suspect("c", now=3.1)
+    r.observe(_hb("c", 0), now=3.7)  # sent after it was found gone: it is back
+    assert not r.is_suspect("c") and "c" in _ids(r.live("decode", now=3.7))
+    r.hold()  # our own link is down: a failed request says nothing about the worker
+    assert not r.suspect("c", now=3.8) and not r.is_suspect("c")
+
+
+def test_live_leaves_the_silent_out_but_only_prune_forgets_them_when_the_owner_prunes():
+    """The gateway moves a dead worker's requests when prune() reports it: a routing call
+    in between must not forget the worker first, or its requests would never move."""
+    r = WorkerRegistry(miss_factor=2, min_timeout_s=1.0, owner_prunes=True)
+    r.observe(_hb("a", 0), now=0.0)
+    r.observe(_hb("b", 0), now=4.5)
+    assert _ids(r.live("decode", now=5.0)) == ["b"]
+    assert _ids(r.live(None, now=5.0)) == ["b"]
+    assert r.prune(now=5.0) == ["a"]

@@ -45,3 +45,30 @@ def test_same_name_returns_the_same_metric_and_conflicts_raise():
         m.histogram("step_seconds", "s", labels=("phase",))
     m.histogram("step_seconds", "s").observe(1)
     assert b"\nstep_seconds_count 1.0" in m.render()[0]
+
+
+def test_the_metrics_server_serves_prometheus_own_exposition_and_health():
+    import asyncio
+    import gzip
+
+    import httpx
+
+    from moemesh.shared.service.metrics_http import MetricsServer
+
+    async def go():
+        m = Metrics(const_labels={"model_name": "tiny"})
+        m.counter("requests", "requests served").inc(2)
+        async with MetricsServer(m, lambda: {"status": "ok", "role": "decode"}, "127.0.0.1", 0) as srv:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}", timeout=10) as c:
+                text = await c.get("/metrics", headers={"Accept-Encoding": "identity"})
+                zipped = await c.get("/metrics", headers={"Accept-Encoding": "gzip"})
+                om = await c.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+                health = await c.get("/health")
+                missing = await c.get("/nothing")
+        return text, zipped, om, health, missing
+
+    text, zipped, om, health, missing = asyncio.run(go())
+    assert 'moemesh_requests_total{model_name="tiny"} 2.0' in text.text
+    assert zipped.headers.get("content-encoding") == "gzip" or "moemesh_requests_total" in zipped.text
+    assert om.headers["content-type"].startswith("application/openmetrics-text") and om.text.endswith("# EOF\n")
+    assert health.json() == {"status": "ok", "role": "decode"} and missing.status_code == 404

@@ -89,3 +89,25 @@ def test_garbage_headers_give_an_empty_context(headers, two_services):
     assert ctx == Context()
     with gw.start_as_current_span("unrelated"):  # empty means "new trace", even inside a span
         assert _receive(dec, headers).parent is None
+
+
+def test_headers_follow_the_global_propagator(two_services):
+    # OTEL_PROPAGATORS picks the global propagator; the mesh's headers follow it
+    from opentelemetry import propagate
+    from opentelemetry.baggage import set_baggage
+    from opentelemetry.baggage.propagation import W3CBaggagePropagator
+    from opentelemetry.propagators.composite import CompositePropagator
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    before = propagate.get_global_textmap()
+    propagate.set_global_textmap(CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()]))
+    try:
+        sender = two_services[0]
+        with sender.start_as_current_span("send"):
+            headers = inject_headers(context=set_baggage("tenant", "acme"))
+        assert "baggage" in headers and "tenant=acme" in headers["baggage"]
+        propagate.set_global_textmap(W3CBaggagePropagator())  # no trace context at all
+        with sender.start_as_current_span("send"):
+            assert "traceparent" not in inject_headers()
+    finally:
+        propagate.set_global_textmap(before)

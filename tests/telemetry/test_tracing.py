@@ -142,3 +142,20 @@ def test_providers_are_independent_of_the_global_one(tmp_path):
     assert trace.get_tracer_provider() is before
     assert [r["name"] for r in _read(tmp_path / "a.jsonl")] == ["only-a"]
     assert (tmp_path / "b.jsonl").read_text() == ""
+
+
+def test_otel_environment_variables_are_honoured(monkeypatch):
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "decode-rack-7")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    provider = setup_tracing("moemesh-decode", otlp_endpoint="http://collector.invalid:4317")
+    attrs = provider.resource.attributes
+    assert attrs["service.name"] == "decode-rack-7" and attrs["deployment.environment"] == "staging"
+    assert [t for t, _ in _exporters(provider)] == [BatchSpanProcessor]
+    assert isinstance(_exporters(provider)[0][1], GrpcExporter)
+    shutdown(provider)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="http/protobuf or grpc"):
+        setup_tracing("x", otlp_endpoint="http://collector.invalid:4318")

@@ -61,3 +61,17 @@ def test_the_byte_table_and_the_window_decode_give_the_same_text(tiny_model):
             slow._pieces = None
             got = ["".join(d.add([i]) for i in ids) + d.flush() for d in (fast, slow)]
             assert got[0] == got[1] == tok.decode(ids, skip_special_tokens=skip), (trial, skip)
+
+
+def test_each_gives_what_add_gives_one_id_at_a_time(tiny_model):
+    # The gateway's chunk-per-token path: the same texts, stop strings or not.
+    import random
+
+    tok = Tokenizer(tiny_model)
+    rng = random.Random(1)
+    for stop in ((), ("e",)):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(200)]
+        one, many = IncrementalDetokenizer(tok, stop), IncrementalDetokenizer(tok, stop)
+        want = [one.add([i]) for i in ids]
+        got = many.each(ids[:70]) + many.each(ids[70:71]) + many.each(ids[71:])
+        assert got == want and one.flush() == many.flush()

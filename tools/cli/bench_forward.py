@@ -10,18 +10,20 @@ def register(bsub) -> None:
     from moemesh.tools.cli.bench_io import ints
 
     f = bsub.add_parser("forward", help="forward-only decode and prefill step times")
-    f.add_argument("--model", required=True)
-    f.add_argument("--batch-sizes", type=ints, default=(1, 8, 32, 64, 128, 256))
-    f.add_argument("--context-len", type=int, default=512)
-    f.add_argument("--prefill-lens", type=ints, default=(128, 512, 2048))
-    f.add_argument("--steps", type=int, default=10)
-    f.add_argument("--warmup", type=int, default=3)
-    f.add_argument("--dtype", default="float32")
-    f.add_argument("--device", default="cpu")
+    f.add_argument("--model", required=True, help="model directory")
+    f.add_argument("--batch-sizes", type=ints, default=(1, 8, 32, 64, 128, 256),
+                   help="decode batch sizes, comma-separated")
+    f.add_argument("--context-len", type=int, default=512, help="context length of each decode sequence")
+    f.add_argument("--prefill-lens", type=ints, default=(128, 512, 2048),
+                   help="prompt lengths to prefill, comma-separated")
+    f.add_argument("--steps", type=int, default=10, help="timed steps per point")
+    f.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    f.add_argument("--dtype", default="float32", help="compute dtype")
+    f.add_argument("--device", default="cpu", help="cpu or cuda")
     f.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1, as mesh workers run; 0 for torch's default)")
-    f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--out", default="bench-results/forward.json")
+    f.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    f.add_argument("--out", default="bench-results/forward.json", help="JSON file for the results")
     f.set_defaults(func=run)
 
 

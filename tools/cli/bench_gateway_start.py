@@ -9,7 +9,7 @@ def register(bsub) -> None:
     b = bsub.add_parser("gateway-start", help="gateway import time, time to /health and RSS, with a real nats-server")
     b.add_argument("--model", default="", help="model directory for config and tokenizer (default: tiny)")
     b.add_argument("--runs", type=int, default=5, help="fresh processes per figure (medians are reported)")
-    b.add_argument("--out", default="bench-results/gateway_start.json")
+    b.add_argument("--out", default="bench-results/gateway_start.json", help="JSON file for the results")
     b.set_defaults(func=run)
 
 

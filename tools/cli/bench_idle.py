@@ -11,7 +11,7 @@ def register(bsub) -> None:
     b.add_argument("--mock-step-ms", default="0,20", help="comma-separated mock step times")
     b.add_argument("--seconds", type=float, default=10.0, help="length of each measuring window")
     b.add_argument("--settle-seconds", type=float, default=2.0, help="wait after the warm-up requests")
-    b.add_argument("--out", default="bench-results/idle.json")
+    b.add_argument("--out", default="bench-results/idle.json", help="JSON file for the results")
     b.set_defaults(func=run)
 
 

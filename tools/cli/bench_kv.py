@@ -12,11 +12,11 @@ def register(bsub) -> None:
     k.add_argument("--sizes", type=ints, default=None, help="bytes, comma separated")
     k.add_argument("--context-lens", type=ints, default=(),
                    help="time one request's hand-off at these contexts, V4-Flash against V3 (instead of --sizes)")
-    k.add_argument("--iters", type=int, default=20)
-    k.add_argument("--repeats", type=int, default=3)
-    k.add_argument("--nats-url", default="")
-    k.add_argument("--ucx-tls", default="")
-    k.add_argument("--out", default="bench-results/kv_transfer.json")
+    k.add_argument("--iters", type=int, default=20, help="transfers timed per point")
+    k.add_argument("--repeats", type=int, default=3, help="repeats of each point (the best is kept)")
+    k.add_argument("--nats-url", default="", help="use this NATS server (default: start one)")
+    k.add_argument("--ucx-tls", default="", help="UCX transports to use (UCX_TLS; default: UCX's choice)")
+    k.add_argument("--out", default="bench-results/kv_transfer.json", help="JSON file for the results")
     k.set_defaults(func=run)
 
 

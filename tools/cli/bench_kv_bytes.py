@@ -7,9 +7,9 @@ import argparse
 
 def register(bsub) -> None:
     b = bsub.add_parser("kv-bytes", help="KV cache bytes per token: DeepSeek-V4's hybrid cache against V3's")
-    b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    b.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="KV cache dtype")
     b.add_argument("--num-speculative-tokens", type=int, default=1, help="drafts the ring makes room for")
-    b.add_argument("--out", default="bench-results/kv_bytes.json")
+    b.add_argument("--out", default="bench-results/kv_bytes.json", help="JSON file for the results")
     b.set_defaults(func=run)
 
 

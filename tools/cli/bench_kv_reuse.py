@@ -8,15 +8,15 @@ import argparse
 def register(bsub) -> None:
     b = bsub.add_parser("kv-reuse", help="agentic multi-turn TTFT with prefix reuse vs without")
     b.add_argument("--model", default="", help="model directory (default: the tiny model)")
-    b.add_argument("--sessions", type=int, default=4)
-    b.add_argument("--turns", type=int, default=4)
+    b.add_argument("--sessions", type=int, default=4, help="conversations")
+    b.add_argument("--turns", type=int, default=4, help="turns per conversation")
     b.add_argument("--context-tokens", type=int, default=8192, help="the first turn's context")
     b.add_argument("--tool-tokens", type=int, default=512, help="tool output appended each turn")
-    b.add_argument("--osl", type=int, default=64)
-    b.add_argument("--concurrency", type=int, default=4)
-    b.add_argument("--prefill-workers", type=int, default=1)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--out", default="bench-results/kv_reuse.json")
+    b.add_argument("--osl", type=int, default=64, help="tokens per answer")
+    b.add_argument("--concurrency", type=int, default=4, help="conversations in flight")
+    b.add_argument("--prefill-workers", type=int, default=1, help="prefill workers in the mesh")
+    b.add_argument("--seed", type=int, default=0, help="seed of the conversations")
+    b.add_argument("--out", default="bench-results/kv_reuse.json", help="JSON file for the results")
     b.set_defaults(func=run)
 
 

@@ -15,22 +15,22 @@ def register(bsub) -> None:
         b.add_argument("--model", default="", help="model directory (default: the tiny model)")
         if name == "decode":
             b.add_argument("--isl", type=int, default=512, help="context length of the dummy KV")
-            b.add_argument("--osl", type=int, default=64)
+            b.add_argument("--osl", type=int, default=64, help="tokens per request")
             b.add_argument("--batch", type=ints, default=(8, 32, 64, 128, 256), help="concurrent requests")
             b.add_argument("--mock-step-ms", type=float, default=0.0,
                            help="host overhead on the mock engine with this step time instead of the model "
                                 "(no forward-only run)")
             b.add_argument("--seconds", type=float, default=10.0, help="with --mock-step-ms: load per point")
         else:
-            b.add_argument("--prompt-lens", type=ints, default=(128, 512, 2048))
+            b.add_argument("--prompt-lens", type=ints, default=(128, 512, 2048), help="prompt lengths, comma-separated")
         b.add_argument("--requests", type=int, default=0,
                        help="requests per point (default: one wave of --batch for decode, 4 for prefill)")
         b.add_argument("--dep", type=int, default=1, help="ranks of the instance (reports its balance ratio)")
         b.add_argument("--skew", default="", help="routing skew, e.g. zipf:1.2")
         b.add_argument("--compare-skew", action="store_true", help="run balanced, then with --skew")
-        b.add_argument("--threads", type=int, default=1)
-        b.add_argument("--seed", type=int, default=0)
-        b.add_argument("--out", default=f"bench-results/{name}.json")
+        b.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+        b.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+        b.add_argument("--out", default=f"bench-results/{name}.json", help="JSON file for the results")
         b.set_defaults(func=run, phase=name)
 
 

@@ -15,6 +15,7 @@ _DEFAULT_LENGTHS = {
     "fixed": ("512", "128"),
     "prefix": ("uniform:32-256", "uniform:32-256"),
     "agentic": ("uniform:512-2048", "uniform:64-256"),
+    "dataset": ("1", "uniform:32-256"),  # ISL: the file's; OSL: where the file has none
 }
 
 
@@ -23,19 +24,25 @@ def register(bsub) -> None:
                         description="Streams requests to URL and reports TTFT, TPOT, ITL, end-to-end "
                                     "latency, throughput and goodput. See docs/benchmarks.md.")
     s.add_argument("--url", required=True, help="server base URL, e.g. http://localhost:8000")
-    s.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    s.add_argument("--endpoint", choices=["completions", "chat"], default="completions", help="which API to call")
     s.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     s.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
-                   help="tokenizer.json (or its directory) for exact prompt lengths and chunk token counts")
+                   help="tokenizer.json (or its directory) for exact prompt lengths (tokens are counted "
+                        "from the server's usage, never by tokenizing its output)")
     s.add_argument("--words-per-token", type=float, default=1.0,
                    help="length estimate without --tokenizer (default 1.0 for the built-in word list)")
-    s.add_argument("--workload", choices=list(_DEFAULT_LENGTHS), default="random")
+    s.add_argument("--workload", choices=list(_DEFAULT_LENGTHS), default="random",
+                   help="request stream shape (dataset: prompts from --dataset-path)")
+    s.add_argument("--dataset-path", default=None, metavar="FILE",
+                   help="with --workload dataset: JSONL ({\"prompt\": ..., \"output_len\": ...} per line) "
+                        "or a ShareGPT JSON file")
     s.add_argument("--isl", default=None,
                    help="input length: N, uniform:LO-HI, normal:MEAN,STD, lognormal:MEDIAN,SIGMA")
     s.add_argument("--osl", default=None, help="output length (max_tokens), same forms as --isl")
     s.add_argument("--num-requests", type=int, default=100, help="per point (random, fixed, prefix)")
-    s.add_argument("--num-prefix-groups", type=int, default=4)
+    s.add_argument("--num-prefix-groups", type=int, default=4,
+                   help="prefix workload: groups of requests that share a prefix")
     s.add_argument("--prefix-len", type=int, default=1024, help="tokens of each group's shared prefix")
     s.add_argument("--num-sessions", type=int, default=8, help="agentic sessions per point")
     s.add_argument("--turns", default="4", help="agentic turns per session, same forms as --isl")
@@ -43,24 +50,29 @@ def register(bsub) -> None:
     s.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (inf: all at once)")
     s.add_argument("--concurrency", type=int, default=None,
                    help="sessions in flight; with --rate, a cap on them")
-    s.add_argument("--sweep", default=None, metavar="concurrency=1,4,16|rate=1,2,4")
+    s.add_argument("--sweep", default=None, metavar="concurrency=1,4,16|rate=1,2,4",
+                   help="one measured point per value")
     s.add_argument("--warmup", type=int, default=0, help="requests sent first and not counted")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--slo-ttft-ms", type=float, default=None)
-    s.add_argument("--slo-tpot-ms", type=float, default=None)
+    s.add_argument("--seed", type=int, default=0, help="the same seed and config give the same request stream")
+    s.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput target for time to first token")
+    s.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput target for time per output token")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos so outputs run to max_tokens (a common server extension)")
     s.add_argument("--stream-usage", action=argparse.BooleanOptionalAction, default=True,
                    help="send stream_options.include_usage to get exact token counts")
+    s.add_argument("--continuous-usage", action=argparse.BooleanOptionalAction, default=True,
+                   help="also ask for usage on every chunk (stream_options.continuous_usage_stats) "
+                        "to count each chunk's tokens exactly")
     s.add_argument("--worker-header", default="x-moemesh-worker",
                    help="response header naming the worker that served a request ('' to ignore)")
-    s.add_argument("--temperature", type=float, default=None)
+    s.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature to send (default: the server's)")
     s.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     s.add_argument("--timeout-s", type=float, default=600.0, help="connect/read timeout per request")
     s.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                    help="recorded in the result's config, e.g. skew=zipf0.69 (repeatable)")
     s.add_argument("--out-dir", default=None, help="default bench-results/serve-<timestamp>")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=run)
 
 
@@ -94,13 +106,15 @@ def build_config(args: argparse.Namespace):
         kind=args.workload, num_requests=args.num_requests, isl=LengthDist.parse(args.isl or isl),
         osl=LengthDist.parse(args.osl or osl), num_prefix_groups=args.num_prefix_groups,
         prefix_len=args.prefix_len, num_sessions=args.num_sessions, turns=LengthDist.parse(args.turns),
-        tool_len=LengthDist.parse(args.tool_len), words_per_token=args.words_per_token)
+        tool_len=LengthDist.parse(args.tool_len), words_per_token=args.words_per_token,
+        dataset_path=args.dataset_path)
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
     client = ClientConfig(
         url=args.url, endpoint=args.endpoint, model=args.model, ignore_eos=args.ignore_eos,
-        stream_usage=args.stream_usage, api_key=args.api_key, timeout_s=args.timeout_s,
+        stream_usage=args.stream_usage, continuous_usage=args.continuous_usage, api_key=args.api_key,
+        timeout_s=args.timeout_s,
         worker_header=args.worker_header, temperature=args.temperature, extra_body=extra)
     if args.sweep:
         mode, values = parse_sweep(args.sweep)

@@ -17,7 +17,7 @@ def register(bsub) -> None:
     b.add_argument("--osl", type=int, default=256, help="output tokens per request")
     b.add_argument("--mock-step-ms", type=float, default=20.0, help="the mock engine's step time")
     b.add_argument("--warmup-seconds", type=float, default=2.0, help="warm-up load before the first point (0: none)")
-    b.add_argument("--out", default="bench-results/stream.json")
+    b.add_argument("--out", default="bench-results/stream.json", help="JSON file for the results")
     b.set_defaults(func=run)
 
 

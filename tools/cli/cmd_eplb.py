@@ -16,10 +16,11 @@ def register(sub) -> None:
 
     pl = esub.add_parser("place", help="build a placement from per-layer expert loads")
     pl.add_argument("--loads", required=True, help="loads JSON: {\"loads\": [[tokens per expert] per layer]}")
-    pl.add_argument("--ranks", type=int, required=True)
+    pl.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks")
     pl.add_argument("--redundant", type=int, default=0, help="redundant slots per rank")
     pl.add_argument("--out", required=True, help="placement JSON to write")
-    pl.add_argument("--algorithm", default="ours", choices=["ours", "deepseek-global", "deepseek-hierarchical"])
+    pl.add_argument("--algorithm", default="ours", choices=["ours", "deepseek-global", "deepseek-hierarchical"],
+                    help="placement policy: ours or DeepSeek's reference")
     pl.add_argument("--nodes", type=int, default=4, help="nodes, for deepseek-hierarchical")
     pl.add_argument("--groups", type=int, default=8, help="expert groups, for deepseek-hierarchical")
     pl.add_argument("--current", default=None,
@@ -28,13 +29,13 @@ def register(sub) -> None:
     pl.set_defaults(func=run_place)
 
     sc = esub.add_parser("score", help="balance ratios of a placement under recorded loads")
-    sc.add_argument("--placement", required=True)
-    sc.add_argument("--loads", required=True)
+    sc.add_argument("--placement", required=True, help="placement JSON file (from eplb place)")
+    sc.add_argument("--loads", required=True, help="per-expert loads JSON file")
     sc.set_defaults(func=run_score)
 
     cp = esub.add_parser("compare", help="held-out comparison table: naive, DeepSeek EPLB, ours")
-    cp.add_argument("--out", default="bench-results/eplb_policy.json")
-    cp.add_argument("--pairs", type=int, default=5)
+    cp.add_argument("--out", default="bench-results/eplb_policy.json", help="JSON file for the results")
+    cp.add_argument("--pairs", type=int, default=5, help="target/draft load pairs to compare")
     cp.set_defaults(func=run_compare)
 
 

@@ -10,12 +10,15 @@ from moemesh.shared.checkpoint.presets import PRESETS
 
 def register(sub) -> None:
     p = sub.add_parser("init-model", help="write a seeded random-weight checkpoint in Hugging Face layout")
-    p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("dir", help="folder to write the checkpoint into (created if missing)")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help="model shape: a tiny test model, or a published DeepSeek V3/V4 configuration")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights (the same seed writes the same checkpoint)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weight dtype (default: the preset's)")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
-    p.add_argument("--shard-size-mb", type=int, default=2048)
+    p.add_argument("--shard-size-mb", type=int, default=2048, help="largest safetensors shard, in MiB")
     p.add_argument("--fused-experts", action="store_true", help="write experts in the fused transformers-5 layout")
     p.add_argument("--layout", choices=["hf", "upstream"], default="hf",
                    help="DeepSeek-V4: transformers' tensor names (hf) or the release's own (upstream)")

@@ -26,22 +26,28 @@ def register(sub) -> None:
                    help="start the KV store (prefix reuse across workers)")
     p.add_argument("--balancer", action=argparse.BooleanOptionalAction, default=None,
                    help="start the expert balancer (default: when an instance is expert-parallel)")
-    p.add_argument("--log-dir", default="")
+    p.add_argument("--log-dir", default="", help="where each service's log goes (default: a new folder "
+                                                 "under ~/.cache/moemesh/runs)")
     p.add_argument("--trace-file", default="", help="write every service's spans to this JSON-lines file")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="setting passed to every worker (e.g. --set max_num_seqs=32)")
+    p.add_argument("--set", action="append", default=[], metavar="[ROLE.]FIELD=VALUE",
+                   help="a setting for every service that has FIELD (e.g. --set max_num_seqs=32, "
+                        "--set log_level=DEBUG), or for one role's services only "
+                        "(--set gateway.max_inflight=64; roles: gateway, prefill, decode, kv_store, balancer)")
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace):
     """The launch settings: the --config file's, with every flag that was given on top."""
+    from moemesh.tools.launch.settings import route_settings
     from moemesh.tools.launch.up import up_config
 
+    sets = route_settings(args.set)
     return up_config(args.config, model=args.model, nats_url=args.nats_url, host=args.host, port=args.port,
                      num_prefill=args.prefill, num_decode=args.decode, decode_dp=args.dep,
                      prefill_dp=args.prefill_dep, eplb_redundant=args.redundant, balancer=args.balancer,
-                     kv_store=args.kv_store, log_dir=args.log_dir, service_args=tuple(args.set),
-                     trace_file=args.trace_file)
+                     kv_store=args.kv_store, log_dir=args.log_dir, prefill_args=sets["prefill"],
+                     decode_args=sets["decode"], gateway_args=sets["gateway"], kv_store_args=sets["kv_store"],
+                     balancer_args=sets["balancer"], trace_file=args.trace_file)
 
 
 def run(args: argparse.Namespace) -> int:

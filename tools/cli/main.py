@@ -14,9 +14,20 @@ COMMANDS = [cmd_up, cmd_init_model, cmd_generate, cmd_bench, cmd_trace, cmd_serv
             cmd_nats_auth, cmd_plan]
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moemesh")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moemesh", description="Disaggregated serving mesh for MoE models")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level of this command (a service subcommand's own --log-level wins)")
+    p.add_argument("--version", action="version", version=f"moemesh {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for mod in COMMANDS:
         mod.register(sub)

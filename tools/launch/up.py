@@ -55,6 +55,7 @@ class UpConfig:
     kv_store_args: tuple[str, ...] = ()
     log_dir: str = ""
     ready_timeout_s: float = 180.0
+    nats_probe_s: float = 10.0  # a given nats_url must accept a connection within this
     service_args: tuple[str, ...] = ()  # extra --set arguments for every worker
     prefill_args: tuple[str, ...] = ()  # ... for prefill workers only
     decode_args: tuple[str, ...] = ()  # ... for decode workers only
@@ -173,6 +174,12 @@ class Mesh:
         self.cfg = cfg
         home = default_home()
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else home / "runs" / time.strftime("up-%Y%m%d-%H%M%S")
+        if cfg.model:
+            check_model_dir(cfg.model)
+        if cfg.port:
+            check_port_free(cfg.host, cfg.port)
+        if cfg.nats_url:
+            check_nats_reachable(cfg.nats_url, cfg.nats_probe_s)
         self.group = ProcessGroup(self.log_dir)
         self.model = cfg.model or str(ensure_tiny_model(home))
         self.nats_url = cfg.nats_url
@@ -285,6 +292,62 @@ def _rank_sets(w: WorkerName, dp: int, redundant: int, inits: dict[str, str]) ->
         inits[w.instance] = f"tcp://127.0.0.1:{free_port()}"
     return _sets([f"dp_size={dp}", f"dp_rank={w.rank}", f"instance_id={w.instance}", f"dist_init={inits[w.instance]}",
                   f"eplb_redundant={redundant}", "expert_parallel=true"])
+
+
+def check_model_dir(model: str) -> None:
+    """A model directory every service can open: a config.json it reads and a tokenizer.
+    Checked before anything starts, so a wrong path is one line at once, not a traceback
+    from each service later."""
+    from moemesh.shared.model.config import ConfigError, ModelConfig
+
+    try:
+        ModelConfig.from_dir(model)
+    except ConfigError as e:
+        raise RuntimeError(f"bad --model: {e}") from None
+    if not (Path(model) / "tokenizer.json").is_file():
+        raise RuntimeError(f"bad --model: {Path(model) / 'tokenizer.json'}: not found")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fails at once when something already listens on the gateway's port (another mesh's
+    gateway would otherwise answer our readiness check)."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise RuntimeError(f"port {port} on {host} is already in use ({e.strerror}); "
+                               "choose another with --port") from None
+
+
+def check_nats_reachable(urls: str, timeout_s: float) -> None:
+    """Some server of a NATS URL list accepts a TCP connection within timeout_s."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from moemesh.shared.service.nats_io import redact_url
+
+    deadline = time.monotonic() + timeout_s
+    addrs = []
+    for u in urls.split(","):
+        parts = urlsplit(u.strip() if "://" in u else "nats://" + u.strip())
+        try:
+            addrs.append((parts.hostname or "127.0.0.1", parts.port or 4222))
+        except ValueError:
+            raise RuntimeError(f"bad NATS URL {redact_url(u)!r}") from None
+    last = ""
+    while True:
+        for addr in addrs:
+            try:
+                with socket.create_connection(addr, timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+                    return
+            except OSError as e:
+                last = e.strerror or str(e)
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"cannot reach NATS at {redact_url(urls)} within {timeout_s:g}s ({last})")
+        time.sleep(0.25)
 
 
 def _busy(port: int) -> bool:

@@ -93,16 +93,23 @@ def _plt():
     return plt
 
 
-def _stack(ax, means: dict[str, float], title: str, unit: str) -> None:
-    bottom = 0.0
-    for k, v in means.items():
-        if v and v > 0:
-            ax.bar([0], [v], bottom=bottom, color=COLORS[k], label=f"{LABELS[k]} {v:.2f}")
-            bottom += v
-    ax.set(title=title, ylabel=unit, xticks=[])
-    if ax.has_data():
-        handles, labels = ax.get_legend_handles_labels()  # top of the stack first, as drawn
-        ax.legend(handles[::-1], labels[::-1], fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+def _bars(ax, means: dict[str, float], title: str, unit: str) -> None:
+    """One bar per phase on a log axis: decode runs for seconds while a KV transfer takes
+    milliseconds, and in a stacked bar the small phases vanish. Each bar is labelled with
+    its value and its share of the sum."""
+    shown = [(k, v) for k, v in means.items() if v and v > 0]
+    total = sum(v for _, v in shown)
+    ys = list(range(len(shown)))[::-1]  # the first phase on top
+    for y, (k, v) in zip(ys, shown):
+        ax.barh([y], [v], color=COLORS[k])
+        ax.annotate(f" {v:.3g} {unit} ({100 * v / total:.1f}%)", (v, y), va="center", fontsize="small")
+    ax.set(title=title, xlabel=f"{unit}, log scale")
+    ax.set_yticks(ys, [LABELS[k] for k, _ in shown])
+    if shown:
+        ax.set_xscale("log")
+        lo, hi = min(v for _, v in shown), max(v for _, v in shown)
+        ax.set_xlim(lo / 3, hi * 30)  # room for the labels right of the longest bar
+    ax.grid(axis="x", alpha=0.3)
 
 
 def plot(path: Path, requests: dict | None, steps: dict | None, overhead: dict | None) -> Path | None:
@@ -111,14 +118,14 @@ def plot(path: Path, requests: dict | None, steps: dict | None, overhead: dict |
     if not panels:
         return None
     plt = _plt()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, (kind, data) in zip(axes[0], panels):
         if kind == "req":
             means = {k: data["phases"][k]["mean_of_all"] or 0.0 for k in PHASES}
-            _stack(ax, means, f"mean per request ({data['num_complete']} complete)", "ms")
+            _bars(ax, means, f"mean per request ({data['num_complete']} complete)", "ms")
         elif kind == "step":
             means = {k: data["phases"][k]["mean"] or 0.0 for k in STEP_PHASES}
-            _stack(ax, means, f"mean per decode step ({data['num_steps']} steps)", "ms")
+            _bars(ax, means, f"mean per decode step ({data['num_steps']} steps)", "ms")
         else:
             _plot_overhead(ax, data)
     fig.tight_layout()

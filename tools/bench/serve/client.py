@@ -1,14 +1,17 @@
 """A streaming client for any OpenAI-compatible server, recording when each chunk lands.
 
-Lifecycle of one request: sent -> (non-200: error body read) | streaming: every `data:`
-line parsed, content chunks timed -> ended by `[DONE]`, the stream closing, an error
-event or a transport error. A failure is written into the record; `send` never raises.
+Lifecycle of one request: sent -> (non-200: error body read) | streaming: the body parsed
+as server-sent events per the standard (tools/bench/serve/sse.py), content chunks timed ->
+ended by `[DONE]`, the stream closing, an error event or a transport error. A failure is
+written into the record; `send` never raises.
 
-Tokens per content chunk, in order of preference:
-1. `usage.completion_tokens` on every chunk (vLLM's `continuous_usage_stats`): the delta;
-2. the chunk's text through `--tokenizer` (can overcount by a token where a word is split
-   across chunks);
-3. one token per chunk.
+Tokens are counted from what the server says, never by tokenizing its text again (a
+word split across chunks would count twice). Per content chunk, in order of preference:
+1. `usage.completion_tokens` on every chunk (vLLM's `continuous_usage_stats`, which we
+   ask for; moemesh sends it too): the delta. `token_source` = usage.
+2. The final `usage.completion_tokens` spread evenly over the chunks, when it differs
+   from the number of chunks: `token_source` = spread (ITL is then an estimate).
+3. One token per chunk: `token_source` = chunks (exact when the final usage agrees).
 The request's output_tokens is the final `usage.completion_tokens` when the server sends
 it (we ask with `stream_options.include_usage`), otherwise the sum over chunks.
 """
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from moemesh.tools.bench.serve.metrics import RequestRecord
+from moemesh.tools.bench.serve.sse import SSEParser
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 DONE = "[DONE]"
@@ -34,6 +38,7 @@ class ClientConfig:
     model: str | None = None  # None: the first id from GET /v1/models
     ignore_eos: bool = True
     stream_usage: bool = True
+    continuous_usage: bool = True  # ask for usage on every chunk (vLLM's continuous_usage_stats)
     api_key: str | None = None
     timeout_s: float = 600.0  # per connect/read, not per request
     worker_header: str = "x-moemesh-worker"
@@ -52,12 +57,9 @@ class ClientConfig:
         return u[:-3] if u.endswith("/v1") else u
 
 
-def parse_sse_line(line: str) -> dict | str | None:
-    """One SSE line -> a JSON event, DONE, or None for blanks, comments and other fields."""
-    line = line.strip()
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
+def parse_event(data: str) -> dict | str:
+    """One event's data -> its JSON object, or DONE."""
+    data = data.strip()
     if data == DONE:
         return DONE
     try:
@@ -106,8 +108,8 @@ def error_body(body: bytes) -> str:
 class ServeClient:
     """async with ServeClient(cfg, tokenizer) as c: await c.send(record, messages)."""
 
-    def __init__(self, cfg: ClientConfig, tokenizer=None):
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, cfg: ClientConfig):
+        self.cfg = cfg
         self.model = cfg.model
         self._http: httpx.AsyncClient | None = None
         self._t0 = time.perf_counter()
@@ -154,6 +156,8 @@ class ServeClient:
             b["prompt"] = render_completion(messages)
         if self.cfg.stream_usage:
             b["stream_options"] = {"include_usage": True}
+            if self.cfg.continuous_usage:
+                b["stream_options"]["continuous_usage_stats"] = True
         if self.cfg.ignore_eos:
             b["ignore_eos"] = True
         if self.cfg.temperature is not None:
@@ -177,39 +181,45 @@ class ServeClient:
         rec.end = self.now()
         if rec.error is None and not rec.chunk_times:
             rec.error = "stream ended with no content"
-        if rec.error is None and not rec.output_tokens:
-            rec.output_tokens = sum(rec.chunk_tokens)
+        if rec.error is None:
+            settle_tokens(rec)
 
     async def _read_stream(self, rec: RequestRecord, resp: httpx.Response) -> None:
-        continuous, last_usage = None, 0
-        async for line in resp.aiter_lines():
-            ev = parse_sse_line(line)
-            if ev is None:
-                continue
-            if ev == DONE:
-                return
-            if (msg := event_error(ev)) is not None:
-                rec.error = f"stream error: {msg}"
-                return
-            timed, answer, finish = event_content(ev, self.cfg.endpoint)
-            usage = ev.get("usage") if isinstance(ev.get("usage"), dict) else None
-            if timed:
-                rec.chunk_times.append(self.now())
-                if continuous is None:
-                    continuous = usage is not None and "completion_tokens" in usage
-                if continuous and usage is not None:
-                    n = int(usage.get("completion_tokens", last_usage))
-                    rec.chunk_tokens.append(max(0, n - last_usage))
-                    last_usage, rec.token_source = n, "usage"
-                elif self.tokenizer is not None:
-                    rec.chunk_tokens.append(max(1, len(self.tokenizer.encode(timed, add_special_tokens=False).ids)))
-                    rec.token_source = "tokenizer"
-                else:
-                    rec.chunk_tokens.append(1)
-                rec.text += answer
-            if usage is not None:
-                if usage.get("completion_tokens") is not None:
-                    rec.output_tokens = int(usage["completion_tokens"])
-                if usage.get("prompt_tokens") is not None:
-                    rec.input_tokens = int(usage["prompt_tokens"])
-            rec.finish_reason = finish or rec.finish_reason
+        parser, last_usage, continuous = SSEParser(), 0, None
+        async for data in resp.aiter_bytes():
+            for raw in parser.feed(data):
+                ev = parse_event(raw)
+                if ev == DONE:
+                    return
+                if (msg := event_error(ev)) is not None:
+                    rec.error = f"stream error: {msg}"
+                    return
+                timed, answer, finish = event_content(ev, self.cfg.endpoint)
+                usage = ev.get("usage") if isinstance(ev.get("usage"), dict) else None
+                if timed:
+                    rec.chunk_times.append(self.now())
+                    if continuous is None:
+                        continuous = usage is not None and "completion_tokens" in usage
+                    if continuous and usage is not None:
+                        n = int(usage.get("completion_tokens", last_usage))
+                        rec.chunk_tokens.append(max(0, n - last_usage))
+                        last_usage, rec.token_source = n, "usage"
+                    else:
+                        rec.chunk_tokens.append(1)
+                    rec.text += answer
+                if usage is not None:
+                    if usage.get("completion_tokens") is not None:
+                        rec.output_tokens = int(usage["completion_tokens"])
+                    if usage.get("prompt_tokens") is not None:
+                        rec.input_tokens = int(usage["prompt_tokens"])
+                rec.finish_reason = finish or rec.finish_reason
+
+
+def settle_tokens(rec: RequestRecord) -> None:
+    """Reconcile per-chunk counts with the request's total, once its stream has ended."""
+    if not rec.output_tokens:
+        rec.output_tokens = sum(rec.chunk_tokens)
+    elif rec.token_source != "usage" and rec.chunk_tokens and sum(rec.chunk_tokens) != rec.output_tokens:
+        total, n = rec.output_tokens, len(rec.chunk_tokens)
+        rec.chunk_tokens = [total * (i + 1) // n - total * i // n for i in range(n)]
+        rec.token_source = "spread"

@@ -34,7 +34,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those chunks
     output_tokens: int = 0
     input_tokens: int | None = None  # as the server reported it (usage.prompt_tokens)
-    token_source: str = "chunks"  # how chunk_tokens were counted: usage | tokenizer | chunks
+    token_source: str = "chunks"  # how chunk_tokens were counted: usage | spread | chunks (see client.py)
     status: int | None = None  # HTTP status; None when no response came
     error: str | None = None
     finish_reason: str | None = None
@@ -122,12 +122,44 @@ def summarize(records: list[RequestRecord], slo_ttft_ms: float | None = None,
         s["per_worker_output_tokens_per_s"] = {w: rate(n) for w, n in sorted(workers.items())}
     s["goodput"] = _goodput(records, ok, slo_ttft_ms, slo_tpot_ms, rate)
     s["errors"] = _errors(records)
+    s.update(vllm_fields(s, ok))
     if any(r.turn > 1 for r in records):
         s["ttft_ms_by_turn"] = {
             "1": dist([x for r in ok if r.turn == 1 and (x := ttft(r)) is not None], scale=1e3),
             "2+": dist([x for r in ok if r.turn > 1 and (x := ttft(r)) is not None], scale=1e3),
         }
     return s
+
+
+VLLM_PERCENTILES = (50, 90, 99)
+
+
+def vllm_fields(s: dict, ok: list[RequestRecord]) -> dict:
+    """The same figures under `vllm bench serve`'s JSON names, so its tooling reads ours.
+    Its ITL is the gap between chunks (ours splits a chunk's gap over its tokens: the
+    same when every chunk carries one token)."""
+    out = {"duration": s["duration_s"], "completed": s["num_ok"], "failed": s["num_errors"],
+           "total_input_tokens": s["total_input_tokens"], "total_output_tokens": s["total_output_tokens"],
+           "request_throughput": s["requests_per_s"], "output_throughput": s["output_tokens_per_s"],
+           "total_token_throughput": (s["total_input_tokens"] + s["total_output_tokens"]) / s["duration_s"]
+           if s["duration_s"] > 0 else None,
+           "request_goodput": (s["goodput"] or {}).get("requests_per_s")}
+    series = {"ttft": [x for r in ok if (x := ttft(r)) is not None], "tpot": [x for r in ok if (x := tpot(r)) is not None],
+              "itl": [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])],
+              "e2el": [e2e(r) for r in ok]}
+    for name, xs in series.items():
+        ms = [x * 1e3 for x in xs]
+        mean = sum(ms) / len(ms) if ms else None
+        out[f"mean_{name}_ms"] = mean
+        out[f"median_{name}_ms"] = percentile(ms, 50) if ms else None
+        out[f"std_{name}_ms"] = (sum((x - mean) ** 2 for x in ms) / len(ms)) ** 0.5 if ms else None
+        for q in VLLM_PERCENTILES:
+            out[f"p{q}_{name}_ms"] = percentile(ms, q) if ms else None
+    out["input_lens"] = [r.input_tokens if r.input_tokens is not None else r.target_input_tokens for r in ok]
+    out["output_lens"] = [r.output_tokens for r in ok]
+    out["ttfts"] = series["ttft"]
+    out["itls"] = [[b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])] for r in ok]
+    return out
 
 
 def meets_slo(r: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:

@@ -158,7 +158,7 @@ async def run_async(cfg: ServeBenchConfig) -> dict:
     from moemesh.tools.bench.env import environment
 
     tok = wl.load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
-    async with ServeClient(cfg.client, tok) as client:
+    async with ServeClient(cfg.client) as client:
         model = await client.resolve_model()
         warm = {"num_requests": cfg.warmup, "num_errors": 0}
         if cfg.warmup:

@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KINDS = ("random", "fixed", "prefix", "agentic")
+KINDS = ("random", "fixed", "prefix", "agentic", "dataset")
 
 # Common English words: modern BPE vocabularies (32k-200k entries) encode nearly every one
 # of them, with its leading space, as a single token, hence the 1.0 words-per-token default.
@@ -104,10 +104,13 @@ class WorkloadConfig:
     turns: LengthDist = field(default_factory=lambda: LengthDist("fixed", 4))
     tool_len: LengthDist = field(default_factory=lambda: LengthDist("uniform", 128, 512))
     words_per_token: float = 1.0
+    dataset_path: str | None = None  # dataset: JSONL prompts or a ShareGPT JSON file
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"workload must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if (self.kind == "dataset") != (self.dataset_path is not None):
+            raise ValueError("--dataset-path goes with --workload dataset, and that workload needs it")
         if self.kind == "fixed" and (self.isl.kind != "fixed" or self.osl.kind != "fixed"):
             raise ValueError("the fixed workload takes plain integer --isl and --osl")
         if self.num_requests < 1 or self.num_sessions < 1 or self.num_prefix_groups < 1:
@@ -121,7 +124,7 @@ class WorkloadConfig:
                 "osl": str(self.osl), "num_prefix_groups": self.num_prefix_groups,
                 "prefix_len": self.prefix_len, "num_sessions": self.num_sessions,
                 "turns": str(self.turns), "tool_len": str(self.tool_len),
-                "words_per_token": self.words_per_token}
+                "words_per_token": self.words_per_token, "dataset_path": self.dataset_path}
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,14 @@ def build(cfg: WorkloadConfig, seed: int, salt: int | str = 0, tokenizer=None) -
     shape = random.Random(f"moemesh-serve:{seed}:shape")
     text = TextSource(random.Random(f"moemesh-serve:{seed}:text:{salt}"), tokenizer, cfg.words_per_token)
     sessions = []
-    if cfg.kind == "agentic":
+    if cfg.kind == "dataset":
+        entries = load_dataset(cfg.dataset_path)
+        shape.shuffle(entries)
+        for i, (prompt, reply, n_out) in enumerate(entries[: cfg.num_requests]):
+            if n_out is None:  # ShareGPT: as long as the recorded reply (vLLM's rule), else --osl
+                n_out = _length(reply, tokenizer, cfg.words_per_token) if reply else cfg.osl.sample(shape)
+            sessions.append(SessionSpec(i, (Turn(prompt, _length(prompt, tokenizer, cfg.words_per_token), n_out),)))
+    elif cfg.kind == "agentic":
         for s in range(cfg.num_sessions):
             n_turns = cfg.turns.sample(shape)
             turns = []
@@ -222,6 +232,60 @@ def build(cfg: WorkloadConfig, seed: int, salt: int | str = 0, tokenizer=None) -
         arrivals.append(t)
         t += shape.expovariate(1.0)
     return Workload(tuple(sessions), tuple(arrivals))
+
+
+def _length(text: str, tokenizer, words_per_token: float) -> int:
+    if tokenizer is not None:
+        return max(1, len(tokenizer.encode(text, add_special_tokens=False).ids))
+    return max(1, round(len(text.split()) / words_per_token))
+
+
+def load_dataset(path: str | Path) -> list[tuple[str, str | None, int | None]]:
+    """(prompt, recorded reply, output length) per entry of a local dataset file:
+    - JSONL, one object per line: {"prompt": str} with an optional "output_len" (or
+      "max_tokens"), as vLLM's custom dataset;
+    - ShareGPT JSON: a list of {"conversations": [{"from": "human", "value": ...},
+      {"from": "gpt", "value": ...}, ...]}; the first human turn is the prompt, the reply
+      after it sets the output length. Entries without a human turn are skipped."""
+    import json
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read dataset {path}: {e.strerror or e}") from None
+    out: list[tuple[str, str | None, int | None]] = []
+    if p.suffix == ".jsonl" or not text.lstrip().startswith("["):
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+                raise ValueError(f"{path}:{n}: each line needs a non-empty string \"prompt\"")
+            n_out = obj.get("output_len", obj.get("max_tokens"))
+            if n_out is not None and not (type(n_out) is int and n_out >= 1):
+                raise ValueError(f"{path}:{n}: output_len must be a positive integer")
+            out.append((obj["prompt"], None, n_out))
+    else:
+        try:
+            rows = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+        for row in rows if isinstance(rows, list) else ():
+            conv = row.get("conversations") if isinstance(row, dict) else None
+            turns = [t for t in conv or () if isinstance(t, dict) and isinstance(t.get("value"), str)]
+            for i, t in enumerate(turns):
+                if t.get("from") in ("human", "user") and t["value"]:
+                    nxt = turns[i + 1] if i + 1 < len(turns) else None
+                    reply = nxt["value"] if nxt is not None and nxt.get("from") in ("gpt", "assistant") else None
+                    out.append((t["value"], reply or None, None))
+                    break
+    if not out:
+        raise ValueError(f"{path}: no prompts found (JSONL with \"prompt\", or ShareGPT conversations)")
+    return out
 
 
 def context_after(messages: list[dict], answer: str, next_turn: Turn) -> list[dict]:
