@@ -20,7 +20,7 @@ def register(sub) -> None:
                    help="model directory (its config.json) or an init-model preset name (default v4-flash)")
     p.add_argument("--hardware", default="gb300-nvl72",
                    help="h200, b200, gb200-nvl72, gb300-nvl72, or this-host (needs --forward)")
-    p.add_argument("--gpus", type=int, default=72)
+    p.add_argument("--gpus", type=int, default=72, help="GPUs to split into prefill and decode pools")
     p.add_argument("--workload", default="agentic", help="chat, agentic or fixed:ISL:OSL")
     p.add_argument("--skew", default="zipf:0.69",
                    help="target routing skew: uniform, zipf:A, hot:N:SHARE, or file:PATH (a loads file or "
@@ -42,8 +42,8 @@ def register(sub) -> None:
     p.add_argument("--without", default="", help="terms to switch off: attention,experts,a2a,host,barrier,skew,eplb")
     p.add_argument("--steps", type=int, default=32, help="sampled steps per point")
     p.add_argument("--scenario", choices=["seed"], default=None, help="reproduce the seed's findings")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench-results/plan.json")
+    p.add_argument("--seed", type=int, default=0, help="seed of the skew windows and the sampled steps")
+    p.add_argument("--out", default="bench-results/plan.json", help="where the JSON result goes")
     p.add_argument("--plot", default="", help="PNG of tokens/s per GPU against width (default: --out with .png)")
     p.set_defaults(func=run)
 
