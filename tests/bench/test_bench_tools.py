@@ -108,6 +108,21 @@ def test_eplb_on_a_live_dep2_instance(tmp_path, tiny_model):
     assert res["moves"][0]["ok"] and res["moves"][0]["policy_ms"] > 0
     assert {"target", "draft"} <= set(res["phases"][0]["ratio"])
     assert set(res["decode_step_times"]) == {"before", "during", "after"}
+    # The naive window's loads, for `moemesh plan --skew file:`: tiny has 2 MoE layers and an MTP one.
+    loads = res["phases"][0]["loads"]
+    assert len(loads["target"]) == 2 and len(loads["draft"]) == 1 and len(loads["target"][0]) == 16
+    assert sum(map(sum, loads["target"])) > 0
+
+
+def test_plan_check_predicts_each_run(tmp_path, tiny_model):
+    res, out = bench(tmp_path, tiny_model, "plan-check", "--model", tiny_model, "--deps", "1,2", "--batch", "4",
+                     "--isl", "32", "--osl", "8", "--mock-step-ms", "5", "--mock-batches", "4",
+                     "--mock-seconds", "0", "--repeats", "1", "--waves", "1", timeout=420)
+    rows = {r["case"]: r for r in res["comparison"]["rows"]}
+    assert set(rows) == {"mock 5ms b4", "DEP1 balanced", "DEP2 balanced", "DEP2 skewed"}
+    assert res["comparison"]["fitted_on"] == ["DEP1 balanced", "DEP2 balanced"]
+    assert all(r["measured_tps"] > 0 and r["predicted_tps"] > 0 for r in rows.values())
+    assert rows["DEP2 skewed"]["measured_wait_ms"] > 0 and "holds" in out
 
 
 def test_kv_reuse(tmp_path, tiny_model):

@@ -115,6 +115,15 @@ def _step_stats(steps: list[list[float]], lo: float, hi: float) -> dict:
             "max_ms": max(xs) * 1e3 if xs else float("nan")}
 
 
+def split_loads(first: ExpertLoad, loads) -> dict:
+    """The window's summed counts [layers, experts], target and draft layers apart: the
+    recorded skew `moemesh plan --skew file:PATH` reads."""
+    out: dict[str, list] = {"target": [], "draft": []}
+    for i, lid in enumerate(first.layer_ids):
+        out["draft" if lid >= first.num_target_layers else "target"].append(loads[i].tolist())
+    return out
+
+
 async def _measure(cfg: EplbBenchConfig, mesh: Mesh) -> dict:
     subjects = Subjects()
     inst = "decode-i0"
@@ -123,7 +132,7 @@ async def _measure(cfg: EplbBenchConfig, mesh: Mesh) -> dict:
         await asyncio.sleep(cfg.warmup_s)
         first, loads, phy = await _latest_loads(nc, subjects, inst, cfg.ranks, time.time())
         phases = [{"phase": "naive", "placement_version": first.placement_version,
-                   "ratio": _ratios(first, loads, phy, cfg.ranks)}]
+                   "ratio": _ratios(first, loads, phy, cfg.ranks), "loads": split_loads(first, loads)}]
         moves = []
         for _ in range(cfg.rebalances):
             t0 = time.time()

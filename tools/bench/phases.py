@@ -85,13 +85,7 @@ async def instance_state(mesh: Mesh, dep: int) -> tuple[float | None, list[list[
         worker = "decode-i0-r0" if dep > 1 else None
         ratio = None
         if dep > 1:
-            sub = await nc.subscribe(s.eplb("decode-i0", "load"))
-            seen: dict[int, ExpertLoad] = {}
-            while len(seen) < dep:
-                m = decode((await sub.next_msg(timeout=20)).data, ExpertLoad)
-                seen[m.rank] = m
-            first = seen[0]
-            loads = sum(tensor_from(m.counts, len(m.layer_ids)) for m in seen.values())
+            first, loads = await _window(nc, dep)
             ratio = Placement(tensor_from(first.phy2log, len(first.layer_ids)), first.num_experts,
                               dep).instance_ratio(loads)
         if worker is None:
@@ -100,6 +94,33 @@ async def instance_state(mesh: Mesh, dep: int) -> tuple[float | None, list[list[
         return ratio, stats.recent_steps
     finally:
         await nc.close()
+
+
+async def instance_window(mesh: Mesh, dep: int) -> dict:
+    """The decode instance's recent load window, target and draft layers apart
+    ({"target": [[count per expert] per layer], "draft": ...}): a recorded skew."""
+    from moemesh.tools.bench.eplb_live import split_loads
+
+    nc = await nats.connect(mesh.nats_url)
+    try:
+        first, loads = await _window(nc, dep)
+        return split_loads(first, loads)
+    finally:
+        await nc.close()
+
+
+async def _window(nc, dep: int) -> tuple[ExpertLoad, "object"]:
+    """(rank 0's load message, the ranks' counts summed [layers, experts])."""
+    sub = await nc.subscribe(Subjects().eplb("decode-i0", "load"))
+    try:
+        seen: dict[int, ExpertLoad] = {}
+        while len(seen) < dep:
+            m = decode((await sub.next_msg(timeout=20)).data, ExpertLoad)
+            seen[m.rank] = m
+    finally:
+        await sub.unsubscribe()
+    first = seen[0]
+    return first, sum(tensor_from(m.counts, len(m.layer_ids)) for m in seen.values())
 
 
 async def _single_decode_id(nc, timeout: float = 10.0) -> str:

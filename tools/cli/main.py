@@ -7,11 +7,11 @@ import argparse
 import logging
 import sys
 
-from moemesh.tools.cli import (cmd_bench, cmd_eplb, cmd_generate, cmd_init_model, cmd_nats_auth, cmd_profile,
-                               cmd_services, cmd_trace, cmd_up)
+from moemesh.tools.cli import (cmd_bench, cmd_eplb, cmd_generate, cmd_init_model, cmd_nats_auth, cmd_plan,
+                               cmd_profile, cmd_services, cmd_trace, cmd_up)
 
 COMMANDS = [cmd_up, cmd_init_model, cmd_generate, cmd_bench, cmd_trace, cmd_services, cmd_eplb, cmd_profile,
-            cmd_nats_auth]
+            cmd_nats_auth, cmd_plan]
 
 
 def _version() -> str:

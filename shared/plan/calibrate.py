@@ -1,0 +1,46 @@
+"""This host as a machine for the step model, from results this mesh's benchmarks wrote.
+
+- forward times: `moemesh bench forward --model DIR` (its JSON: decode rows of batch and
+  forward_ms_p50, prefill rows of prompt_len and forward_ms_p50);
+- host time per step: `moemesh bench decode --mock-step-ms X` (decode_steps of each point:
+  host_ms_p50 and host_exposed_ms_p50), or `bench decode`'s own decode_steps.
+Both are parsed here from already-loaded JSON; reading the files is the caller's.
+"""
+
+from __future__ import annotations
+
+from moemesh.shared.plan.costs import Measured
+from moemesh.shared.plan.dims import ModelDims
+from moemesh.shared.plan.host import HostModel
+
+
+def this_host(forward: dict, dims: ModelDims, *, cores: float = 0.0, collective_s: float = 0.0,
+              copy_bw: float = 5e9) -> Measured:
+    """Measured costs from a `bench forward` result."""
+    if forward.get("bench") != "forward":
+        raise ValueError("not a `bench forward` result (its 'bench' is not 'forward')")
+    dec = sorted(forward.get("decode", []), key=lambda r: r["batch"])
+    pre = sorted(forward.get("prefill", []), key=lambda r: r["prompt_len"])
+    if not dec:
+        raise ValueError("the `bench forward` result has no decode rows")
+    return Measured(dims, tuple(float(r["batch"]) for r in dec), tuple(r["forward_ms_p50"] / 1e3 for r in dec),
+                    tuple(float(r["prompt_len"]) for r in pre), tuple(r["forward_ms_p50"] / 1e3 for r in pre),
+                    cores=cores, collective_s=collective_s, copy_bw=copy_bw)
+
+
+def host_from_decode(result: dict, name: str = "measured") -> HostModel:
+    """A host model from a `bench decode` result: the median over its points of host time
+    per step, and the share of it hidden behind the forward (1 - exposed / host)."""
+    host, exposed = [], []
+    for run in result.get("runs", []):
+        for p in run.get("points", []):
+            st = p.get("decode_steps") or {}
+            if st.get("host_ms_p50") is not None:
+                host.append(st["host_ms_p50"])
+                exposed.append(st.get("host_exposed_ms_p50", st["host_ms_p50"]))
+    if not host:
+        raise ValueError("the `bench decode` result has no decode step figures")
+    h = sorted(host)[len(host) // 2]
+    e = sorted(exposed)[len(exposed) // 2]
+    hidden = min(max(1 - e / h, 0.0), 1.0) if h > 0 else 0.0
+    return HostModel(name, fixed_s=h / 1e3, hidden_share=hidden)

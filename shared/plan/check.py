@@ -1,0 +1,168 @@
+"""The step model set against measured runs on this host (`moemesh bench plan-check`).
+
+Two kinds of run:
+- mock: `bench decode --mock-step-ms X` (one rank, a fixed device step), predicted from
+  the step time and the host preset measured on another day (host.py "after-9"). Nothing
+  is fitted to it.
+- dep: `bench decode --dep N` on the real model (naive placement: the bench runs no
+  balancer), balanced and under a router skew, predicted from:
+  - `bench forward` of the same model at DEP1 and the expert kernel timed alone at the
+    model's shapes (costs.Measured), which split a forward into its parts;
+  - the window of expert loads each run recorded (its skew);
+  - the host preset, not overlapped on lockstep ranks (their loop does not overlap);
+  - two figures fitted on two runs, which are then no evidence for the model:
+    1. on the DEP1 run, the processors left to the ranks (this machine has two cores
+       and other users; the gateway, NATS and the clients take their share): the CPU
+       work of its step over its measured step time;
+    2. on the first balanced DEP>1 run, the CPU a DEP rank spends per MoE layer besides
+       the expert kernel (routing, sorting, driving the collectives).
+  The other DEP runs (skewed, wider) are the evidence.
+
+On this host a rank waits mostly for a processor, not for the other ranks' experts: part
+of that wait lands in its collectives (rank wait) and part between its steps (the loop
+gap of its step accounting). The model's wait is set against the two together.
+
+A case holds when predicted tokens/s and wait are both within `tolerance` of the
+measured ones (wait: or within `wait_floor_s`, as a few tenths of a millisecond of wait
+are below what this machine's scheduling noise lets one measure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from moemesh.shared.plan import skew as skews
+from moemesh.shared.plan.balance import balance
+from moemesh.shared.plan.costs import Costs, FixedStep, Measured
+from moemesh.shared.plan.dims import ModelDims
+from moemesh.shared.plan.host import HostModel
+from moemesh.shared.plan.step import StepConfig, StepResult, run_step
+from moemesh.shared.plan.workload import get_workload
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured run.
+
+    Args:
+        name, kind ("mock" or "dep"), width, batch (requests in flight over the instance).
+        measured_tps: batch / TPOT p50.
+        measured_wait_s: rank 0's rank wait + loop gap (see the module docstring), p50s.
+        forward_s, host_s: rank 0's step accounting, p50s (host: the exposed part).
+        step_ms: the mock's step time.
+        window: the recorded loads ({"target": [[count per expert] per layer]}) or None.
+    """
+
+    name: str
+    kind: str
+    width: int
+    batch: int
+    measured_tps: float
+    measured_wait_s: float
+    forward_s: float = 0.0
+    host_s: float = 0.0
+    step_ms: float = 0.0
+    window: dict | None = None
+
+
+@dataclass(frozen=True)
+class Fitted:
+    costs: Measured
+    fitted_on: tuple[str, ...]
+
+
+def predict(case: Case, dims: ModelDims, costs: Costs, host: HostModel, isl: int, osl: int,
+            num_steps: int = 64, seed: int = 0) -> StepResult:
+    """The step model's view of a run: per-rank batch = requests / width, the run's own
+    recorded skew and the naive placement it ran with."""
+    if case.kind == "mock":
+        costs = FixedStep(case.step_ms / 1e3)
+    rows = (case.window or {}).get("target")
+    if rows and case.width > 1:
+        sk = skews.from_loads(torch.tensor(rows, dtype=torch.float64), dims.num_moe_layers, "recorded")
+    else:
+        sk = skews.parse("uniform", dims.num_moe_layers, dims.num_experts, dims.top_k)
+    bal = balance(sk, case.width, 0, eplb=False)
+    cfg = StepConfig("decode", case.width, max(case.batch // case.width, 1), num_steps=num_steps, seed=seed)
+    return run_step(cfg, dims, costs, bal, sk.popularity, get_workload(f"fixed:{isl}:{osl}"), host)
+
+
+def rank0_wait_s(r: StepResult) -> float:
+    """The bench reads rank 0's step figures; the model gives every rank's."""
+    return r.extra["rank_wait_s_by_rank"][0]
+
+
+def host_for(case: Case, host: HostModel) -> HostModel:
+    """Lockstep ranks' loops do not overlap the forward: all of their host time shows."""
+    return replace(host, name="lockstep", hidden_share=0.0) if case.width > 1 else host
+
+
+def _measured_step(case: Case) -> float:
+    return case.width * max(case.batch // case.width, 1) / case.measured_tps
+
+
+def fit(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel, isl: int, osl: int) -> Fitted:
+    """The figures the module docstring lists, from the DEP1 run and the first balanced
+    DEP>1 run (either may be missing: its figures then keep their values)."""
+    names = []
+    dep1 = next((c for c in cases if c.kind == "dep" and c.width == 1 and c.measured_tps), None)
+    if dep1 is not None:
+        r = predict(dep1, dims, replace(costs, cores=0.0), host, isl, osl)
+        work, step = r.extra["work_s"], _measured_step(dep1)
+        costs = replace(costs, cores=work / step if step > r.step_s else 0.0)
+        names.append(dep1.name)
+    wide = next((c for c in cases if c.kind == "dep" and c.width > 1 and "balanced" in c.name and c.measured_tps),
+                None)
+    if wide is not None and costs.cores:
+        base = replace(costs, ep_layer_s=0.0)
+        r = predict(wide, dims, base, host_for(wide, host), isl, osl)
+        missing = costs.cores * _measured_step(wide) - r.extra["work_s"]  # CPU the ranks spent beyond the model's
+        costs = replace(base, ep_layer_s=max(missing, 0.0) / (wide.width * dims.num_moe_layers))
+        names.append(wide.name)
+    return Fitted(costs, tuple(names))
+
+
+def compare(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel, isl: int, osl: int,
+            tolerance: float = 0.15, wait_floor_s: float = 0.5e-3) -> dict:
+    """Fits (fit()), then predicts every case. Returns {"fitted": figures, "fitted_on":
+    names, "rows": per case measured and predicted tokens/s and wait, their errors,
+    whether it was fitted on and whether it holds}."""
+    f = fit(cases, dims, costs, host, isl, osl)
+    rows = []
+    for c in cases:
+        r = predict(c, dims, f.costs, host_for(c, host), isl, osl)
+        tps = c.width * r.tokens_per_s_per_gpu
+        wait = rank0_wait_s(r)
+        tps_err = tps / c.measured_tps - 1 if c.measured_tps else None
+        wait_err = wait / c.measured_wait_s - 1 if c.measured_wait_s > 0 else None
+        wait_ok = abs(wait - c.measured_wait_s) <= max(tolerance * c.measured_wait_s, wait_floor_s)
+        rows.append({"case": c.name, "kind": c.kind, "width": c.width, "batch": c.batch,
+                     "measured_tps": c.measured_tps, "predicted_tps": tps, "tps_error": tps_err,
+                     "measured_wait_ms": c.measured_wait_s * 1e3, "predicted_wait_ms": wait * 1e3,
+                     "wait_error": wait_err, "predicted_ratio": r.ratio_before,
+                     "measured_forward_ms": c.forward_s * 1e3, "measured_host_ms": c.host_s * 1e3,
+                     "predicted_terms_ms": {k: v * 1e3 for k, v in r.terms_s().items()},
+                     "fitted": c.name in f.fitted_on,
+                     "holds": tps_err is not None and abs(tps_err) <= tolerance and wait_ok})
+    figures = {"cores": f.costs.cores, "ep_layer_ms": f.costs.ep_layer_s * 1e3,
+               "collective_ms": f.costs.collective_s * 1e3, "slot_us": f.costs.slot_s * 1e6,
+               "pair_us": f.costs.pair_s * 1e6}
+    return {"fitted": figures, "fitted_on": list(f.fitted_on), "rows": rows}
+
+
+def table(result: dict) -> str:
+    lines = [f"{'case':<22} {'tok/s meas':>10} {'pred':>8} {'err':>7} {'wait ms meas':>12} {'pred':>7} "
+             f"{'err':>7} {'holds':>6}"]
+    for r in result["rows"]:
+        te = "-" if r["tps_error"] is None else f"{r['tps_error']:+.0%}"
+        we = "-" if r["wait_error"] is None else f"{r['wait_error']:+.0%}"
+        lines.append(f"{r['case']:<22} {r['measured_tps']:>10.0f} {r['predicted_tps']:>8.0f} {te:>7} "
+                     f"{r['measured_wait_ms']:>12.2f} {r['predicted_wait_ms']:>7.2f} {we:>7} "
+                     f"{('fit' if r['fitted'] else ('yes' if r['holds'] else 'NO')):>6}")
+    f = result["fitted"]
+    lines.append(f"fitted on {', '.join(result['fitted_on']) or 'nothing'}: {f['cores']:.2f} processors left to "
+                 f"the ranks, {f['ep_layer_ms']:.3f} ms of DEP bookkeeping per MoE layer; expert kernel "
+                 f"{f['slot_us']:.0f} us per slot + {f['pair_us']:.1f} us per pair")
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""The validation's arithmetic: fitted figures are recovered from runs the model made itself."""
+
+from dataclasses import replace
+
+import pytest
+
+from moemesh.shared.checkpoint.presets import preset_config
+from moemesh.shared.plan import check
+from moemesh.shared.plan.calibrate import host_from_decode, this_host
+from moemesh.shared.plan.dims import from_config
+from moemesh.shared.plan.host import HOSTS
+
+DIMS = from_config(preset_config("tiny"), "tiny")
+FORWARD = {"bench": "forward", "decode": [{"batch": b, "forward_ms_p50": 2.0 + 0.25 * b} for b in (1, 4, 8, 16)],
+           "prefill": []}
+WINDOW = {"target": [[40] * 4 + [5] * 12, [5] * 12 + [40] * 4]}
+
+
+def _truth():
+    costs = this_host(FORWARD, DIMS)
+    return replace(costs, slot_s=20e-6, pair_s=2e-6, collective_s=0.1e-3, ep_layer_s=0.4e-3, cores=0.6)
+
+
+def _case(name, width, window=None):
+    """A run as the model itself predicts it with the true figures."""
+    c = check.Case(name, "dep", width, 16, 1.0, 0.0, window=window)
+    r = check.predict(c, DIMS, _truth(), check.host_for(c, HOSTS["after-9"]), 128, 32)
+    return replace(c, measured_tps=width * r.tokens_per_s_per_gpu, measured_wait_s=check.rank0_wait_s(r))
+
+
+def test_fit_recovers_the_hidden_figures():
+    cases = [_case("DEP1 balanced", 1), _case("DEP2 balanced", 2), _case("DEP2 skewed", 2, WINDOW),
+             _case("DEP4 skewed", 4, WINDOW)]
+    base = replace(_truth(), ep_layer_s=0.0, cores=0.0)
+    out = check.compare(cases, DIMS, base, HOSTS["after-9"], 128, 32)
+    assert out["fitted_on"] == ["DEP1 balanced", "DEP2 balanced"]
+    f = out["fitted"]
+    assert f["cores"] == pytest.approx(0.6, rel=1e-6)
+    assert f["ep_layer_ms"] == pytest.approx(0.4, rel=1e-3)
+    assert all(r["holds"] for r in out["rows"]), out["rows"]
+    assert all(abs(r["tps_error"]) < 1e-3 for r in out["rows"]), out["rows"]
+    skewed = next(r for r in out["rows"] if r["case"] == "DEP4 skewed")
+    assert skewed["predicted_ratio"] < 0.9
+    # Four ranks on 0.6 of a processor: the step is their work over it, and each waits most of it.
+    assert skewed["predicted_terms_ms"]["barrier"] > skewed["predicted_terms_ms"]["experts"]
+    assert "DEP4 skewed" in check.table(out)
+
+
+def test_a_wrong_prediction_is_reported_as_a_miss():
+    c = _case("DEP2 skewed", 2, WINDOW)
+    out = check.compare([replace(c, measured_tps=c.measured_tps * 2)], DIMS, _truth(), HOSTS["after-9"], 128, 32)
+    assert out["fitted_on"] == [] and not out["rows"][0]["holds"]
+
+
+def test_mock_runs_are_predicted_from_the_step_and_host():
+    c = check.Case("mock", "mock", 1, 64, 64 / 20.04e-3, 0.0, step_ms=20.0)
+    r = check.compare([c], DIMS, _truth(), HOSTS["after-9"], 128, 32)["rows"][0]
+    assert r["holds"] and abs(r["tps_error"]) < 0.01
+
+
+def test_host_from_a_decode_result():
+    res = {"runs": [{"points": [{"decode_steps": {"host_ms_p50": 2.0, "host_exposed_ms_p50": 0.5}},
+                                {"decode_steps": {"host_ms_p50": 4.0, "host_exposed_ms_p50": 1.0}}]}]}
+    h = host_from_decode(res)
+    assert h.fixed_s == pytest.approx(4e-3) and h.hidden_share == pytest.approx(0.75)
+    with pytest.raises(ValueError):
+        host_from_decode({"runs": []})
+    with pytest.raises(ValueError, match="bench forward"):
+        this_host({"bench": "decode"}, DIMS)

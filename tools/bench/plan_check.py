@@ -1,0 +1,156 @@
+"""`moemesh bench plan-check`: the step model (shared/plan) against runs on this machine.
+
+Run: `bench forward` of the model at DEP1 (the calibration) -> the mock decode mesh at
+fixed step times (host overhead) -> for each width N in --deps, a decode-only DEP-N mesh
+on the real model, balanced and then under a router skew, --waves waves of --batch
+requests each, reading rank 0's step figures and the instance's recorded load window, in
+--repeats interleaved rounds (each case takes its median) -> the
+model's prediction of every run (shared/plan/check.py) beside the measurement. The
+expert kernel is also timed alone at the model's shapes, so that the DEP1 forward can be
+split into its data-parallel and expert parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+
+from moemesh.shared.plan import check
+from moemesh.shared.plan.calibrate import this_host
+from moemesh.shared.plan.host import HOSTS
+from moemesh.tools.bench import decode_mock, forward, phases
+from moemesh.tools.bench.env import environment
+from moemesh.tools.launch.up import default_home, ensure_tiny_model
+
+
+@dataclass(frozen=True)
+class PlanCheckConfig:
+    model: str = ""
+    deps: tuple[int, ...] = (1, 2, 4)
+    batch: int = 16
+    isl: int = 128
+    osl: int = 64
+    waves: int = 3
+    repeats: int = 2
+    skew: str = "zipf:1.2"
+    mock_step_ms: tuple[float, ...] = (20.0, 5.0)
+    mock_batches: tuple[int, ...] = (8, 64)
+    mock_seconds: float = 5.0
+    threads: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.deps or min(self.deps) < 1 or self.batch < max(self.deps) or min(self.waves, self.repeats) < 1:
+            raise ValueError("--deps must be >= 1, --batch at least the widest instance, --waves and --repeats >= 1")
+
+
+def time_experts(dims, threads: int = 1, repeats: int = 20) -> tuple[float, float]:
+    """(seconds per expert slot that runs, seconds per pair) of the CPU expert kernel
+    (shared/kernels/fused_moe.py) at the model's expert shapes, by least squares over a
+    grid of slots hit and pairs per slot."""
+    import numpy as np
+    import torch
+
+    from moemesh.shared.kernels.fused_moe import fused_moe
+
+    torch.set_num_threads(threads)
+    d, inter = dims.hidden, dims.expert_params // (3 * dims.hidden)
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(dims.num_experts, 2 * inter, d, generator=g) * 0.02
+    w2 = torch.randn(dims.num_experts, d, inter, generator=g) * 0.02
+    rows, times = [], []
+    for slots in sorted({1, max(dims.num_experts // 4, 1), dims.num_experts}):
+        for per_slot in (1, 4, 16):
+            ids = torch.arange(slots).repeat_interleave(per_slot)[:, None]  # [P, 1]
+            x = torch.randn(ids.shape[0], d, generator=g)
+            w = torch.ones(ids.shape[0], 1)
+            fused_moe(x, w13, w2, ids, w)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fused_moe(x, w13, w2, ids, w)
+            times.append((time.perf_counter() - t0) / repeats)
+            rows.append([1.0, slots, slots * per_slot])
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
+    return max(float(coef[1]), 0.0), max(float(coef[2]), 0.0)
+
+
+def _dep_case(cfg: PlanCheckConfig, model: str, dep: int, label: str, skew: str) -> tuple[check.Case, dict]:
+    pcfg = phases.PhaseBenchConfig(model=model, isl=cfg.isl, osl=cfg.osl, batches=(cfg.batch,), dep=dep, skew=skew,
+                                   threads=cfg.threads, seed=cfg.seed)
+    with phases._mesh(pcfg, "decode", skew) as mesh:
+        t0 = time.time()
+        summ = phases._point(mesh, pcfg, cfg.isl, cfg.osl, cfg.batch, cfg.batch * cfg.waves)
+        t1 = time.time()
+        ratio, steps = asyncio.run(phases.instance_state(mesh, dep))
+        window = asyncio.run(phases.instance_window(mesh, dep)) if dep > 1 else None
+    st = phases._steps_between(steps, t0, t1, cfg.batch // dep)
+    tpot = summ["tpot_ms"]["p50"]
+    tps = cfg.batch / (tpot / 1e3) if tpot else 0.0
+    name = f"DEP{dep} {label}"
+    wait = st.get("rank_wait_ms_p50", 0.0) + st.get("loop_gap_ms_p50", 0.0)
+    case = check.Case(name, "dep", dep, cfg.batch, tps, wait / 1e3,
+                      forward_s=st.get("forward_ms_p50", 0.0) / 1e3, host_s=st.get("host_exposed_ms_p50", 0.0) / 1e3,
+                      window=window)
+    return case, {"case": name, "skew": skew, "tokens_per_s": tps, "tpot_ms_p50": tpot, "balance_ratio": ratio,
+                  "decode_steps": st,
+                  "errors": summ["num_errors"], "window": window}
+
+
+def _median(cases: list[check.Case]) -> check.Case:
+    """One case from repeated rounds: the median of each measured figure."""
+    def med(key):
+        xs = sorted(getattr(c, key) for c in cases)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+    return replace(cases[0], measured_tps=med("measured_tps"), measured_wait_s=med("measured_wait_s"),
+                   forward_s=med("forward_s"), host_s=med("host_s"))
+
+
+def run(cfg: PlanCheckConfig) -> dict:
+    from moemesh.tools.cli.cmd_plan import load_dims
+
+    model = cfg.model or str(ensure_tiny_model(default_home()))
+    dims, _ = load_dims(model)
+    per_rank = sorted({max(cfg.batch // d, 1) for d in cfg.deps} | {1})
+    fwd = forward.run(forward.ForwardBenchConfig(model=model, batch_sizes=tuple(per_rank),
+                                                 context_len=cfg.isl + cfg.osl // 2, prefill_lens=(), steps=20,
+                                                 warmup=4, num_threads=cfg.threads, seed=cfg.seed))
+    cases, runs = [], []
+    for step_ms in cfg.mock_step_ms:
+        mock = decode_mock.run(decode_mock.MockDecodeConfig(model=model, mock_step_ms=step_ms, isl=cfg.isl,
+                                                            osl=cfg.osl, batches=cfg.mock_batches,
+                                                            seconds=cfg.mock_seconds, threads=cfg.threads))
+        for p in mock["runs"][0]["points"]:
+            st = p["decode_steps"]
+            cases.append(check.Case(f"mock {step_ms:g}ms b{p['batch']}", "mock", 1, p["batch"], p["tokens_per_s"],
+                                    st.get("rank_wait_ms_p50", 0.0) / 1e3 if st else 0.0, step_ms=step_ms))
+            runs.append({"case": cases[-1].name, "point": p})
+    # Rounds of every DEP run, interleaved, so that a change in the machine's other load
+    # lands on all of them; each case takes the median of its rounds.
+    todo = [(dep, label, skew) for dep in cfg.deps for label, skew in (("balanced", ""), ("skewed", cfg.skew))
+            if not (dep == 1 and skew)]  # one rank holds every expert: a skew changes nothing to wait for
+    rounds: dict[str, list[check.Case]] = {}
+    for i in range(cfg.repeats):
+        for dep, label, skew in todo:
+            case, raw = _dep_case(cfg, model, dep, label, skew)
+            rounds.setdefault(case.name, []).append(case)
+            runs.append(raw | {"round": i, "loadavg_1m": os.getloadavg()[0]})
+    cases += [_median(v) for v in rounds.values()]
+    slot_s, pair_s = time_experts(dims, cfg.threads)
+    costs = replace(this_host(fwd, dims), slot_s=slot_s, pair_s=pair_s)
+    cmp = check.compare(cases, dims, costs, HOSTS["after-9"], cfg.isl, cfg.osl)
+    return {"bench": "plan-check", "config": asdict(cfg), "env": environment(), "forward": fwd["decode"],
+            "comparison": cmp, "runs": runs}
+
+
+def table(result: dict) -> str:
+    c = result["config"]
+    head = (f"step model against this machine: {c['model'] or 'tiny'}, {c['batch']} requests, isl {c['isl']}, "
+            f"osl {c['osl']}, skew {c['skew']}")
+    spread = {}
+    for r in result["runs"]:
+        if "round" in r:
+            spread.setdefault(r["case"], []).append(f"{r['tokens_per_s']:.0f} (load {r['loadavg_1m']:.1f})")
+    rounds = [f"  {name}: {', '.join(v)}" for name, v in spread.items()]
+    return "\n".join([head, check.table(result["comparison"]), "tokens/s of each round:", *rounds])
