@@ -129,6 +129,23 @@ class OursPolicy:
 
 
 @dataclass(frozen=True)
+class OursHierarchicalPolicy:
+    """Ours, node-aware (hierarchy.py): expert groups whole on nodes, ours within each node.
+    Builds from scratch: `current` is ignored (align() within nodes saves the moves)."""
+
+    num_nodes: int = 4
+    num_groups: int = 8
+    name: str = "ours-hierarchical"
+
+    def place(self, loads: torch.Tensor, num_ranks: int, num_redundant: int,
+              current: Placement | None = None) -> Placement:
+        from moemesh.shared.eplb.hierarchy import build_hierarchical  # it builds on this module
+
+        return build_hierarchical(loads, num_ranks, num_redundant, num_nodes=self.num_nodes,
+                                  num_groups=self.num_groups)
+
+
+@dataclass(frozen=True)
 class DeepSeekPolicy:
     """DeepSeek EPLB (reference.py): global when num_nodes == 1, else hierarchical."""
 
@@ -146,9 +163,11 @@ class DeepSeekPolicy:
 
 
 def get_policy(algorithm: str, *, num_nodes: int = 4, num_groups: int = 8) -> PlacementPolicy:
-    """Policy by CLI name: "ours", "deepseek-global" or "deepseek-hierarchical"."""
+    """Policy by CLI name: "ours", "ours-hierarchical", "deepseek-global" or "deepseek-hierarchical"."""
     if algorithm == "ours":
         return OursPolicy()
+    if algorithm == "ours-hierarchical":
+        return OursHierarchicalPolicy(num_nodes=num_nodes, num_groups=num_groups)
     if algorithm == "deepseek-global":
         return DeepSeekPolicy()
     if algorithm == "deepseek-hierarchical":

@@ -19,10 +19,12 @@ def register(sub) -> None:
     pl.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks")
     pl.add_argument("--redundant", type=int, default=0, help="redundant slots per rank")
     pl.add_argument("--out", required=True, help="placement JSON to write")
-    pl.add_argument("--algorithm", default="ours", choices=["ours", "deepseek-global", "deepseek-hierarchical"],
-                    help="placement policy: ours or DeepSeek's reference")
-    pl.add_argument("--nodes", type=int, default=4, help="nodes, for deepseek-hierarchical")
-    pl.add_argument("--groups", type=int, default=8, help="expert groups, for deepseek-hierarchical")
+    pl.add_argument("--algorithm", default="ours",
+                    choices=["ours", "ours-hierarchical", "deepseek-global", "deepseek-hierarchical"],
+                    help="placement policy: ours or DeepSeek's reference; *-hierarchical keep expert groups "
+                         "within nodes")
+    pl.add_argument("--nodes", type=int, default=4, help="nodes (NVLink domains), for *-hierarchical")
+    pl.add_argument("--groups", type=int, default=8, help="expert groups, for *-hierarchical")
     pl.add_argument("--current", default=None,
                     help="running placement JSON: ours starts from it, and the result is aligned to it")
     pl.add_argument("--threads", type=int, default=1, help="torch CPU threads (the balancer uses 1)")
@@ -34,8 +36,12 @@ def register(sub) -> None:
     sc.set_defaults(func=run_score)
 
     cp = esub.add_parser("compare", help="held-out comparison table: naive, DeepSeek EPLB, ours")
-    cp.add_argument("--out", default="bench-results/eplb_policy.json", help="JSON file for the results")
+    cp.add_argument("--out", default=None, help="JSON file for the results (default bench-results/eplb_policy.json)")
     cp.add_argument("--pairs", type=int, default=5, help="target/draft load pairs to compare")
+    cp.add_argument("--grid", action="store_true",
+                    help="instead: ours vs DeepSeek held out on 252 scenarios (7 skews x E 64/128/256 x R 4-32 "
+                         "x K 0-2), and ours' time on 43 x 256 x 32; --out defaults to bench-results/eplb_grid.json")
+    cp.add_argument("--layers", type=int, default=8, help="layers per grid scenario")
     cp.set_defaults(func=run_compare)
 
 
@@ -55,7 +61,7 @@ def run_place(args: argparse.Namespace) -> int:
         extra = {"algorithm": policy.name, "compute_ms": round(ms, 3),
                  "in_window_ratio": placement.instance_ratio(loads)}
         if current is not None:
-            nodes = args.nodes if args.algorithm == "deepseek-hierarchical" else 1
+            nodes = args.nodes if args.algorithm.endswith("-hierarchical") else 1
             placement = align(current, placement, num_nodes=nodes)
             moves = moves_per_layer(current, placement)
             extra.update(moves_per_layer=moves.tolist(), total_moves=int(moves.sum()))
@@ -87,4 +93,19 @@ def run_score(args: argparse.Namespace) -> int:
 def run_compare(args: argparse.Namespace) -> int:
     from moemesh.shared.eplb import compare
 
-    return compare.main(["--out", args.out, "--pairs", str(args.pairs)])
+    if args.grid:
+        return _run_grid(args)
+    return compare.main(["--out", args.out or "bench-results/eplb_policy.json", "--pairs", str(args.pairs)])
+
+
+def _run_grid(args: argparse.Namespace) -> int:
+    from moemesh.shared.eplb import grid
+
+    result = grid.run_grid(grid.GridConfig(num_layers=args.layers))
+    result["timing_ms"] = grid.timing()
+    print(grid.table(result))
+    path = Path(args.out or "bench-results/eplb_grid.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved {path}", file=sys.stderr)
+    return 0
