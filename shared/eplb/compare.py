@@ -21,7 +21,7 @@ import torch
 
 from moemesh.shared.eplb.align import align, moves_per_layer
 from moemesh.shared.eplb.placement import naive_placement
-from moemesh.shared.eplb.policy import DeepSeekPolicy, OursPolicy, timed_place
+from moemesh.shared.eplb.policy import DeepSeekPolicy, OursHierarchicalPolicy, OursPolicy, timed_place
 from moemesh.shared.eplb.workloads import HOT, ZIPF, Workload
 
 
@@ -39,7 +39,8 @@ class CompareConfig:
 
 def run(cfg: CompareConfig = CompareConfig()) -> dict:
     torch.set_num_threads(cfg.threads)
-    policies = [DeepSeekPolicy(), DeepSeekPolicy(cfg.num_nodes, cfg.num_groups), OursPolicy()]
+    policies = [DeepSeekPolicy(), DeepSeekPolicy(cfg.num_nodes, cfg.num_groups), OursPolicy(),
+                OursHierarchicalPolicy(cfg.num_nodes, cfg.num_groups)]
     rows = []
     for workload in cfg.workloads:
         wl = replace(workload, seed=cfg.seed)
@@ -104,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moemesh.shared.eplb.compare", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=32)
     p.add_argument("--redundant", type=int, default=1)
-    p.add_argument("--nodes", type=int, default=4, help="nodes for deepseek-hierarchical")
-    p.add_argument("--groups", type=int, default=8, help="expert groups for deepseek-hierarchical")
+    p.add_argument("--nodes", type=int, default=4, help="nodes for the hierarchical policies")
+    p.add_argument("--groups", type=int, default=8, help="expert groups for the hierarchical policies")
     p.add_argument("--pairs", type=int, default=5, help="build/score window pairs per workload")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)

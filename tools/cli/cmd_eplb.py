@@ -9,6 +9,9 @@ import json
 import sys
 from pathlib import Path
 
+# The grid's default skews, kept here so that --help does not import torch.
+SKEWS = ("zipf:0.5", "zipf:0.69", "zipf:0.9", "zipf:1.2", "hot:1:0.1", "hot:4:0.4", "hot:8:0.5")
+
 
 def register(sub) -> None:
     p = sub.add_parser("eplb", help="expert-parallel load balancing: build and score expert placements")
@@ -42,6 +45,8 @@ def register(sub) -> None:
                     help="instead: ours vs DeepSeek held out on 252 scenarios (7 skews x E 64/128/256 x R 4-32 "
                          "x K 0-2), and ours' time on 43 x 256 x 32; --out defaults to bench-results/eplb_grid.json")
     cp.add_argument("--layers", type=int, default=8, help="layers per grid scenario")
+    cp.add_argument("--skews", default=",".join(SKEWS), help="grid skews, comma-separated (zipf:A, hot:N:SHARE)")
+    cp.add_argument("--experts", default="64,128,256", help="grid expert counts, comma-separated")
     cp.set_defaults(func=run_compare)
 
 
@@ -101,7 +106,13 @@ def run_compare(args: argparse.Namespace) -> int:
 def _run_grid(args: argparse.Namespace) -> int:
     from moemesh.shared.eplb import grid
 
-    result = grid.run_grid(grid.GridConfig(num_layers=args.layers))
+    try:
+        cfg = grid.GridConfig(skews=tuple(args.skews.split(",")), experts=tuple(int(e) for e in args.experts.split(",")),
+                              num_layers=args.layers)
+        result = grid.run_grid(cfg)
+    except ValueError as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 2
     result["timing_ms"] = grid.timing()
     print(grid.table(result))
     path = Path(args.out or "bench-results/eplb_grid.json")
