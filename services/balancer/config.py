@@ -9,8 +9,8 @@ from moemesh.shared.config.common import ServiceConfig
 class BalancerConfig(ServiceConfig):
     check_interval_s: float = 5.0  # how often each instance's placement is reconsidered
     min_window_tokens: int = 2048  # below this the loads are too thin to act on
-    algorithm: str = "ours"  # ours | deepseek-global | deepseek-hierarchical
-    num_nodes: int = 1  # for the hierarchical reference algorithm
+    algorithm: str = "ours"  # ours | ours-hierarchical | deepseek-global | deepseek-hierarchical
+    num_nodes: int = 1  # for the hierarchical algorithms
     # When to move (shared/eplb/hysteresis.py): the current ratio on a held-out window
     # fell below trigger_ratio and the candidate beats it there by min_gain, or by
     # cooldown_gain within cooldown_windows checks of the last move.
@@ -25,7 +25,7 @@ class BalancerConfig(ServiceConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.algorithm not in ("ours", "deepseek-global", "deepseek-hierarchical"):
-            raise ValueError("algorithm must be ours, deepseek-global or deepseek-hierarchical")
+        if self.algorithm not in ("ours", "ours-hierarchical", "deepseek-global", "deepseek-hierarchical"):
+            raise ValueError("algorithm must be ours, ours-hierarchical, deepseek-global or deepseek-hierarchical")
         if self.check_interval_s <= 0 or self.move_timeout_s <= 0:
             raise ValueError("check_interval_s and move_timeout_s must be > 0")

@@ -15,10 +15,15 @@ all layers at once, as tensor operations over a layer batch:
    a round apply at once. Where the heaviest rank's pair finds no swap, it searches
    every rank instead. Swapping stops once every rank is within `target` of the
    mean: beyond that a swap only fits the window's sampling noise, which the next
-   window does not repeat.
+   window does not repeat. With S <= 4 a pair takes its best split of all 2S slots
+   (C(2S, S) <= 70 of them) instead of its best single swap.
+4. second start: layers still above the bar after 1-3 are packed again from the
+   greedy start (heaviest slot into the lightest rank with room, DeepSeek's packing),
+   then 2-3, and keep whichever max is lower.
 
-In warm mode step 1 is skipped: the input already is the running placement, with
-changed replica counts patched in, and every swap costs two expert copies.
+In warm mode steps 1 and 4 are skipped: the input already is the running placement,
+with changed replica counts patched in, and every swap costs two expert copies (so
+single swaps only).
 
 Shapes: L = layers, R = ranks, S = slots per rank, P = R * S, Q = R // 2 pairs.
 """

@@ -27,7 +27,7 @@ import torch
 from moemesh.shared.eplb import reference
 from moemesh.shared.eplb.packing import pack
 from moemesh.shared.eplb.placement import Placement, slots_per_rank
-from moemesh.shared.eplb.replicas import choose_counts, max_load_bound
+from moemesh.shared.eplb.replicas import alternative_counts, choose_counts, max_load_bound
 
 
 class PlacementPolicy(Protocol):
@@ -95,7 +95,40 @@ def build_placement(loads: torch.Tensor, num_ranks: int, num_redundant: int, *, 
     floor = bound * w.sum(1) / num_ranks  # [L] no packing of these counts beats it
     order = pack(share, experts, num_ranks, num_rounds=num_rounds, target=target, floor=floor,
                  warm=current is not None)
-    return Placement(experts.gather(1, order), num_experts, num_ranks)
+    phy2log = experts.gather(1, order)
+    if current is None and num_layers and num_experts < num_ranks * per_rank:
+        phy2log = _retry_counts(w, phy2log, floor, num_ranks, per_rank, num_rounds, target)
+    return Placement(phy2log, num_experts, num_ranks)
+
+
+def _retry_counts(w: torch.Tensor, phy2log: torch.Tensor, floor: torch.Tensor, num_ranks: int, per_rank: int,
+                  num_rounds: int, target: float) -> torch.Tensor:
+    """[L, P]: where packing stopped above both mean / target and the counts' bound
+    `floor` [L], the best packing of the few candidate counts with the lowest bounds
+    (replicas.alternative_counts). With few slots per rank the bound is loose: 4 hot
+    experts with 40% of tokens over 32 ranks (64 experts, K = 1) stalled at 0.987
+    under a bound of 0.999."""
+    num_layers, num_experts = w.shape
+    counts = torch.zeros_like(w).scatter_add_(1, phy2log, torch.ones(phy2log.shape, dtype=w.dtype))
+    peak = (w / counts).gather(1, phy2log).view(num_layers, num_ranks, per_rank).sum(-1).amax(1)  # [L]
+    bar = torch.maximum(w.sum(1) / num_ranks / target, floor)
+    todo = (peak > bar * (1 + 1e-6)).nonzero().squeeze(1)
+    if not todo.numel():
+        return phy2log
+    alts = alternative_counts(w[todo], num_ranks, per_rank)  # [C, T, E]
+    num_cands = alts.shape[0]
+    counts = alts.flatten(0, 1)  # [C*T, E]
+    experts = torch.repeat_interleave(torch.arange(num_experts).repeat(counts.shape[0]), counts.flatten())
+    experts = experts.view(counts.shape[0], -1)
+    s = (w[todo].repeat(num_cands, 1) / counts).gather(1, experts)
+    order = pack(s, experts, num_ranks, num_rounds=num_rounds, target=target)
+    alt_peak = s.gather(1, order).view(-1, num_ranks, per_rank).sum(-1).amax(1).view(num_cands, -1)  # [C, T]
+    best, which = alt_peak.min(0)
+    better = best < peak[todo] * (1 - 1e-9)
+    out = phy2log.clone()
+    picked = experts.gather(1, order).view(num_cands, todo.numel(), -1)[which, torch.arange(todo.numel())]
+    out[todo[better]] = picked[better]
+    return out
 
 
 def _reconcile(phy2log: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
