@@ -97,33 +97,6 @@ def _search(w: torch.Tensor, head: int, extra: int, max_replicas: int, num_ranks
     return counts[pick, layer], bound[pick, layer]
 
 
-def alternative_counts(loads: torch.Tensor, num_ranks: int, slots_per_rank: int,
-                       num: int = 3) -> torch.Tensor:
-    """[C, L, E] up to `num` candidates per layer with the lowest bounds, best first (the
-    bound only bounds: where packing falls short of it, another candidate may pack
-    better). D'Hondt fills in where a layer has fewer distinct candidates."""
-    num_layers, num_experts = loads.shape
-    extra = num_ranks * slots_per_rank - num_experts
-    w, ids = loads.double().sort(1, descending=True)
-    head = min(num_experts, 2 * extra)
-    max_replicas = min(num_ranks, extra + 1)
-    xs = torch.arange(extra + 1)
-    if xs.numel() > _MAX_CANDIDATES:
-        xs = torch.linspace(0, extra, _MAX_CANDIDATES).round().long().unique()
-    counts = _candidates(w[:, :head], extra, max_replicas, xs)  # [C, L, H], the last one D'Hondt
-    short = (counts.sum(-1) != head + extra).unsqueeze(-1)
-    counts = torch.where(short, counts[-1:], counts)
-    bound = _lower_bound(w, counts, num_ranks, slots_per_rank)  # [C, L]
-    # Candidates next to each other are often equal: score each distinct one once.
-    same = (counts[1:] == counts[:-1]).all(-1)  # [C-1, L]
-    bound[:-1][same] = torch.inf
-    pick = bound.topk(min(num, xs.numel()), dim=0, largest=False).indices  # [num, L]
-    pick = torch.where(bound.gather(0, pick).isinf(), xs.numel() - 1, pick)
-    chosen = counts.gather(0, pick.unsqueeze(-1).expand(-1, -1, head))  # [num, L, H]
-    out = torch.ones(pick.shape[0], num_layers, num_experts, dtype=torch.int64)
-    return out.scatter_(2, ids[:, :head].expand(pick.shape[0], -1, -1), chosen)
-
-
 def max_load_bound(loads: torch.Tensor, counts: torch.Tensor, num_ranks: int, slots_per_rank: int) -> torch.Tensor:
     """[L] float64: no packing of these replica counts [L, E] onto R ranks of S slots can
     have a max rank load below bound * mean rank load (the bound of the module docstring)."""
