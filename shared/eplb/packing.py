@@ -15,22 +15,18 @@ all layers at once, as tensor operations over a layer batch:
    a round apply at once. Where the heaviest rank's pair finds no swap, it searches
    every rank instead. Swapping stops once every rank is within `target` of the
    mean: beyond that a swap only fits the window's sampling noise, which the next
-   window does not repeat. With S <= 4 a pair takes its best split of all 2S slots
-   (C(2S, S) <= 70 of them) instead of its best single swap.
+   window does not repeat.
 4. second start: layers still above the bar after 1-3 are packed again from the
    greedy start (heaviest slot into the lightest rank with room, DeepSeek's packing),
    then 2-3, and keep whichever max is lower.
 
 In warm mode steps 1 and 4 are skipped: the input already is the running placement,
-with changed replica counts patched in, and every swap costs two expert copies (so
-single swaps only).
+with changed replica counts patched in, and every swap costs two expert copies.
 
 Shapes: L = layers, R = ranks, S = slots per rank, P = R * S, Q = R // 2 pairs.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 
@@ -56,9 +52,7 @@ def pack(share: torch.Tensor, experts: torch.Tensor, num_ranks: int, *, num_roun
     """
     num_layers, num_slots = share.shape
     start = torch.arange(num_slots).expand(num_layers, -1) if warm else _rounds(share, num_ranks)
-    # Warm, each slot that changes rank is an expert copy: trade single swaps only.
-    order, peak = _repair(share, experts, start, num_ranks, num_rounds, target, floor if warm else None,
-                          resplit=not warm)
+    order, peak = _repair(share, experts, start, num_ranks, num_rounds, target, floor if warm else None)
     if warm or num_slots == num_ranks or num_ranks == 1:
         return order
     # Where the rounds left a layer above its bar, also start from the greedy packing
@@ -76,8 +70,7 @@ def pack(share: torch.Tensor, experts: torch.Tensor, num_ranks: int, *, num_roun
     return order
 
 
-def _repair(share, experts, start, num_ranks, num_rounds, target, floor,
-            resplit: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _repair(share, experts, start, num_ranks, num_rounds, target, floor) -> tuple[torch.Tensor, torch.Tensor]:
     """([L, P] order, [L] max rank load): steps 2 and 3 from the [L, P] start order."""
     num_layers, num_slots = share.shape
     per_rank = num_slots // num_ranks
@@ -85,7 +78,7 @@ def _repair(share, experts, start, num_ranks, num_rounds, target, floor,
     s, ex = share.gather(1, order.flatten(1)).view_as(order), experts.gather(1, order.flatten(1)).view_as(order)
     _deduplicate(s, ex, order)
     if per_rank > 1 and num_ranks > 1:
-        _exchange(s, ex, order, num_rounds, target, floor, resplit)
+        _exchange(s, ex, order, num_rounds, target, floor)
     return order.flatten(1), s.sum(-1).amax(1)
 
 
@@ -165,13 +158,10 @@ def _deduplicate(s: torch.Tensor, ex: torch.Tensor, order: torch.Tensor) -> None
     # slot but serve the same load, so the placement stays correct.
 
 
-def _exchange(s, ex, order, num_rounds: int, target: float, floor: torch.Tensor | None,
-              resplit: bool = False) -> None:
-    """Pair-exchange rounds, in place. s, ex, order: [L, R, S]. With `resplit` and few
-    slots per rank, a pair may trade any number of slots, not just one each."""
+def _exchange(s, ex, order, num_rounds: int, target: float, floor: torch.Tensor | None) -> None:
+    """Pair-exchange rounds, in place. s, ex, order: [L, R, S]."""
     num_ranks, per_rank = s.shape[1:]
     pairs = num_ranks // 2
-    split = _splits(per_rank) if resplit and per_rank <= _MAX_RESPLIT else None
     rotate = torch.arange(pairs)
     for t in range(num_rounds):
         loads = s.sum(-1)  # [L, R]
@@ -181,10 +171,7 @@ def _exchange(s, ex, order, num_rounds: int, target: float, floor: torch.Tensor 
         ascending = loads.argsort(1)
         heavy, light = ascending[:, num_ranks - pairs:].flip(1), ascending[:, (rotate + t) % pairs]  # [L, Q]
         load_h, load_l = loads.gather(1, heavy), loads.gather(1, light)  # [L, Q]
-        if split is not None:
-            better = _resplit(s, ex, order, heavy, light, load_h + load_l, load_h, bar, split)
-        else:
-            better = _best_swaps(s, ex, order, heavy, light, load_h, load_l, bar)
+        better = _best_swaps(s, ex, order, heavy, light, load_h, load_l, bar)
         # Where the heaviest rank's pair found nothing, it may still trade with a
         # mid-weight rank (with K = 0 the hottest expert's rank wants the smallest slots).
         stuck = ~better[:, 0] & (load_h[:, 0] > bar[:, 0])
@@ -210,45 +197,6 @@ def _best_swaps(s, ex, order, heavy, light, load_h, load_l, bar) -> torch.Tensor
     li, qi = better.nonzero(as_tuple=True)
     a, b = arg[li, qi] // per_rank, arg[li, qi] % per_rank
     _swap(s, ex, order, li, heavy[li, qi], a, light[li, qi], b)
-    return better
-
-
-# Up to S = 4 slots per rank a pair's best split is found among all C(2S, S) <= 70; a
-# single swap exchanges one slot each way, which with S = 3 stalled at 0.97-0.98 under
-# a bound of 0.999 (4 hot experts with 40% of tokens, 64 experts over 32 ranks, K = 1).
-_MAX_RESPLIT = 4
-
-
-def _splits(per_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All ways to split a pair's 2S slots S + S: ([C, S] kept by the heavy rank, [C, S]
-    by the light one, [C, 2S] float 1 where kept by the heavy, [C, S, S] whether heavy
-    slot a and light slot b end on the same rank)."""
-    combos = list(itertools.combinations(range(2 * per_rank), per_rank))
-    mask = torch.zeros(len(combos), 2 * per_rank, dtype=torch.bool)
-    mask[torch.arange(len(combos)).unsqueeze(1), torch.tensor(combos)] = True
-    take_h = mask.nonzero()[:, 1].view(-1, per_rank)
-    take_l = (~mask).nonzero()[:, 1].view(-1, per_rank)
-    together = mask[:, :per_rank].unsqueeze(2) == mask[:, per_rank:].unsqueeze(1)
-    return take_h, take_l, mask.double(), together.double()
-
-
-def _resplit(s, ex, order, heavy, light, total, load_h, bar, split) -> torch.Tensor:
-    """Each pair (heavy, light) [L, Q] takes the split of its 2S slots with the lowest max
-    where that lowers the heavy rank over the bar; in place. Returns [L, Q] whether it did."""
-    take_h, take_l, mask, together = split
-    both = torch.cat([_rows(s, heavy), _rows(s, light)], 2)  # [L, Q, 2S]
-    new_h = both @ mask.T  # [L, Q, C]
-    cost = torch.maximum(new_h, total.unsqueeze(-1) - new_h)
-    same = (_rows(ex, heavy).unsqueeze(-1) == _rows(ex, light).unsqueeze(-2)).double()  # [L, Q, S, S]
-    clash = torch.einsum("lqab,cab->lqc", same, together) > 0  # one expert twice on a rank
-    best, arg = cost.masked_fill_(clash, torch.inf).min(-1)  # [L, Q]
-    better = (best < load_h * (1 - 1e-9)) & (load_h > bar)
-    li, qi = better.nonzero(as_tuple=True)
-    rh, rl, c = heavy[li, qi], light[li, qi], arg[li, qi]
-    for t in (s, ex, order):
-        joined = torch.cat([t[li, rh], t[li, rl]], 1)  # [n, 2S]
-        t[li, rh] = joined.gather(1, take_h[c])
-        t[li, rl] = joined.gather(1, take_l[c])
     return better
 
 

@@ -7,7 +7,8 @@ does):
 1. replica counts (replicas.py): D'Hondt, unless the bound says its slots cannot be
    packed evenly, then the nearest candidate that can;
 2. slot arrangement (packing.py): deal slots to ranks in rounds, separate duplicate
-   replicas, then pair-exchange swaps between heavy and light ranks.
+   replicas, then pair-exchange swaps between heavy and light ranks; where that stops
+   short, again from a greedy start (DeepSeek's packing), keeping the better.
 
 It is global: any slot may go to any rank, as for decode, where all ranks of the
 instance exchange tokens all-to-all. It takes loads as given; smoothing windows into
@@ -27,7 +28,7 @@ import torch
 from moemesh.shared.eplb import reference
 from moemesh.shared.eplb.packing import pack
 from moemesh.shared.eplb.placement import Placement, slots_per_rank
-from moemesh.shared.eplb.replicas import choose_counts, dhondt_counts, max_load_bound
+from moemesh.shared.eplb.replicas import choose_counts, max_load_bound
 
 
 class PlacementPolicy(Protocol):
@@ -95,124 +96,7 @@ def build_placement(loads: torch.Tensor, num_ranks: int, num_redundant: int, *, 
     floor = bound * w.sum(1) / num_ranks  # [L] no packing of these counts beats it
     order = pack(share, experts, num_ranks, num_rounds=num_rounds, target=target, floor=floor,
                  warm=current is not None)
-    phy2log = experts.gather(1, order)
-    if current is None and num_layers and num_experts < num_ranks * per_rank:
-        phy2log = _prefer_robust(w, phy2log, counts, num_ranks, per_rank, num_rounds, target)
-    return Placement(phy2log, num_experts, num_ranks)
-
-
-# Window-to-window change of an expert's load, relative (workloads.py's drift, which was
-# calibrated so DeepSeek's held-out ratios match those measured on real traffic).
-_DRIFT = 0.05
-
-
-def _prefer_robust(w: torch.Tensor, phy2log: torch.Tensor, counts: torch.Tensor, num_ranks: int, per_rank: int,
-                   num_rounds: int, target: float) -> torch.Tensor:
-    """[L, P]: per layer, ours or D'Hondt's counts packed our way, whichever has the
-    lower max of rank load plus one standard deviation of the next window's change.
-
-    Our counts pack best in-window, but they keep fewer replicas of the hottest
-    experts, whose slots then carry the most noise. Held out, that lost to DeepSeek by
-    up to 0.007 (Zipf 1.2, 64 experts, 16 ranks, K = 2), 0.005 with this choice.
-    """
-    dhondt = dhondt_counts(w, num_ranks * per_rank, num_ranks)
-    ours = _robust_peak(w, phy2log, num_ranks)
-    # Skip layers where D'Hondt's bound alone rules it out (hot experts: 36 big slots on
-    # 32 ranks), which would double the compute time for nothing.
-    hopeless = max_load_bound(w, dhondt, num_ranks, per_rank) * w.sum(1) / num_ranks >= ours
-    todo = ((dhondt != counts).any(1) & ~hopeless).nonzero().squeeze(1)
-    if not todo.numel():
-        return phy2log
-    wt, ct = w[todo], dhondt[todo]
-    experts = torch.repeat_interleave(torch.arange(w.shape[1]).repeat(todo.numel()), ct.flatten()).view(todo.numel(), -1)
-    order = pack((wt / ct).gather(1, experts), experts, num_ranks, num_rounds=num_rounds, target=target)
-    alt = experts.gather(1, order)
-    better = _robust_peak(wt, alt, num_ranks) < ours[todo] * (1 - 1e-9)
-    out = phy2log.clone()
-    out[todo[better]] = alt[better]
-    return out
-
-
-def _robust_peak(w: torch.Tensor, phy2log: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """[L]: max over ranks of load + one std of its next-window load (sampling noise
-    w plus drift (DRIFT * w)^2 per expert, split over its replicas)."""
-    counts = torch.zeros_like(w).scatter_add_(1, phy2log, torch.ones(phy2log.shape, dtype=w.dtype))
-    var = (w + (_DRIFT * w) ** 2) / counts ** 2
-    load = (w / counts).gather(1, phy2log).view(w.shape[0], num_ranks, -1).sum(-1)
-    spread = var.gather(1, phy2log).view(w.shape[0], num_ranks, -1).sum(-1).sqrt()
-    return (load + spread).amax(1)
-
-
-# Window-to-window change of an expert's load, relative (workloads.py's drift, which was
-# calibrated so DeepSeek's held-out ratios match those measured on real traffic).
-_DRIFT = 0.05
-
-
-def _prefer_robust(w: torch.Tensor, phy2log: torch.Tensor, counts: torch.Tensor, num_ranks: int, per_rank: int,
-                   num_rounds: int, target: float) -> torch.Tensor:
-    """[L, P]: per layer, ours or D'Hondt's counts packed our way, whichever has the
-    lower max of rank load plus one standard deviation of the next window's change.
-
-    Our counts pack best in-window, but they keep fewer replicas of the hottest
-    experts, whose slots then carry the most noise. Held out, that lost to DeepSeek by
-    up to 0.007 (Zipf 1.2, 64 experts, 16 ranks, K = 2), 0.005 with this choice.
-    """
-    dhondt = dhondt_counts(w, num_ranks * per_rank, num_ranks)
-    ours = _robust_peak(w, phy2log, num_ranks)
-    # Skip layers where D'Hondt's bound alone rules it out (hot experts: 36 big slots on
-    # 32 ranks), which would double the compute time for nothing.
-    hopeless = max_load_bound(w, dhondt, num_ranks, per_rank) * w.sum(1) / num_ranks >= ours
-    todo = ((dhondt != counts).any(1) & ~hopeless).nonzero().squeeze(1)
-    if not todo.numel():
-        return phy2log
-    wt, ct = w[todo], dhondt[todo]
-    experts = torch.repeat_interleave(torch.arange(w.shape[1]).repeat(todo.numel()), ct.flatten()).view(todo.numel(), -1)
-    order = pack((wt / ct).gather(1, experts), experts, num_ranks, num_rounds=num_rounds, target=target)
-    alt = experts.gather(1, order)
-    better = _robust_peak(wt, alt, num_ranks) < ours[todo] * (1 - 1e-9)
-    out = phy2log.clone()
-    out[todo[better]] = alt[better]
-    return out
-
-
-def _robust_peak(w: torch.Tensor, phy2log: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """[L]: max over ranks of load + one std of its next-window load (sampling noise
-    w plus drift (DRIFT * w)^2 per expert, split over its replicas)."""
-    counts = torch.zeros_like(w).scatter_add_(1, phy2log, torch.ones(phy2log.shape, dtype=w.dtype))
-    var = (w + (_DRIFT * w) ** 2) / counts ** 2
-    load = (w / counts).gather(1, phy2log).view(w.shape[0], num_ranks, -1).sum(-1)
-    spread = var.gather(1, phy2log).view(w.shape[0], num_ranks, -1).sum(-1).sqrt()
-    return (load + spread).amax(1)
-
-
-def _retry_counts(w: torch.Tensor, phy2log: torch.Tensor, floor: torch.Tensor, num_ranks: int, per_rank: int,
-                  num_rounds: int, target: float) -> torch.Tensor:
-    """[L, P]: where packing stopped above both mean / target and the counts' bound
-    `floor` [L], the best packing of the few candidate counts with the lowest bounds
-    (replicas.alternative_counts). With few slots per rank the bound is loose: 4 hot
-    experts with 40% of tokens over 32 ranks (64 experts, K = 1) stalled at 0.987
-    under a bound of 0.999."""
-    num_layers, num_experts = w.shape
-    counts = torch.zeros_like(w).scatter_add_(1, phy2log, torch.ones(phy2log.shape, dtype=w.dtype))
-    peak = (w / counts).gather(1, phy2log).view(num_layers, num_ranks, per_rank).sum(-1).amax(1)  # [L]
-    bar = torch.maximum(w.sum(1) / num_ranks / target, floor)
-    todo = (peak > bar * (1 + 1e-6)).nonzero().squeeze(1)
-    if not todo.numel():
-        return phy2log
-    alts = alternative_counts(w[todo], num_ranks, per_rank)  # [C, T, E]
-    num_cands = alts.shape[0]
-    counts = alts.flatten(0, 1)  # [C*T, E]
-    experts = torch.repeat_interleave(torch.arange(num_experts).repeat(counts.shape[0]), counts.flatten())
-    experts = experts.view(counts.shape[0], -1)
-    s = (w[todo].repeat(num_cands, 1) / counts).gather(1, experts)
-    order = pack(s, experts, num_ranks, num_rounds=num_rounds, target=target)
-    alt_peak = s.gather(1, order).view(-1, num_ranks, per_rank).sum(-1).amax(1).view(num_cands, -1)  # [C, T]
-    best, which = alt_peak.min(0)
-    better = best < peak[todo] * (1 - 1e-9)
-    out = phy2log.clone()
-    picked = experts.gather(1, order).view(num_cands, todo.numel(), -1)[which, torch.arange(todo.numel())]
-    out[todo[better]] = picked[better]
-    return out
+    return Placement(experts.gather(1, order), num_experts, num_ranks)
 
 
 def _reconcile(phy2log: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
