@@ -93,11 +93,23 @@ def test_a_new_prefill_worker_pulls_the_prefix_and_its_snapshot_from_a_peer(v4_r
     """The prefill worker holding a conversation dies; the next turn goes to the other one,
     which pulls the blocks and the boundary snapshot at their end from the decode worker
     (it holds the first turn with its answer, and a snapshot where its decode passed the
-    last boundary)."""
-    turns = ["A second conversation about a different router", TURNS[1]]
-    want = _want(no_reuse, turns, max_tokens=20)  # 20 tokens: the decode passes a boundary
+    last boundary). Prompts go as token ids: the next turn extends the first turn and its
+    answer exactly, whatever re-tokenizing the answer's text would give."""
+    tok, greedy = no_reuse.tokenizer, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    p1 = tok.encode_chat([_message("A second conversation about a different router")])
+    a1 = no_reuse.generate([p1], greedy)[0]  # 20 tokens: the decode passes a boundary
+    p2 = p1 + a1.token_ids + tok.encode(TURNS[1] + " with context" * 10, add_special_tokens=False)
+    want2 = no_reuse.generate([p2], greedy)[0].text
+
+    def complete(prompt: list[int]) -> str:
+        r = httpx.post(v4_reuse_mesh.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
     start = {w: _counters(v4_reuse_mesh, w)["prompt_tokens"] for w in PREFILL}
-    assert _chat(v4_reuse_mesh.url, turns[:1], max_tokens=20) == want[:1]
+    assert complete(p1) == a1.text
+    time.sleep(0.5)  # the decode worker's KV events reach the gateway
     holder = next(w for w in PREFILL if _counters(v4_reuse_mesh, w)["prompt_tokens"] > start[w])
     victim = next(c for c in v4_reuse_mesh.group.children if c.name == ("prefill" if holder == "prefill-t" else "prefill1"))
     victim.popen.send_signal(signal.SIGKILL)
@@ -105,6 +117,6 @@ def test_a_new_prefill_worker_pulls_the_prefix_and_its_snapshot_from_a_peer(v4_r
     while httpx.get(v4_reuse_mesh.url + "/health").json()["workers"]["prefill"] != 1:
         assert time.monotonic() - t0 < 10
         time.sleep(0.2)
-    assert _chat(v4_reuse_mesh.url, turns, max_tokens=20) == want
+    assert complete(p2) == want2
     other = next(w for w in PREFILL if w != holder)
     assert _counters(v4_reuse_mesh, other)["kv_pulled_tokens"] > 0

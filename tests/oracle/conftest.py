@@ -26,19 +26,37 @@ def _reference(model_dir: str, seed: int) -> Reference:
     rng = random.Random(seed)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = hf.config.vocab_size
-    prompts = [[0] + [rng.randrange(4, vocab) for _ in range(n - 1)] for n in PROMPT_LENS]
-    outputs, logits = [], []
+    prompts, outputs, logits = [], [], []
     with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = hf.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                              pad_token_id=1)
-            out = gen[0, len(p):].tolist()
+        for n in PROMPT_LENS:
+            for _ in range(MAX_DRAWS):
+                p = [0] + [rng.randrange(4, vocab) for _ in range(n - 1)]
+                ids = torch.tensor([p])
+                gen = hf.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                                  pad_token_id=1)
+                out = gen[0, len(p):].tolist()
+                # One causal forward over prompt + output gives every step's next-token logits.
+                full = hf(torch.tensor([p + out[:-1]])).logits[0][len(p) - 1:]
+                if _well_defined(full, out):
+                    break
+            prompts.append(p)
             outputs.append(out)
-            # One causal forward over prompt + output gives every step's next-token logits.
-            full = hf(torch.tensor([p + out[:-1]])).logits[0]
-            logits.append(full[len(p) - 1:])
+            logits.append(full)
     return Reference(model_dir, prompts, outputs, logits)
+
+
+MAX_DRAWS = 20
+MIN_MARGIN = 1e-2
+
+
+def _well_defined(logits: torch.Tensor, out: list[int]) -> bool:
+    """A prompt whose greedy answer does not hang on rounding: at every step the chosen
+    token leads the next by MIN_MARGIN, and transformers' cached generation and its one
+    full forward agree. A random MoE model has near-ties in its router, and a float
+    rounding apart, transformers' own two paths then route a token to other experts and
+    pick different tokens (seen: 0.06 apart in a logit); no engine can be exact to that."""
+    top = logits.topk(2, dim=-1)  # (an end token as the argmax also redraws: min_new_tokens kept it out)
+    return top.indices[:, 0].tolist() == out and bool(((top.values[:, 0] - top.values[:, 1]) >= MIN_MARGIN).all())
 
 
 @pytest.fixture(scope="session")
