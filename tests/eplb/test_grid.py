@@ -48,3 +48,11 @@ def test_hot_experts_on_many_ranks_beat_deepseek_held_out(num_experts):
     theirs = reference.rebalance(windows[0], 32, 1)
     assert ours.instance_ratio(windows[0]) > 0.99
     assert ours.instance_ratio(windows[1]) > theirs.instance_ratio(windows[1]) + 0.005
+
+
+def test_cli_default_skews_are_the_grid_s():
+    # The CLI keeps its own copy so that `--help` does not import torch.
+    from moemesh.shared.eplb.grid import SKEWS
+    from moemesh.tools.cli.cmd_eplb import SKEWS as CLI_SKEWS
+
+    assert CLI_SKEWS == SKEWS
