@@ -34,7 +34,7 @@ _RESPONSE_FORMAT = {"oneOf": [
             "schema": _opt({"type": "object", "description": _UNENFORCEABLE})}}}},
 ], "description": "structured output, enforced while sampling (docs/structured_outputs.md)"}
 _MISMATCH = ("a tool_choice naming a function not in tools, tool_choice required without tools, two tools of one "
-             "name, or response_format with a forced call, is a 400 with code tool_mismatch")
+             "name, response_format with a forced call, or n above 1 with tools, is a 400 with code tool_mismatch")
 _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"const": "function"},
     "function": {"type": "object", "required": ["name"], "properties": {

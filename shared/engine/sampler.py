@@ -77,11 +77,16 @@ def sample(
     return tokens
 
 
+LOGPROB_FLOOR = -9999.0
+
+
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int | None]) -> list[TokenLogprob | None]:
     """Logprobs under the model's raw distribution, as OpenAI reports them."""
     if all(n is None for n in num_top):
         return [None] * len(num_top)
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    # A grammar's mask leaves -inf, which JSON cannot carry: such a token is reported at
+    # -9999, as vLLM does.
+    lp = torch.log_softmax(logits.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
     k = max(n or 0 for n in num_top)
     top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
     out: list[TokenLogprob | None] = []

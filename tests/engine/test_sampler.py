@@ -65,3 +65,12 @@ def test_a_top_p_below_float32_keeps_the_likeliest_token():
     probs = sampler._tempered_probs(logits, [p, p])
     assert not probs.isnan().any() and probs[:, 7].tolist() == [1.0, 1.0]
     assert sampler.sample(logits, [p, p], [None, None]).tolist() == [7, 7]
+
+
+def test_masked_tokens_are_reported_at_a_finite_floor():
+    # a grammar masks tokens to -inf; their logprobs must still be JSON numbers
+    logits = torch.full((1, 6), float("-inf"))
+    logits[0, 2] = 0.5
+    (lp,) = sampler.logprobs_of(logits, torch.tensor([2]), [4])
+    assert lp.logprob == 0.0 and lp.top_ids[0] == 2
+    assert all(v == sampler.LOGPROB_FLOOR for v in lp.top_logprobs[1:])
