@@ -37,7 +37,7 @@ from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
 from moemesh.services.gateway.openapi import openapi_document
 from moemesh.services.gateway.slow_clients import read_body
-from moemesh.services.gateway.sse import EventStream
+from moemesh.services.gateway.sse import EventStream, unless_gone
 from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
 from moemesh.services.gateway.tool_calls import ToolCallParser
 from moemesh.shared.model.config import ModelConfig
@@ -404,20 +404,7 @@ async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest,
                         return "".join(text), n_out, lps, api.tool_finish(ev.finish, calls.calls), ev.error, calls.calls
                     return "".join(text), n_out, lps, ev.finish, ev.error, None
 
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(gather())
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        gone = not work.done()
-        if gone:  # the client went away (or this task was cancelled): stop the work
-            work.cancel()
-            handle.close("client")
+    gone, work = await unless_gone(request, gather(), handle)
     if gone:
         done(499)
         return Response(status_code=499)

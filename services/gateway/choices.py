@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from moemesh.services.gateway import openai_api as api
 from moemesh.services.gateway import span_attrs as attrs
+from moemesh.services.gateway.sse import unless_gone
 from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Choices, Reader
 
 
@@ -151,20 +152,7 @@ async def collect(request, st, req: api.GenerateRequest, group: Choices, span, t
         return [("".join(t), f, api.logprobs_payload(req, st.tok, lp)) for t, f, lp in zip(texts, finish, lps)], \
             n_out, None
 
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(gather())
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        gone = not work.done()
-        if gone:  # the client went away (or this task was cancelled): stop the work
-            work.cancel()
-            group.close("client")
+    gone, work = await unless_gone(request, gather(), group)
     if gone:
         done(499)
         return Response(status_code=499)

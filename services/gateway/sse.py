@@ -43,6 +43,23 @@ class EventStream:
             await self.chunks.aclose()
 
 
+async def unless_gone(request, gather, handle) -> tuple[bool, asyncio.Future]:
+    """Runs a non-streamed answer's gather until it ends or the client leaves; when the
+    client leaves first, the gather is cancelled and the request's work stopped.
+    Returns (gone, the gather's future)."""
+    work = asyncio.ensure_future(gather)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        gone = not work.done()
+        if gone:  # the client went away (or this task was cancelled): stop the work
+            work.cancel()
+            handle.close("client")
+    return gone, work
+
+
 async def _disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
