@@ -10,7 +10,6 @@ or the client going away ends them all.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import orjson
