@@ -22,6 +22,7 @@ from moemesh.shared.plan.calibrate import this_host
 from moemesh.shared.plan.host import HOSTS
 from moemesh.tools.bench import decode_mock, forward, phases
 from moemesh.tools.bench.env import environment
+from moemesh.tools.bench.proc_cpu import machine_cpu_seconds, tree_cpu_seconds
 from moemesh.tools.launch.up import default_home, ensure_tiny_model
 
 
@@ -80,9 +81,9 @@ def _dep_case(cfg: PlanCheckConfig, model: str, dep: int, label: str, skew: str)
     pcfg = phases.PhaseBenchConfig(model=model, isl=cfg.isl, osl=cfg.osl, batches=(cfg.batch,), dep=dep, skew=skew,
                                    threads=cfg.threads, seed=cfg.seed)
     with phases._mesh(pcfg, "decode", skew) as mesh:
-        t0 = time.time()
+        t0, m0, own0 = time.time(), machine_cpu_seconds(), tree_cpu_seconds({"mesh": os.getpid()})["mesh"]
         summ = phases._point(mesh, pcfg, cfg.isl, cfg.osl, cfg.batch, cfg.batch * cfg.waves)
-        t1 = time.time()
+        t1, m1, own1 = time.time(), machine_cpu_seconds(), tree_cpu_seconds({"mesh": os.getpid()})["mesh"]
         ratio, steps = asyncio.run(phases.instance_state(mesh, dep))
         window = asyncio.run(phases.instance_window(mesh, dep)) if dep > 1 else None
     st = phases._steps_between(steps, t0, t1, cfg.batch // dep)
@@ -93,9 +94,20 @@ def _dep_case(cfg: PlanCheckConfig, model: str, dep: int, label: str, skew: str)
     case = check.Case(name, "dep", dep, cfg.batch, tps, wait / 1e3,
                       forward_s=st.get("forward_ms_p50", 0.0) / 1e3, host_s=st.get("host_exposed_ms_p50", 0.0) / 1e3,
                       window=window)
+    # The load average counts this mesh's own processes; what the rest of the machine took
+    # during the run is the busy CPU less this process tree's (the mesh and its client).
+    cpu = {"mesh_cores": (own1 - own0) / (t1 - t0), "other_cores": max(m1 - m0 - (own1 - own0), 0.0) / (t1 - t0)}
     return case, {"case": name, "skew": skew, "tokens_per_s": tps, "tpot_ms_p50": tpot, "balance_ratio": ratio,
-                  "decode_steps": st,
+                  "decode_steps": st, "cpu": cpu,
                   "errors": summ["num_errors"], "window": window}
+
+
+def round_order(todo: list, repeats: int) -> list[tuple[int, object]]:
+    """(round, case) in the order they run: every other round backwards, so that a drift in
+    the machine's other load (it rises and falls over minutes) does not always land on the
+    case that runs after another, as the skewed run of a width did when it always followed
+    the balanced one."""
+    return [(i, c) for i in range(repeats) for c in (todo if i % 2 == 0 else todo[::-1])]
 
 
 def _median(cases: list[check.Case]) -> check.Case:
@@ -131,11 +143,10 @@ def run(cfg: PlanCheckConfig) -> dict:
     todo = [(dep, label, skew) for dep in cfg.deps for label, skew in (("balanced", ""), ("skewed", cfg.skew))
             if not (dep == 1 and skew)]  # one rank holds every expert: a skew changes nothing to wait for
     rounds: dict[str, list[check.Case]] = {}
-    for i in range(cfg.repeats):
-        for dep, label, skew in todo:
-            case, raw = _dep_case(cfg, model, dep, label, skew)
-            rounds.setdefault(case.name, []).append(case)
-            runs.append(raw | {"round": i, "loadavg_1m": os.getloadavg()[0]})
+    for i, (dep, label, skew) in round_order(todo, cfg.repeats):
+        case, raw = _dep_case(cfg, model, dep, label, skew)
+        rounds.setdefault(case.name, []).append(case)
+        runs.append(raw | {"round": i, "loadavg_1m": os.getloadavg()[0]})
     cases += [_median(v) for v in rounds.values()]
     slot_s, pair_s = time_experts(dims, cfg.threads)
     costs = replace(this_host(fwd, dims), slot_s=slot_s, pair_s=pair_s)
@@ -151,6 +162,8 @@ def table(result: dict) -> str:
     spread = {}
     for r in result["runs"]:
         if "round" in r:
-            spread.setdefault(r["case"], []).append(f"{r['tokens_per_s']:.0f} (load {r['loadavg_1m']:.1f})")
+            cpu = r.get("cpu") or {}
+            others = f", others {cpu['other_cores']:.2f} cores" if cpu else ""
+            spread.setdefault(r["case"], []).append(f"{r['tokens_per_s']:.0f} (load {r['loadavg_1m']:.1f}{others})")
     rounds = [f"  {name}: {', '.join(v)}" for name, v in spread.items()]
     return "\n".join([head, check.table(result["comparison"]), "tokens/s of each round:", *rounds])

@@ -49,3 +49,12 @@ def _stat(pid: int) -> list[str] | None:
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds every processor of the machine has spent busy (not idle or waiting on
+    I/O) since boot, from /proc/stat: set against a process tree's own, it tells what
+    everything else on the machine took over the same window."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / _TCK  # user..steal, less idle and iowait
