@@ -46,8 +46,11 @@ class StepAccounting:
         self._load_at = 0.0
 
     def on_step(self) -> None:
-        gap = self._gap_s()
-        a = self.last_account = account(self._engine.last_stats, self._comm_s(), self._agree_s(), gap)
+        agree = self._agree_s()
+        # A DEP rank's agreement runs in the loop between two steps, so the loop gap holds
+        # it too; it is rank wait, and counted in both it would be counted twice.
+        gap = max(self._gap_s() - agree, 0.0)
+        a = self.last_account = account(self._engine.last_stats, self._comm_s(), agree, gap)
         self.c_steps.inc()
         e = self._engine
         self.c_prompt.inc(e.num_prompt_tokens_total - self._seen_prompt)
