@@ -48,9 +48,16 @@ class HybridKVCache:
     def bytes_per_block(cfg: V4Config, block_size: int, dtype: torch.dtype) -> int:
         return V4Layout(cfg, block_size).main_width * dtype.itemsize
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """(source, destination) blocks' main rows: a forked child's copy of its parent's
+        partial last block (engine/fork.py)."""
+        src, dst = (torch.tensor(x, dtype=torch.long, device=self.main.device) for x in zip(*pairs))
+        self.main[dst] = self.main[src]
+
     def copy_rings(self, pairs: list[tuple[int, int]]) -> None:
-        """(source, destination) rings: take or restore boundary snapshots. A whole ring
-        moves: slot q % span means the same position in both."""
+        """(source, destination) rings: take or restore boundary snapshots, or give forked
+        children their parent's state. A whole ring moves: slot q % span means the same
+        position in both."""
         src, dst = (torch.tensor(x, dtype=torch.long, device=self.rings.device) for x in zip(*pairs))
         self.rings[dst] = self.rings[src]
 
