@@ -300,10 +300,12 @@ class LLMEngine:
             return self.kv.export(seq.block_ids[:n], seq.ring, seq.num_computed, out)
         return self.kv.export_blocks(seq.block_ids[:n], out)
 
-    def kv_shape(self, n_blocks: int) -> tuple[int, ...]:
-        """Shape of the buffer export_kv fills for a prefix of n_blocks blocks."""
+    def kv_shape(self, n_blocks: int, num_carries: int = 1) -> tuple[int, ...]:
+        """Shape of the buffer export_kv fills for a prefix of n_blocks blocks. V4:
+        num_carries sequences' ring look-backs after them (children moved together,
+        engine/fork_io.py, carry one each); MLA carries nothing besides its blocks."""
         if self.hybrid:
-            return self.kv.export_shape(n_blocks)
+            return self.kv.export_shape(n_blocks, num_carries)
         layers, _, bs, d = self.kv.tensor.shape
         return (layers, n_blocks, bs, d)
 

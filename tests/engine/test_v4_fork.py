@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moemesh.shared.engine import fork_io
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.kv.spec import describe
 from moemesh.shared.protocol.forks import fork_ids, fork_params
 from moemesh.shared.protocol.sampling import SamplingParams
 from tests.engine.test_fork import _forks
@@ -191,3 +193,59 @@ def test_a_forked_prompt_is_reused_from_the_prefix_cache(v4):
     assert eng.num_cached_tokens_total == 32  # counted once for the three children
     _idle(eng)
 
+
+@pytest.mark.parametrize("spec", [0, None], ids=["plain", "mtp"])
+def test_children_move_to_decode_as_one_buffer(v4, spec):
+    """engine/fork_io.py on V4: the shared blocks' main rows once, each child's last block,
+    then each child's ring look-back; the decode engine files the shared blocks once (a
+    reference per child) and each look-back into a ring of the child's, and goes on as
+    the offline engine does. A child aborted on the way is left out."""
+    want = _solo(v4, GREEDY, num_speculative_tokens=spec)
+    pre = v4(role="prefill", num_speculative_tokens=spec)
+    pre.add_request("r", PROMPT, GREEDY, forks=_forks("r", 3, GREEDY))
+    firsts = {k: v["ids"] for k, v in run_whole(pre).items()}
+    kids = fork_ids("r", 3)
+    assert set(pre.held) == set(kids) and pre.num_prompt_tokens_total == len(PROMPT)
+    buf = fork_io.export(pre, kids)
+    drafts = {c: pre.held_drafts(c) for c in kids}
+    s = fork_io.num_shared(len(PROMPT), pre.cfg.block_size)
+    spec_ = describe(pre)
+    assert tuple(buf.shape) == fork_io.shape(pre, len(PROMPT), 3) == spec_.shape(s + 3, 3)
+    assert buf.numel() * buf.element_size() == spec_.nbytes(s + 3, 3) < 3 * spec_.nbytes(s + 1)
+    mw, cw = pre.kv.layout.main_width, pre.kv.layout.carry_width
+    mains, carries = buf[: (s + 3) * mw].view(s + 3, mw), buf[(s + 3) * mw :].view(3, cw)
+    for i, cid in enumerate(kids):  # each child's own export: the shared rows, its last block, its carry
+        own = torch.cat([mains[list(range(s)) + [s + i]].flatten(), carries[i]])
+        torch.testing.assert_close(pre.export_kv(cid), own, rtol=0, atol=0)
+        pre.release(cid)
+    _idle(pre)
+
+    dec = v4(role="decode", num_speculative_tokens=spec)
+    members = [(c, PROMPT + firsts[c], GREEDY, drafts[c]) for c in kids]
+    assert fork_io.can_import(dec, len(PROMPT), 2)
+    fork_io.add(dec, members, len(PROMPT), buf, skip={"r-1"})
+    a, c = dec.seqs["r-0"], dec.seqs["r-2"]
+    assert "r-1" not in dec.seqs and a.block_ids[:s] == c.block_ids[:s] and a.block_ids[s] != c.block_ids[s]
+    assert dec.blocks.ref_count(a.block_ids[0]) == 2 and a.ring != c.ring >= 0
+    assert dec.blocks.num_free_rings == dec.blocks.num_rings - 2
+    got = run_whole(dec)
+    assert firsts["r-0"] + got["r-0"]["ids"] == want and firsts["r-2"] + got["r-2"]["ids"] == want
+    _idle(dec)
+
+
+def test_a_buffer_of_the_wrong_size_or_too_few_rings_is_refused_and_nothing_leaks(v4):
+    from moemesh.shared.engine.engine import NoCapacity, RequestError
+
+    dec = v4(role="decode", num_speculative_tokens=0, max_num_seqs=1)  # two rings
+    members = [(c, PROMPT + [7], GREEDY, []) for c in fork_ids("r", 3)]
+    good = torch.zeros(fork_io.shape(dec, len(PROMPT), 3), dtype=dec.kv_dtype)
+    with pytest.raises(RequestError, match="shape"):
+        fork_io.add(dec, members, len(PROMPT), good[:-1])
+    assert not fork_io.can_import(dec, len(PROMPT), 3) and fork_io.can_import(dec, len(PROMPT), 2)
+    with pytest.raises(NoCapacity):
+        fork_io.add(dec, members, len(PROMPT), good)
+    fork_io.add(dec, members, len(PROMPT), good, skip={"r-0"})
+    assert set(dec.seqs) == {"r-1", "r-2"} and dec.blocks.num_free_rings == 0
+    for rid in ("r-1", "r-2"):
+        dec.abort(rid)
+    _idle(dec)
