@@ -242,11 +242,7 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
     if _get(body, "logprobs", (bool,), False):
         lp = top
         params = _with_logprobs(params, lp)
-    n = _n(body, max_n)
-    if n > 1 and tools is not None:  # each choice would need its own tool-call parser (not built yet)
-        raise ApiError(400, "'n' above 1 is not supported together with tools on this server", "n",
-                       code="tool_mismatch")
-    return GenerateRequest("chat", model, ids, params, logprobs=lp, n=n, tools=tools, **opts)
+    return GenerateRequest("chat", model, ids, params, logprobs=lp, n=_n(body, max_n), tools=tools, **opts)
 
 
 def _message(i: int, m) -> dict:
