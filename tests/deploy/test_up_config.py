@@ -91,6 +91,15 @@ def test_without_a_file_the_defaults_stand():
     assert all("--config" not in launch.argv for launch in plan)
 
 
+def test_gateways_pool_numbers_them_on_consecutive_ports(tmp_path):
+    p = tmp_path / "d.toml"
+    p.write_text("[pools]\ngateways = 3\n")
+    plan = launch_plan(up_config(str(p)), "/m", "nats://h:4222", 8000)
+    gateways = [(lc.name, lc.argv[lc.argv.index("--port") + 1], lc.argv[lc.argv.index("--worker-id") + 1])
+                for lc in plan if lc.argv[0] == "moemesh.services.gateway"]
+    assert gateways == [(f"gateway-{i}", str(8000 + i), f"gateway-{i}") for i in range(3)]
+
+
 def test_kv_store_pool(tmp_path):
     p = tmp_path / "d.toml"
     p.write_text("[pools]\nkv_store = true\n")
@@ -103,6 +112,7 @@ def test_kv_store_pool(tmp_path):
     ('decode = "2"', "decode must be int"),
     ("balancer = 1", "balancer must be bool"),
     ("kv_store = 2", "kv_store must be bool"),
+    ("gateways = 0", "gateways must be >= 1"),
     ("decode_dep = 0", "DEP widths"),
 ])
 def test_bad_pools_are_errors(tmp_path, pools, match):
