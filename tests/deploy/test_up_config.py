@@ -169,6 +169,8 @@ def test_the_rack_file_leaves_each_process_its_own_nats_user(section, cls):
     env = {"MOEMESH_PREFILL_DIST_INIT": "tcp://10.1.2.1:29500"}
     cfg = load(cls, section, REPO / "compose" / "rack" / "moemesh.toml", environ=env)
     assert cfg.nats_user == "" and cfg.nats_password == ""
+    if section == "kv_store":  # serves KV across hosts: never loopback only (the workers name
+        assert cfg.ucx_net_devices not in ("", "lo")  # the NIC nearest their GPU in their env files)
 
 
 def test_the_rack_file_plans_a_dep32_decode_instance_and_dep4_prefills():
@@ -178,6 +180,7 @@ def test_the_rack_file_plans_a_dep32_decode_instance_and_dep4_prefills():
     assert len(roles["moemesh.services.decode"]) == 32 and len(roles["moemesh.services.prefill"]) == 16
     assert len({a for launch in roles["moemesh.services.prefill"] for a in launch.argv if a.startswith("instance_id=")}) == 4
     assert len(roles["moemesh.services.balancer"]) == 1 and len(roles["moemesh.services.kv_store"]) == 1
+    assert [lc.name for lc in roles["moemesh.services.gateway"]] == ["gateway-0", "gateway-1"]
     from moemesh.services.balancer.config import BalancerConfig
     from moemesh.services.gateway.config import GatewayConfig
 
