@@ -35,8 +35,15 @@ def build_app(metrics: Metrics, health: Callable[[], dict]) -> Starlette:
     async def health_route(request: Request) -> JSONResponse:
         return JSONResponse(health())
 
+    async def ready_route(request: Request) -> JSONResponse:
+        # A draining worker is alive (liveness must not restart it mid-drain) but takes no
+        # new work, so an orchestrator should stop counting it as ready.
+        body = health()
+        ready = not body.get("draining", False) and body.get("ready", True)
+        return JSONResponse(body, status_code=200 if ready else 503)
+
     return Starlette(routes=[Route("/health", health_route, methods=["GET"]),
-                             Route("/health/ready", health_route, methods=["GET"]),
+                             Route("/health/ready", ready_route, methods=["GET"]),
                              Route("/metrics", _Asgi(make_asgi_app(metrics.exposition())), methods=["GET"])])
 
 

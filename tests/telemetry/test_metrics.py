@@ -72,3 +72,17 @@ def test_the_metrics_server_serves_prometheus_own_exposition_and_health():
     assert zipped.headers.get("content-encoding") == "gzip" or "moemesh_requests_total" in zipped.text
     assert om.headers["content-type"].startswith("application/openmetrics-text") and om.text.endswith("# EOF\n")
     assert health.json() == {"status": "ok", "role": "decode"} and missing.status_code == 404
+
+
+def test_a_draining_worker_is_alive_but_not_ready():
+    from starlette.testclient import TestClient
+
+    from moemesh.shared.service.metrics_http import build_app
+
+    state = {"status": "ok", "role": "decode", "draining": False}
+    c = TestClient(build_app(Metrics(), lambda: dict(state)))
+    assert c.get("/health/ready").status_code == 200
+    state["draining"] = True
+    assert c.get("/health").status_code == 200  # liveness must not restart it mid-drain
+    ready = c.get("/health/ready")
+    assert ready.status_code == 503 and ready.json()["draining"] is True
