@@ -128,8 +128,6 @@ class DecodeService(AsyncService):
             skip = set()
             for rid, sampling, output_ids, _ in members:
                 why = self._refusal(rid, sampling, output_ids)
-                if item.forks and not fork_io.together(rt.engine):
-                    why = "this worker takes the children of a prompt one by one"
                 if why:
                     refused[rid] = why
                     skip.add(rid)
@@ -245,7 +243,8 @@ class DecodeService(AsyncService):
         members = [(item.request_id, item.prompt_ids + item.output_ids, item.sampling.to_params(), item.draft_ids),
                    *((f.request_id, item.prompt_ids + f.output_ids, f.sampling.to_params(), f.draft_ids)
                      for f in item.forks)]
-        n_prompt, dtype, shape = len(item.prompt_ids), rt.kv_spec.dtype, rt.kv_spec.shape(item.num_blocks)
+        n_prompt, dtype = len(item.prompt_ids), rt.kv_spec.dtype
+        shape = rt.kv_spec.shape(item.num_blocks, len(members))
 
         def attempt(engine) -> bool:
             skip = pull.skip | {m[0] for m in members if m[0] not in self.active}  # aborted meanwhile

@@ -314,13 +314,10 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                     if ev.token:
                         tid, k = ids[k], k + 1
                     n_sent += ev.token
-                    out = [api.chunk(req, "", None, True)] if first else []
+                    out = api.tool_chunks(req, calls, tid, ev.text, ev.finish, first)
                     first = False
-                    out += [api.delta_chunk(req, d) for d in calls.feed(tid, ev.text)]
                     if ev.finish:
-                        finished_as = api.tool_finish(ev.finish, calls.calls)
-                        out.append(api.chunk(req, "", finished_as))
-                        end = True
+                        finished_as, end = api.tool_finish(ev.finish, calls.calls), True
                     for c in out:
                         if cont:
                             c["usage"] = api.usage(len(req.prompt_ids), n_sent, handle.cached_tokens)

@@ -6,6 +6,11 @@ choices. usage.completion_tokens counts the tokens of every choice.
 A choice ends on its own (its finish, or a stop string, which aborts only that child on
 the workers); the request ends when every choice has. An error, the inactivity timeout
 or the client going away ends them all.
+
+With tools each choice has its own tool-call parser: it answers in text or in calls of
+its own (their index counts within the choice, their ids are unique), and ends in
+finish_reason tool_calls when it called one. A forced call holds for every choice: each
+child samples under its own state of the request's grammar (shared/engine/fork.py).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from moemesh.services.gateway import openai_api as api
 from moemesh.services.gateway import span_attrs as attrs
 from moemesh.services.gateway.sse import unless_gone
 from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Choices, Reader
+from moemesh.services.gateway.tool_calls import ToolCallParser
 
 
 def _data(obj: dict) -> bytes:
@@ -33,6 +39,7 @@ def _error(st, req) -> str:
 async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, done):
     n = len(group.handles)
     readers = [Reader(st.tok, req.params.stop) for _ in range(n)]
+    calls = _parsers(req, n)
     fast = [api.ChunkBytes(req, i) for i in range(n)]
     first = [True] * n
     finishes: list[str | None] = [None] * n
@@ -61,6 +68,7 @@ async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, don
                     st.m["ttft"].observe(time.perf_counter() - t0)
                     stream_span.add_event("first_token")
                 n_out += len(ids)
+                k = 0  # the id of each token event, for the tool-call parser (it finds the markers by id)
                 for ev in readers[i].events(ids, lps, finish, error):
                     if ev.error:
                         stream_span.set_status(trace.StatusCode.ERROR, ev.error)
@@ -68,7 +76,15 @@ async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, don
                         failed = True
                         break
                     n_sent += ev.token
-                    if not (first[i] or ev.finish or ev.logprob):
+                    if calls is not None:
+                        tid = -1
+                        if ev.token:
+                            tid, k = ids[k], k + 1
+                        for c in api.tool_chunks(req, calls[i], tid, ev.text, ev.finish, first[i], i):
+                            if cont:
+                                c["usage"] = api.usage(n_prompt, n_sent, group.cached_tokens)
+                            parts.append(_data(c))
+                    elif not (first[i] or ev.finish or ev.logprob):
                         parts.append(fast[i].counted(ev.text, n_sent, group.cached_tokens) if cont
                                      else fast[i].text(ev.text))
                     else:
@@ -79,7 +95,7 @@ async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, don
                         parts.append(_data(c))
                     first[i] = False
                     if ev.finish is not None:
-                        finishes[i] = ev.finish
+                        finishes[i] = api.tool_finish(ev.finish, calls[i].calls) if calls else ev.finish
                         h.close("stop_string" if readers[i].stopped_by_string else None)
                         open_ -= 1
                         break
@@ -108,6 +124,11 @@ async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, don
         done(status)
 
 
+def _parsers(req: api.GenerateRequest, n: int) -> list[ToolCallParser] | None:
+    """One tool-call parser per choice, when the answers may hold calls."""
+    return None if req.tools is None else [ToolCallParser(req.tools.markers) for _ in range(n)]
+
+
 def _usage_attrs(span, req: api.GenerateRequest, n_out: int, finishes: list[str | None], group: Choices) -> None:
     if span.is_recording():
         span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, None, group.cached_tokens))
@@ -121,6 +142,7 @@ async def collect(request, st, req: api.GenerateRequest, group: Choices, span, t
 
     async def gather():
         readers = [Reader(st.tok, req.params.stop) for _ in range(n)]
+        calls = _parsers(req, n)
         texts: list[list[str]] = [[] for _ in range(n)]
         lps: list[list] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
@@ -137,19 +159,26 @@ async def collect(request, st, req: api.GenerateRequest, group: Choices, span, t
                     seen = True
                     st.m["ttft"].observe(time.perf_counter() - t0)
                 n_out += len(ids)
+                k = 0
                 for ev in readers[i].events(ids, wire_lps, fin, error):
                     if ev.error:
                         group.close("error")
                         return None, n_out, ev.error
-                    texts[i].append(ev.text)
+                    if calls is None:
+                        texts[i].append(ev.text)
+                    else:  # the content is what the parser finds outside the calls
+                        tid = -1
+                        if ev.token:
+                            tid, k = ids[k], k + 1
+                        texts[i] += [d.content for d in calls[i].feed(tid, ev.text) if d.content]
                     if ev.logprob is not None:
                         lps[i].append(ev.logprob)
                     if ev.finish:
                         h.close("stop_string" if readers[i].stopped_by_string else None)
-                        finish[i] = ev.finish
+                        finish[i] = api.tool_finish(ev.finish, calls[i].calls) if calls else ev.finish
                         break
-        return [("".join(t), f, api.logprobs_payload(req, st.tok, lp)) for t, f, lp in zip(texts, finish, lps)], \
-            n_out, None
+        return [("".join(t), f, api.logprobs_payload(req, st.tok, lp), calls[i].calls if calls else None)
+                for i, (t, f, lp) in enumerate(zip(texts, finish, lps))], n_out, None
 
     gone, work = await unless_gone(request, gather(), group)
     if gone:
@@ -165,7 +194,7 @@ async def collect(request, st, req: api.GenerateRequest, group: Choices, span, t
     if error:
         done(500)
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
-    _usage_attrs(span, req, n_out, [f for _, f, _ in choices], group)
+    _usage_attrs(span, req, n_out, [c[1] for c in choices], group)
     done(200)
     return JSONResponse(api.final_choices(req, choices, len(req.prompt_ids), n_out, group.cached_tokens),
                         headers=headers)

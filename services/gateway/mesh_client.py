@@ -104,6 +104,7 @@ class MeshClient:
         self._subs = []
         self._tasks = TaskSet()  # KV snapshots, aborts, the inactivity sweep
         self._sweeper: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         self._heartbeat: Heartbeater | None = None
         self._leaving = False
 
@@ -116,7 +117,7 @@ class MeshClient:
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
         self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id, "*"), TokenBatch, self._on_tokens))
         self._subs.append(await subscribe(self.nc, s.kv_events("*"), KVEvents, self._on_kv_events))
-        self._tasks.spawn(self._watch_workers(), "worker-watch")
+        self._watcher = self._tasks.spawn(self._watch_workers(), "worker-watch")
         self._sweeper = self._tasks.spawn(sweep_inactive(self.handles, self.cfg.inactivity_timeout_s,
                                                          silent_s=SILENT_S, on_silent=self.ask_resend),
                                           "inactivity-sweep")
@@ -135,9 +136,12 @@ class MeshClient:
             self._leaving = True
             await self._heartbeat.publish_now()
             self._heartbeat = None
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
+        # The loops never end on their own: left in the set, they would hold close() for
+        # its whole grace, which is for the aborts and resends still going out.
+        for loop in (self._sweeper, self._watcher):
+            if loop is not None:
+                loop.cancel()
+        self._sweeper = self._watcher = None
         await self._tasks.close(grace_s=1.0)
         if self.nc is None:
             return

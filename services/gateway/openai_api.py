@@ -13,7 +13,7 @@ from typing import Any
 
 from moemesh.services.gateway.request_fields import ONLY_AT, FieldError, caller_attributes, check_known
 from moemesh.services.gateway.structured import FormatError, grammar_of
-from moemesh.services.gateway.tool_calls import Delta, ToolError, Tools, parse_tools
+from moemesh.services.gateway.tool_calls import Delta, ToolCallParser, ToolError, Tools, parse_tools
 from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParamError, SamplingParams
 from moemesh.shared.tokenizer.tokenizer import Tokenizer, TokenizerError
 
@@ -242,11 +242,7 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
     if _get(body, "logprobs", (bool,), False):
         lp = top
         params = _with_logprobs(params, lp)
-    n = _n(body, max_n)
-    if n > 1 and tools is not None:  # each choice would need its own tool-call parser (not built yet)
-        raise ApiError(400, "'n' above 1 is not supported together with tools on this server", "n",
-                       code="tool_mismatch")
-    return GenerateRequest("chat", model, ids, params, logprobs=lp, n=n, tools=tools, **opts)
+    return GenerateRequest("chat", model, ids, params, logprobs=lp, n=_n(body, max_n), tools=tools, **opts)
 
 
 def _message(i: int, m) -> dict:
@@ -316,11 +312,12 @@ def chunk(req: GenerateRequest, text: str, finish: str | None, first: bool = Fal
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
 
 
-def delta_chunk(req: GenerateRequest, d: Delta, first: bool = False) -> dict[str, Any]:
+def delta_chunk(req: GenerateRequest, d: Delta, first: bool = False, index: int = 0) -> dict[str, Any]:
     """A chat chunk for one piece of an answer that may hold tool calls: content text, a
-    call's start (its id, type and name) or a piece of its arguments, as OpenAI streams them."""
+    call's start (its id, type and name) or a piece of its arguments, as OpenAI streams them.
+    index: the choice's; d.index is the call's within that choice."""
     if not d.call_id and d.index < 0:
-        return chunk(req, d.content, None, first)
+        return chunk(req, d.content, None, first, index=index)
     call: dict[str, Any] = {"index": d.index}
     if d.call_id:
         call.update(id=d.call_id, type="function", function={"name": d.name, "arguments": d.arguments})
@@ -329,7 +326,19 @@ def delta_chunk(req: GenerateRequest, d: Delta, first: bool = False) -> dict[str
     delta: dict[str, Any] = {"role": "assistant", "content": None} if first else {}
     delta["tool_calls"] = [call]
     return {"id": req.response_id, "object": "chat.completion.chunk", "created": req.created, "model": req.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]}
+
+
+def tool_chunks(req: GenerateRequest, calls: ToolCallParser, token_id: int, text: str, finish: str | None,
+                first: bool, index: int = 0) -> list[dict[str, Any]]:
+    """The chunks of one token event (token_id -1: an end with no token of its own) of the
+    choice `index`, whose answer may hold tool calls: the role on the choice's first, the
+    parser's deltas, and at the end the finish (tool_calls where the choice called one)."""
+    out = [chunk(req, "", None, True, index=index)] if first else []
+    out += [delta_chunk(req, d, index=index) for d in calls.feed(token_id, text)]
+    if finish:
+        out.append(chunk(req, "", tool_finish(finish, calls.calls), index=index))
+    return out
 
 
 class ChunkBytes:

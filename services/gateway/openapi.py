@@ -34,14 +34,15 @@ _RESPONSE_FORMAT = {"oneOf": [
             "schema": _opt({"type": "object", "description": _UNENFORCEABLE})}}}},
 ], "description": "structured output, enforced while sampling (docs/structured_outputs.md)"}
 _MISMATCH = ("a tool_choice naming a function not in tools, tool_choice required without tools, two tools of one "
-             "name, response_format with a forced call, or n above 1 with tools, is a 400 with code tool_mismatch")
+             "name, or response_format with a forced call, is a 400 with code tool_mismatch")
 _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"const": "function"},
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": _NAME, "description": _opt({"type": "string"}), "strict": _opt({"type": "boolean"}),
         "parameters": _opt({"type": "object", "description": _UNENFORCEABLE + " (when tool_choice forces a call)"})}}}}
 _TOOLS = {
-    "tools": _opt({"type": "array", "items": _TOOL, "description": _MISMATCH}),
+    "tools": _opt({"type": "array", "items": _TOOL, "description": "with n above 1 each choice answers in text or "
+                   "in tool calls of its own (a forced call holds for every choice); " + _MISMATCH}),
     "tool_choice": _opt({"oneOf": [
         {"enum": ["none", "auto", "required"]},
         {"type": "object", "required": ["type", "function"], "properties": {

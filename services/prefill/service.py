@@ -17,7 +17,7 @@ is aborted on its own. Only the engine sees them as one prompt (engine/fork.py),
 computes once. The children held in one step move as one KVReadyItem under one lease
 (the first child's, the others its `forks`): the prompt's KV once, then the block each
 owns (engine/fork_io.py). The lease goes when it is pulled, or expires, or when every
-child in it is aborted. (A DeepSeek-V4 engine's children move one by one.)
+child in it is aborted.
 """
 
 from __future__ import annotations
@@ -249,7 +249,6 @@ class PrefillService(AsyncService):
                     "prefill.batch", context=trace.set_span_in_context(st.span), start_time=t,
                     attributes={"batch.num_tokens": stats.num_tokens, "batch.num_seqs": stats.num_seqs})
         held: dict[str, list[Handoff]] = {}  # by the job they move with (children of one prompt move as one)
-        together = fork_io.together(rt.engine)
         for out in outputs:
             st = self.jobs.pop(out.request_id, None)
             if st is None:
@@ -264,7 +263,7 @@ class PrefillService(AsyncService):
                           cached_tokens=out.num_cached_tokens if out.num_prompt_tokens else None)
             if out.prefill_done:
                 h = Handoff(job, span, None, list(out.new_token_ids), rt.engine.held_drafts(job.request_id))
-                held.setdefault(st.parent if st.parent and together else job.request_id, []).append(h)
+                held.setdefault(st.parent or job.request_id, []).append(h)
             else:
                 span.end()
         handoffs: dict[str, list[Handoff]] = {}  # decode worker -> what it is to pull
@@ -272,7 +271,7 @@ class PrefillService(AsyncService):
             seq = rt.engine.held_sequence(h.job.request_id)
             n_blocks = fork_io.num_blocks(seq.num_prompt_tokens, 1 + len(forks), rt.engine.cfg.block_size) \
                 if forks else rt.engine.blocks.blocks_for(seq.num_computed)
-            h.lease = self.leases.grant(h.job, n_blocks, rt.kv_spec.nbytes(n_blocks),
+            h.lease = self.leases.grant(h.job, n_blocks, rt.kv_spec.nbytes(n_blocks, 1 + len(forks)),
                                         forks=[f.job.request_id for f in forks])
             h.forks = forks
             handoffs.setdefault(h.job.decode_id, []).append(h)
@@ -375,7 +374,8 @@ class PrefillService(AsyncService):
                     lease.pulling = True
                     spans.append(rt.tracer.start_span("kv.send", context=extract_context({"traceparent": item.traceparent}),
                                                       attributes={"request.id": item.request_id, "kv.bytes": item.nbytes}))
-                    dst = slot.part(off, item.nbytes).typed(spec.dtype, spec.shape(lease.num_blocks))
+                    shape = spec.shape(lease.num_blocks, 1 + len(lease.forks))  # V4: a ring window per child
+                    dst = slot.part(off, item.nbytes).typed(spec.dtype, shape)
                     # A held request's blocks are never written by a step, so the copy runs beside
                     # the engine, not between its steps: a pull never waits behind a long prefill.
                     # A small one is cheaper here than a thread's round trip.

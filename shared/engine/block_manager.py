@@ -16,7 +16,8 @@ Glossary:
   it cannot be handed out and filled by an import.
 - ring (DeepSeek-V4 only): the store of a sequence's recent positions (window keys,
   compressor projections) that it holds besides its blocks; taken with its first
-  blocks, given back with its last, and deferred like blocks while steps are in flight.
+  blocks (a parallel-sampling parent takes its children's too, engine/fork.py), given
+  back with its last, and deferred like blocks while steps are in flight.
   The prefix cache's V4 ring snapshots are kept apart (snapshots.py).
 """
 

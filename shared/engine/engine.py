@@ -29,7 +29,7 @@ from moemesh.shared.grammar.compile import GrammarError
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.drafter import Drafter
-from moemesh.shared.engine.fork import can_fork, make_children, take_copy
+from moemesh.shared.engine.fork import can_fork, make_children, ring_copies, take_copy
 from moemesh.shared.engine.grammar import GrammarRows, GrammarRuntime
 from moemesh.shared.engine.hybrid_batch import HybridBatcher
 from moemesh.shared.engine.hybrid_cache import HybridKVCache
@@ -229,9 +229,7 @@ class LLMEngine:
                                f"holds here", "n")
         for _, p in forks:
             self.check_request(prompt_ids, p)
-        if len(forks) == 1 or self.hybrid or not can_fork(len(prompt_ids)):
-            # V4 (its children would need copies of the parent's ring) and one-token prompts:
-            # the children compute the prompt each.
+        if len(forks) == 1 or not can_fork(len(prompt_ids)):  # a one-token prompt: the children compute it each
             for i, (rid, p) in enumerate(forks):
                 self.add_request(rid, prompt_ids, p, cached_blocks=cached_blocks if i == 0 else ())
             return
@@ -263,7 +261,8 @@ class LLMEngine:
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The parent has computed its prompt but the last position: its children take its
-        place (engine/fork.py)."""
+        place (engine/fork.py). On V4 the caller copies the parent's ring into the
+        children's (fork.ring_copies) once that position's forward has run."""
         children = make_children(parent, self.blocks, self._last_slot)
         self.scheduler.fork(parent, children)
         del self.seqs[parent.request_id]
@@ -301,10 +300,12 @@ class LLMEngine:
             return self.kv.export(seq.block_ids[:n], seq.ring, seq.num_computed, out)
         return self.kv.export_blocks(seq.block_ids[:n], out)
 
-    def kv_shape(self, n_blocks: int) -> tuple[int, ...]:
-        """Shape of the buffer export_kv fills for a prefix of n_blocks blocks."""
+    def kv_shape(self, n_blocks: int, num_carries: int = 1) -> tuple[int, ...]:
+        """Shape of the buffer export_kv fills for a prefix of n_blocks blocks. V4:
+        num_carries sequences' ring look-backs after them (children moved together,
+        engine/fork_io.py, carry one each); MLA carries nothing besides its blocks."""
         if self.hybrid:
-            return self.kv.export_shape(n_blocks)
+            return self.kv.export_shape(n_blocks, num_carries)
         layers, _, bs, d = self.kv.tensor.shape
         return (layers, n_blocks, bs, d)
 
@@ -431,6 +432,9 @@ class LLMEngine:
         step = PlannedStep(chunks, batch, [], [], [], None, None)
         step.stats = st
         sid = step.step_id
+        if self.snapshots is not None:  # before a fork takes the parent's ring
+            step.restores = self._restores(chunks)
+            step.snapshots = self._snapshot_plan(chunks, [(c.start + c.q_len,) * 2 for c in chunks])
         seqs, slots, params, rows = step.seqs, step.slots, step.params, []
         fill_rows, fill_from, register, forked = [], [], [], []
         bs = self.cfg.block_size
@@ -450,6 +454,7 @@ class LLMEngine:
                 forked += [rid for rid, _ in seq.forks]  # a worker's view: its children were scheduled
                 if end == seq.num_tokens - 1:
                     children = self._fork(seq)
+                    step.ring_copies += ring_copies(children)
                     if register and register[-1][0] is seq:
                         register[-1] = (children[0], end)
                 continue
@@ -475,9 +480,6 @@ class LLMEngine:
             step.grammar = self.grammar_rows(sid)
         step.prev = inflight
         step.register = register
-        if self.snapshots is not None:
-            step.restores = self._restores(chunks)
-            step.snapshots = self._snapshot_plan(chunks, [(c.start + c.q_len,) * 2 for c in chunks])
         st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
         st.scheduled = [c.seq.request_id for c in chunks] + forked
         t2 = time.perf_counter()

@@ -14,6 +14,14 @@ Glossary (P = prompt length, bs = block size):
   it, before the forward of its own first step (which writes position P-1 into the
   copy): copy on first write. Until then the child holds a reference on the parent's
   tail block (`cow_src`), so that child 0 finishing first does not free it.
+- ring (DeepSeek-V4 only): a sequence's store of its recent positions (window keys,
+  the compressors' projections of groups not yet complete), which every step writes.
+  Child 0 takes the parent's; every other child gets a whole copy of it, made right
+  after the forward of the parent's last chunk (`ring_copies`), into a ring the parent
+  has held for it since its admission (`Sequence.fork_rings`). A V4 block's main row
+  (compressed entries, index keys) goes with the block: a shared full block holds only
+  complete groups, which no child writes again; the tail block's row gains the groups a
+  child completes, so it is copied on first write as above.
 
 Why fork one position before the end, and not at the first token as vLLM's v0 block
 tables did: the KV of position P-1 is the same for every child in the model's layers,
@@ -22,6 +30,12 @@ that computes P-1 itself owns all of that position, and everything after the for
 (sampling, seeds, MTP drafts, the prefill hand-off, preemption) needs nothing of its
 own. The price: n positions instead of one, and the first tokens come one step after
 the prompt's last chunk rather than with it.
+
+Why a V4 child's ring is copied after the parent's last forward, and not before the
+child's first like the tail block: the source would then be child 0's ring, and child 0
+may be aborted or preempted in between and its ring handed to another sequence. Right
+after the parent's forward every child's ring is already its own, and the parent's
+state is complete in it.
 """
 
 from __future__ import annotations
@@ -41,12 +55,14 @@ def can_fork(prompt_len: int) -> bool:
 
 def make_children(parent: Sequence, blocks: BlockManager, last_slot: Callable[[Sequence], int]) -> list[Sequence]:
     """The parent's children, once it has computed positions 0 .. P-2. Child 0 takes the
-    parent's blocks (and its references); the others share its full blocks and note its
-    tail block to copy. The parent is left with no blocks."""
+    parent's blocks (and its references) and its ring; the others share its full blocks,
+    note its tail block to copy, and take the rings it held for them. The parent is left
+    with no blocks and no ring."""
     bs, done = blocks.block_size, parent.num_computed
     n_shared = done // bs
     shared = parent.block_ids[:n_shared]
     tail = parent.block_ids[n_shared] if done % bs else -1
+    rings = [parent.ring, *parent.fork_rings] if parent.ring >= 0 else []
     children = []
     for i, (rid, params) in enumerate(parent.forks):
         child = Sequence(rid, list(parent.token_ids), params, num_prompt_tokens=parent.num_prompt_tokens,
@@ -58,6 +74,8 @@ def make_children(parent: Sequence, blocks: BlockManager, last_slot: Callable[[S
         child.fork_index = i
         child.status = SeqStatus.RUNNING
         child.last_slot = last_slot(child)
+        if rings:
+            child.ring = rings[i]
         if i == 0:
             child.block_ids = parent.block_ids
         else:
@@ -67,10 +85,21 @@ def make_children(parent: Sequence, blocks: BlockManager, last_slot: Callable[[S
                 blocks.share([tail])
                 child.cow_src = tail
         children.append(child)
+    for r in rings[len(children):]:  # held for children aborted before the fork
+        blocks.give_ring(r)
     parent.block_ids = []
+    parent.ring, parent.fork_rings = -1, []
     parent.forks = []
     parent.status = SeqStatus.FINISHED
     return children
+
+
+def ring_copies(children: list[Sequence]) -> list[tuple[int, int]]:
+    """V4: the (source, destination) ring copies that give children 1.. the parent's
+    state (child 0 holds the parent's ring). They must follow the forward that computes
+    the parent's last chunk, and precede any other forward."""
+    src = children[0].ring
+    return [(src, c.ring) for c in children[1:]] if src >= 0 else []
 
 
 def take_copy(seq: Sequence, block_size: int) -> tuple[int, int] | None:
@@ -84,9 +113,11 @@ def take_copy(seq: Sequence, block_size: int) -> tuple[int, int] | None:
     return pair
 
 
-def copy_blocks(kv: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+def copy_blocks(kv, pairs: list[tuple[int, int]]) -> None:
     """(source, destination) blocks, every cache layer, of the MLA cache [layers, blocks,
-    bs, D]. (A DeepSeek-V4 engine does not fork: its children would need copies of the
-    parent's ring as well; they compute the prompt each, see LLMEngine.add_request.)"""
+    bs, D]; of a V4 cache (HybridKVCache), their main rows."""
+    if not isinstance(kv, torch.Tensor):
+        kv.copy_blocks(pairs)
+        return
     src, dst = (torch.tensor(x, dtype=torch.long, device=kv.device) for x in zip(*pairs))
     kv[:, dst] = kv[:, src]

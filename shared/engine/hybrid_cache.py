@@ -11,7 +11,9 @@ blocks and given back with its last.
 A request's state travels (prefill -> decode, one flat buffer) as its main rows
 followed by, per ring region, the `lookback` positions before its first position to
 compute, oldest first (zeros before position 0); the receiver files them into its own
-ring. That is everything a step needs to go on from there.
+ring. That is everything a step needs to go on from there. Children of one prompt
+(engine/fork_io.py) move as one such buffer with a carry per child: n main rows, then
+the children's carries in order (`num_carries`).
 
 With prefix caching, `num_snapshots` more rings follow the sequences' ones: the prefix
 cache's boundary snapshots (shared/engine/snapshots.py), copied whole from and into
@@ -48,18 +50,25 @@ class HybridKVCache:
     def bytes_per_block(cfg: V4Config, block_size: int, dtype: torch.dtype) -> int:
         return V4Layout(cfg, block_size).main_width * dtype.itemsize
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """(source, destination) blocks' main rows: a forked child's copy of its parent's
+        partial last block (engine/fork.py)."""
+        src, dst = (torch.tensor(x, dtype=torch.long, device=self.main.device) for x in zip(*pairs))
+        self.main[dst] = self.main[src]
+
     def copy_rings(self, pairs: list[tuple[int, int]]) -> None:
-        """(source, destination) rings: take or restore boundary snapshots. A whole ring
-        moves: slot q % span means the same position in both."""
+        """(source, destination) rings: take or restore boundary snapshots, or give forked
+        children their parent's state. A whole ring moves: slot q % span means the same
+        position in both."""
         src, dst = (torch.tensor(x, dtype=torch.long, device=self.rings.device) for x in zip(*pairs))
         self.rings[dst] = self.rings[src]
 
     # ---- a request's state as one buffer --------------------------------------------
-    def export_numel(self, n_blocks: int) -> int:
-        return n_blocks * self.layout.main_width + self.layout.carry_width
+    def export_numel(self, n_blocks: int, num_carries: int = 1) -> int:
+        return n_blocks * self.layout.main_width + num_carries * self.layout.carry_width
 
-    def export_shape(self, n_blocks: int) -> tuple[int, ...]:
-        return (self.export_numel(n_blocks),)
+    def export_shape(self, n_blocks: int, num_carries: int = 1) -> tuple[int, ...]:
+        return (self.export_numel(n_blocks, num_carries),)
 
     def _carried(self, region, num_computed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows of the region's carry that hold positions, their positions)."""
@@ -73,10 +82,14 @@ class HybridKVCache:
         if out is None:
             out = torch.empty(self.export_numel(n), dtype=self.dtype, device=self.main.device)
         mw = n * lay.main_width
-        if n:
-            out[:mw].view(n, -1).copy_(self.main[torch.tensor(block_ids, device=self.main.device)])
+        self.export_main(block_ids, out[:mw])
         self.export_carry(ring, num_computed, out[mw:])
         return out
+
+    def export_main(self, block_ids: list[int], out: torch.Tensor) -> None:
+        """The blocks' main rows, in order, into `out` (len(block_ids) * main_width elements)."""
+        if block_ids:
+            out.view(len(block_ids), -1).copy_(self.main[torch.tensor(block_ids, device=self.main.device)])
 
     def export_carry(self, ring: int, num_computed: int, out: torch.Tensor) -> None:
         """Each ring region's look-back before position num_computed, oldest first, into
@@ -96,9 +109,13 @@ class HybridKVCache:
             raise ValueError(f"V4 state buffer has shape {tuple(buf.shape)}, expected ({self.export_numel(n)},) "
                              f"for {n} blocks")
         mw = n * lay.main_width
-        if n:
-            self.main[torch.tensor(block_ids, device=self.main.device)] = buf[:mw].view(n, -1).to(self.main)
+        self.import_main(block_ids, buf[:mw])
         self.import_carry(ring, num_computed, buf[mw:])
+
+    def import_main(self, block_ids: list[int], buf: torch.Tensor) -> None:
+        """File main rows (export_main's layout) into the blocks, in order."""
+        if block_ids:
+            self.main[torch.tensor(block_ids, device=self.main.device)] = buf.view(len(block_ids), -1).to(self.main)
 
     def import_carry(self, ring: int, num_computed: int, buf: torch.Tensor) -> None:
         """File a carry (export_carry's layout) into `ring` at the slots of its positions."""

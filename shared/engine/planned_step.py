@@ -57,6 +57,8 @@ class PlannedStep:
     # before the forward; the sources' references are dropped when the step has landed.
     copies: list = field(default_factory=list)  # (source, destination) blocks
     release: list = field(default_factory=list)  # source blocks
+    # V4: the rings of a parent's children 1.., copied from its own after the forward of its last chunk.
+    ring_copies: list = field(default_factory=list)  # (source, destination) rings
     grammar: object = None  # GrammarRows: the constrained rows and their matchers; None: no constrained row
     stats: object = None  # the engine's StepStats for this step
     step_id: int = field(default_factory=lambda: next(_step_ids))
@@ -94,6 +96,8 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> 
     if step.copies:
         copy_blocks(kv_caches, step.copies)
     hidden = model(batch, kv_caches)
+    if step.ring_copies:
+        kv_caches.copy_rings(step.ring_copies)
     if step.snapshots:
         kv_caches.copy_rings([s[:2] for s in step.snapshots])
     t1 = time.perf_counter()

@@ -11,7 +11,8 @@ recomputed from its tokens. This keeps the oldest requests moving.
 
 Parallel sampling (engine/fork.py): a parent counts as the n sequences it forks into,
 against max_num_seqs, from the step it is admitted; its chunks end one position short of
-its prompt, where the engine forks it (`fork`).
+its prompt, where the engine forks it (`fork`). On V4 it also takes its children's n
+rings at admission (its own and `fork_rings`): the fork then needs no free ring.
 
 DeepSeek-V4 (with `snapshots`): a cached prefix is taken only as deep as its deepest
 boundary snapshot, whose copy into the sequence's ring goes with its first step, and a
@@ -176,15 +177,16 @@ class Scheduler:
             cached = self._reuse_prefix(seq)
             num_new = self._cut(seq, min(seq.num_tokens - seq.num_computed, budget))
             need = self.blocks.blocks_for(seq.num_computed + num_new + max(k - 1, 0)) - len(seq.block_ids)
-            no_ring = self.blocks.uses_rings and seq.ring < 0 and not self.blocks.num_free_rings
-            if no_ring or not self.blocks.can_allocate(need):
+            rings = width if self.blocks.uses_rings and seq.ring < 0 else 0
+            if rings > self.blocks.num_free_rings or not self.blocks.can_allocate(need):
                 if cached:  # give the prefix back; it stays cached for the next attempt
                     self._free(seq)
                     seq.num_computed = seq.num_registered = 0
                 break
             seq.block_ids += self.blocks.allocate(need)
-            if self.blocks.uses_rings and seq.ring < 0:
+            if rings:
                 seq.ring = self.blocks.take_ring()
+                seq.fork_rings = [self.blocks.take_ring() for _ in range(rings - 1)]
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)  # a preempted sequence goes back to its place
@@ -291,3 +293,6 @@ class Scheduler:
         if seq.ring >= 0:
             self.blocks.give_ring(seq.ring)
             seq.ring = -1
+        for r in seq.fork_rings:  # a V4 parent's rings for its children
+            self.blocks.give_ring(r)
+        seq.fork_rings = []

@@ -69,9 +69,11 @@ class Sequence:
     sample_row: int = -1
     last_slot: int = 1 << 62  # index in token_ids of its last token by length (set by the engine)
     # Parallel sampling (engine/fork.py). A parent: its children's (request id, params); it
-    # computes the prompt but its last position, then forks into them. A child: its index,
-    # and until its first step, the block it copies its prompt's partial last block from.
+    # computes the prompt but its last position, then forks into them; on V4, also the rings
+    # children 1.. take at the fork, held from its admission. A child: its index, and until
+    # its first step, the block it copies its prompt's partial last block from.
     forks: list = field(default_factory=list)
+    fork_rings: list[int] = field(default_factory=list)
     fork_index: int = 0
     cow_src: int = -1
     matcher: object = None  # structured output: its grammar state (engine/grammar.py), None when free

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moemesh.shared.engine import sampler
-from moemesh.shared.engine.fork import copy_blocks, take_copy
+from moemesh.shared.engine.fork import copy_blocks, ring_copies, take_copy
 from moemesh.shared.engine.outputs import RequestOutput, StepStats
 from moemesh.shared.engine.runner import Chunk, build_batch
 from moemesh.shared.engine.sequence import FinishReason, Sequence
@@ -69,7 +69,8 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
     for c in chunks:  # after the drafts: the MTP layer's KV of the parent's positions is in its blocks
         seq = c.seq
         if seq.forks and seq.num_computed == seq.num_tokens - 1:
-            eng._fork(seq)
+            if pairs := ring_copies(eng._fork(seq)):  # V4: the children's rings, the MTP layer's rows in them
+                eng.kv.copy_rings(pairs)
     if snaps:  # after the drafts: the MTP layer's rows are part of a snapshot
         ends = [(c.seq.num_computed, max(c.start + c.q_len, c.seq.num_computed + eng.num_spec)) for c in chunks]
         taken = eng._snapshot_plan(chunks, ends, rings)

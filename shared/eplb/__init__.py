@@ -2,7 +2,8 @@
 
 - placement.py: the Placement structure (phy2log, log2phy, ratios, JSON), naive placement.
 - policy.py: our policy (build_placement) and the PlacementPolicy seam.
-- replicas.py, packing.py: its two steps, replica counts and slot arrangement.
+- replicas.py, packing.py, expected.py: its steps, replica counts, slot arrangement and
+  the choice, per layer, between it and DeepSeek's by the next window's expected balance.
 - reference.py: DeepSeek's EPLB rewritten, to compare against.
 - align.py: relabel a new placement onto the running one so few weights move.
 - hysteresis.py: whether a candidate is worth switching to.

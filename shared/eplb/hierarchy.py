@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import torch
 
+from moemesh.shared.eplb.expected import NextWindow
 from moemesh.shared.eplb.packing import pack
 from moemesh.shared.eplb.placement import Placement
 from moemesh.shared.eplb.policy import build_placement
 
 
 def build_hierarchical(loads: torch.Tensor, num_ranks: int, num_redundant: int, *, num_nodes: int,
-                       num_groups: int, num_rounds: int | None = None) -> Placement:
+                       num_groups: int, num_rounds: int | None = None,
+                       next_window: NextWindow | None = NextWindow()) -> Placement:
     """Our policy with expert groups kept within nodes.
 
     Args:
@@ -37,7 +39,8 @@ def build_hierarchical(loads: torch.Tensor, num_ranks: int, num_redundant: int, 
         num_redundant: K redundant slots per rank.
         num_nodes: N.
         num_groups: G, a multiple of N, dividing E.
-        num_rounds: as build_placement.
+        num_rounds, next_window: as build_placement; the next-window choice is made
+            per (layer, node) against DeepSeek's placement within the node.
     Returns:
         The placement; every expert's replicas lie on the node that holds its group.
     """
@@ -57,6 +60,7 @@ def build_hierarchical(loads: torch.Tensor, num_ranks: int, num_redundant: int, 
         num_layers * num_nodes, num_experts // num_nodes)  # [L*N, E/N]
     node_loads = w.gather(1, node_experts.view(num_layers, -1)).view_as(node_experts)
     kw = {} if num_rounds is None else {"num_rounds": num_rounds}
-    local = build_placement(node_loads, num_ranks // num_nodes, num_redundant, **kw)  # [L*N, P/N]
+    local = build_placement(node_loads, num_ranks // num_nodes, num_redundant, next_window=next_window,
+                            **kw)  # [L*N, P/N]
     phy2log = node_experts.gather(1, local.phy2log).view(num_layers, -1)
     return Placement(phy2log, num_experts, num_ranks)

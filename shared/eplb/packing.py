@@ -70,6 +70,18 @@ def pack(share: torch.Tensor, experts: torch.Tensor, num_ranks: int, *, num_roun
     return order
 
 
+def pack_greedy(share: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """[L, P] order as pack() returns it, by DeepSeek's packing alone (heaviest slot into
+    the lightest rank with room; no deduplication, no swaps), for the next-window choice
+    (expected.py).
+
+    share may be float32, as DeepSeek's rewrite computes it: slots are then taken in the
+    order of the very sort call it makes, so slots of equal load (frequent with token
+    counts, and of different experts next window) land on the same ranks as there."""
+    by_load = share.sort(dim=1, descending=True).indices
+    return _greedy(share.double(), num_ranks, by_load)
+
+
 def _repair(share, experts, start, num_ranks, num_rounds, target, floor) -> tuple[torch.Tensor, torch.Tensor]:
     """([L, P] order, [L] max rank load): steps 2 and 3 from the [L, P] start order."""
     num_layers, num_slots = share.shape
@@ -105,23 +117,27 @@ def _rounds(share: torch.Tensor, num_ranks: int) -> torch.Tensor:
     return out.flatten(1)
 
 
-def _greedy(share: torch.Tensor, num_ranks: int) -> torch.Tensor:
+def _greedy(share: torch.Tensor, num_ranks: int, by_load: torch.Tensor | None = None) -> torch.Tensor:
     """[L, P] slot indices, rank-major: heaviest slot first into the lightest rank with room
-    (DeepSeek's packing), one slot per step for all layers at once."""
+    (DeepSeek's packing), one slot per step for all layers at once. by_load: [L, P] the
+    slots heaviest first, if not by a stable sort of share."""
     num_layers, num_slots = share.shape
     per_rank = num_slots // num_ranks
-    by_load = share.sort(dim=1, descending=True, stable=True).indices  # [L, P]
+    if by_load is None:
+        by_load = share.sort(dim=1, descending=True, stable=True).indices  # [L, P]
     weight = share.gather(1, by_load)
-    loads = torch.zeros(num_layers, num_ranks, dtype=share.dtype)
+    loads = torch.zeros(num_layers, num_ranks, dtype=share.dtype)  # +inf once a rank is full
     filled = torch.zeros(num_layers, num_ranks, dtype=torch.int64)
-    out = torch.empty(num_layers, num_ranks, per_rank, dtype=torch.int64)
-    layer = torch.arange(num_layers)
+    rank_of = torch.empty(num_layers, num_slots, dtype=torch.int64)
+    one = torch.ones(num_layers, 1, dtype=torch.int64)
     for i in range(num_slots):
-        r = loads.masked_fill(filled >= per_rank, torch.inf).argmin(1)  # [L]
-        out[layer, r, filled[layer, r]] = by_load[:, i]
-        loads[layer, r] += weight[:, i]
-        filled[layer, r] += 1
-    return out.flatten(1)
+        r = loads.argmin(1, keepdim=True)  # [L, 1] the first lightest rank with room
+        rank_of[:, i:i + 1] = r
+        loads.scatter_add_(1, r, weight[:, i:i + 1])
+        filled.scatter_add_(1, r, one)
+        loads.masked_fill_(filled == per_rank, torch.inf)
+    # Every rank took exactly S slots; grouping by rank keeps each rank's in dealing order.
+    return by_load.gather(1, rank_of.argsort(dim=1, stable=True))
 
 
 def _deduplicate(s: torch.Tensor, ex: torch.Tensor, order: torch.Tensor) -> None:

@@ -8,7 +8,9 @@ does):
    packed evenly, then the nearest candidate that can;
 2. slot arrangement (packing.py): deal slots to ranks in rounds, separate duplicate
    replicas, then pair-exchange swaps between heavy and light ranks; where that stops
-   short, again from a greedy start (DeepSeek's packing), keeping the better.
+   short, again from a greedy start (DeepSeek's packing), keeping the better;
+3. next-window choice (expected.py), from scratch only: each layer keeps DeepSeek's
+   exact placement unless steps 1-2 clearly serve the next window better.
 
 It is global: any slot may go to any rank, as for decode, where all ranks of the
 instance exchange tokens all-to-all. It takes loads as given; smoothing windows into
@@ -25,8 +27,9 @@ from typing import Protocol
 
 import torch
 
-from moemesh.shared.eplb import reference
-from moemesh.shared.eplb.packing import pack
+from moemesh.shared.eplb import expected, reference
+from moemesh.shared.eplb.expected import NextWindow
+from moemesh.shared.eplb.packing import pack, pack_greedy
 from moemesh.shared.eplb.placement import Placement, slots_per_rank
 from moemesh.shared.eplb.replicas import choose_counts, max_load_bound
 
@@ -51,7 +54,8 @@ class PlacementPolicy(Protocol):
 
 
 def build_placement(loads: torch.Tensor, num_ranks: int, num_redundant: int, *, num_rounds: int = 24,
-                    current: Placement | None = None, target: float | None = None) -> Placement:
+                    current: Placement | None = None, target: float | None = None,
+                    next_window: NextWindow | None = NextWindow()) -> Placement:
     """Our policy: see the module docstring. Arguments as PlacementPolicy.place, plus:
 
     Args:
@@ -63,6 +67,9 @@ def build_placement(loads: torch.Tensor, num_ranks: int, num_redundant: int, *, 
             scratch and 0.995 incremental: past that, swaps mostly fit the window's
             noise (held out they gain under 0.001), and incrementally each costs two
             expert copies.
+        next_window: from scratch, each layer keeps DeepSeek's placement unless ours
+            is expected to serve the next window better (expected.py); None keeps
+            ours everywhere.
     """
     if loads.dim() != 2:
         raise ValueError(f"loads must be [layers, experts], got {tuple(loads.shape)}")
@@ -96,7 +103,24 @@ def build_placement(loads: torch.Tensor, num_ranks: int, num_redundant: int, *, 
     floor = bound * w.sum(1) / num_ranks  # [L] no packing of these counts beats it
     order = pack(share, experts, num_ranks, num_rounds=num_rounds, target=target, floor=floor,
                  warm=current is not None)
-    return Placement(experts.gather(1, order), num_experts, num_ranks)
+    phy2log = experts.gather(1, order)
+    if current is None and next_window is not None and 1 < num_ranks < phy2log.shape[1]:
+        phy2log = _for_next_window(w, phy2log, num_ranks, per_rank, next_window)
+    return Placement(phy2log, num_experts, num_ranks)
+
+
+def _for_next_window(w: torch.Tensor, ours: torch.Tensor, num_ranks: int, per_rank: int,
+                     model: NextWindow) -> torch.Tensor:
+    """[L, P]: DeepSeek's placement, except in the layers where ours [L, P] is expected
+    to serve the next window better by a margin that its spread does not swallow.
+
+    In-window, ours is never behind; held out, swaps that even out the observed window
+    gain nothing where they only fit its sampling noise, and a layer that serves
+    exactly as DeepSeek's does cannot fall behind it.
+    """
+    theirs = deepseek_like(w, num_ranks, per_rank)
+    take = expected.better_layers(w, theirs, ours, num_ranks, model)  # [L]
+    return torch.where(take.unsqueeze(1), ours, theirs)
 
 
 def _reconcile(phy2log: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -118,6 +142,15 @@ def _reconcile(phy2log: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     out = phy2log.clone()
     out[free] = arriving
     return out
+
+
+def deepseek_like(loads: torch.Tensor, num_ranks: int, per_rank: int) -> torch.Tensor:
+    """[L, P] phy2log of DeepSeek's global EPLB (reference.py), its packing vectorised
+    across layers: the same slots on the same ranks, duplicates included."""
+    experts, counts = reference.replicate(loads.float(), num_ranks * per_rank)  # loop over slots, not layers
+    # Float32 shares and the same sort call as the rewrite: equal slots break ties alike.
+    share = (loads.float() / counts).gather(1, experts)
+    return experts.gather(1, pack_greedy(share, num_ranks))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ Glossary:
 - hand-off buffer: one request's computed prefix, as `engine.export_kv` fills it and
   `engine.add_prefilled` takes it: [layers, n, block_size, D] for an MLA cache; for a
   DeepSeek-V4 hybrid cache one flat buffer of n blocks' main rows plus the ring window
-  the request carries (`carry`), whatever its length.
+  the request carries (`carry`), whatever its length. Children of one prompt that move
+  together (engine/fork_io.py) carry one window each.
 - block-major buffer: whole cached blocks as they travel between caches and the store,
   [n, layers, block_size, D], each block's bytes contiguous. A DeepSeek-V4 move is a
   prefix's blocks and the boundary snapshot at its end, as one flat buffer laid out like
@@ -43,14 +44,15 @@ class KVSpec:
         return self.block_numel * self.dtype.itemsize
 
     # ---- the hand-off buffer ------------------------------------------------------------
-    def shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of a request's hand-off buffer of num_blocks blocks (engine.kv_shape)."""
+    def shape(self, num_blocks: int, num_carries: int = 1) -> tuple[int, ...]:
+        """Shape of a hand-off buffer of num_blocks blocks for num_carries sequences
+        (engine.kv_shape): one request, or children of one prompt moved together."""
         if self.hybrid:
-            return (num_blocks * self.block_numel + self.carry_numel,)
+            return (num_blocks * self.block_numel + num_carries * self.carry_numel,)
         return (self.num_layers, num_blocks, self.block_size, self.dim)
 
-    def nbytes(self, num_blocks: int) -> int:
-        return (num_blocks * self.block_numel + self.carry_numel) * self.dtype.itemsize
+    def nbytes(self, num_blocks: int, num_carries: int = 1) -> int:
+        return (num_blocks * self.block_numel + num_carries * self.carry_numel) * self.dtype.itemsize
 
     # ---- whole blocks ---------------------------------------------------------------------
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:

@@ -95,8 +95,9 @@ class KVReadyItem:
 class KVFork:
     """Parallel sampling: a child of the same prompt as its KVReadyItem (protocol/forks.py)
     whose KV moves with it. The item's buffer then holds the prompt's shared full blocks
-    once, followed by the last block of the item's own request and of each fork, in order
-    (shared/engine/fork_io.py); num_blocks and nbytes count them all."""
+    once, followed by the last block of the item's own request and of each fork, in order,
+    and on DeepSeek-V4 then the ring look-back of each, in the same order
+    (shared/engine/fork_io.py); num_blocks counts the blocks, nbytes all of it."""
     request_id: str
     output_ids: list[int]
     sampling: WireSampling

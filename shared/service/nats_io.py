@@ -84,7 +84,11 @@ async def connect(cfg: ServiceConfig, name: str, link: LinkEvents | None = None)
     async def on_error(e: Exception) -> None:
         log.warning("NATS error: %s", e)
 
+    conn: list[NATS] = []
+
     async def on_disconnect() -> None:
+        if conn and (conn[0].is_closed or conn[0].is_draining):
+            return  # our own close, not an outage
         log.warning("NATS disconnected; reconnecting")
         if link is not None:
             link._fire(link.down)
@@ -106,7 +110,9 @@ async def connect(cfg: ServiceConfig, name: str, link: LinkEvents | None = None)
         kw["user_credentials"] = cfg.nats_creds
     # nats-py retries a first connection for ever (max_reconnect_attempts=-1): bound it.
     try:
-        return await asyncio.wait_for(nats.connect(**kw), cfg.nats_connect_timeout_s)
+        nc = await asyncio.wait_for(nats.connect(**kw), cfg.nats_connect_timeout_s)
+        conn.append(nc)
+        return nc
     except asyncio.TimeoutError:
         raise NatsUnreachable(f"cannot reach NATS at {redact_url(cfg.nats_url)} (no connection within "
                               f"{cfg.nats_connect_timeout_s:g}s)") from None

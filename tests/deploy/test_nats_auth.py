@@ -47,6 +47,15 @@ def test_permissions_name_only_the_workers_own_subjects():
         render_auth_conf([WorkerName("decode", "d"), WorkerName("prefill", "d")])
 
 
+def test_each_of_several_gateways_has_its_own_user(tmp_path):
+    (tmp_path / "d.toml").write_text("[pools]\ngateways = 2\n")
+    gateways = [w for w in identities(up_config(str(tmp_path / "d.toml"))) if w.role == "gateway"]
+    assert [w.worker_id for w in gateways] == ["gateway-0", "gateway-1"]
+    second = permissions(gateways[1], "mm")
+    assert "mm.gateway.gateway-1.tokens.*" in second.subscribe and "_INBOX.gateway-1.>" in second.subscribe
+    assert not any("gateway-0" in s for s in (*second.subscribe, *second.publish))
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("nats-auth")

@@ -91,6 +91,15 @@ def test_without_a_file_the_defaults_stand():
     assert all("--config" not in launch.argv for launch in plan)
 
 
+def test_gateways_pool_numbers_them_on_consecutive_ports(tmp_path):
+    p = tmp_path / "d.toml"
+    p.write_text("[pools]\ngateways = 3\n")
+    plan = launch_plan(up_config(str(p)), "/m", "nats://h:4222", 8000)
+    gateways = [(lc.name, lc.argv[lc.argv.index("--port") + 1], lc.argv[lc.argv.index("--worker-id") + 1])
+                for lc in plan if lc.argv[0] == "moemesh.services.gateway"]
+    assert gateways == [(f"gateway-{i}", str(8000 + i), f"gateway-{i}") for i in range(3)]
+
+
 def test_kv_store_pool(tmp_path):
     p = tmp_path / "d.toml"
     p.write_text("[pools]\nkv_store = true\n")
@@ -103,6 +112,7 @@ def test_kv_store_pool(tmp_path):
     ('decode = "2"', "decode must be int"),
     ("balancer = 1", "balancer must be bool"),
     ("kv_store = 2", "kv_store must be bool"),
+    ("gateways = 0", "gateways must be >= 1"),
     ("decode_dep = 0", "DEP widths"),
 ])
 def test_bad_pools_are_errors(tmp_path, pools, match):
@@ -159,6 +169,8 @@ def test_the_rack_file_leaves_each_process_its_own_nats_user(section, cls):
     env = {"MOEMESH_PREFILL_DIST_INIT": "tcp://10.1.2.1:29500"}
     cfg = load(cls, section, REPO / "compose" / "rack" / "moemesh.toml", environ=env)
     assert cfg.nats_user == "" and cfg.nats_password == ""
+    if section == "kv_store":  # serves KV across hosts: never loopback only (the workers name
+        assert cfg.ucx_net_devices not in ("", "lo")  # the NIC nearest their GPU in their env files)
 
 
 def test_the_rack_file_plans_a_dep32_decode_instance_and_dep4_prefills():
@@ -168,6 +180,7 @@ def test_the_rack_file_plans_a_dep32_decode_instance_and_dep4_prefills():
     assert len(roles["moemesh.services.decode"]) == 32 and len(roles["moemesh.services.prefill"]) == 16
     assert len({a for launch in roles["moemesh.services.prefill"] for a in launch.argv if a.startswith("instance_id=")}) == 4
     assert len(roles["moemesh.services.balancer"]) == 1 and len(roles["moemesh.services.kv_store"]) == 1
+    assert [lc.name for lc in roles["moemesh.services.gateway"]] == ["gateway-0", "gateway-1"]
     from moemesh.services.balancer.config import BalancerConfig
     from moemesh.services.gateway.config import GatewayConfig
 

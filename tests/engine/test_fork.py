@@ -213,24 +213,3 @@ def test_children_move_to_decode_as_one_buffer(tiny_engine_factory, spec):
     dec.blocks.check()
     assert dec.blocks.num_free_blocks == dec.blocks.num_blocks
 
-
-def test_a_v4_engine_runs_each_child_on_its_own(tiny_v4_model):
-    """A DeepSeek-V4 engine does not fork (a child would need its parent's window ring
-    too): the children compute the prompt each, and still sample as the single request."""
-    from moemesh.shared.engine import fork_io
-    from moemesh.shared.engine.config import EngineConfig
-    from moemesh.shared.engine.engine import LLMEngine
-
-    def make():
-        return LLMEngine(EngineConfig(model=tiny_v4_model, num_kv_blocks=64))
-
-    p = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    want = _solo(make, p)
-    eng = make()
-    assert not fork_io.together(eng)
-    eng.add_request("r", PROMPT, p, forks=_forks("r", 2, p))
-    assert set(eng.seqs) == {"r-0", "r-1"}  # no parent
-    got = run_whole(eng)
-    assert got["r-0"]["ids"] == got["r-1"]["ids"] == want
-    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
-

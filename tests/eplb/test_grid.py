@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from moemesh.shared.eplb import reference
 from moemesh.shared.eplb.grid import GridConfig, run_grid, table, workload
@@ -17,11 +18,11 @@ def test_ours_against_deepseek_on_every_scenario():
     # its stopping rule lets it be: swaps stop once every rank is within mean / 0.999.
     short = [r for r in rows if r["ours_in_window"] < r["deepseek_in_window"] - 1e-3]
     assert not short, table({"rows": short, "summary": result["summary"]})
-    # Held out, ours wins on average. Per scenario it can trail by sampling noise: a
-    # held-out window differs from the build window by more than the two policies'
-    # in-window difference (docs/eplb.md: about 1 scenario in 5, by at most ~0.005).
+    # Held out, never behind: a layer keeps DeepSeek's exact placement unless the
+    # next-window copies make ours clearly better for the instance (expected.py), so a
+    # scenario ties exactly or gains (docs/eplb.md: 0 of 252 behind on seeds 1, 2 and 3).
     assert result["summary"]["mean_gain"] > 0.004
-    behind = [r for r in rows if r["gain"] < -0.008]
+    behind = [r for r in rows if r["gain"] < -1e-9]
     assert not behind, table({"rows": behind, "summary": result["summary"]})
 
 
@@ -44,10 +45,17 @@ def test_hot_experts_on_many_ranks_beat_deepseek_held_out(num_experts):
     # the swaps stop at 0.987-0.995 in-window under a bound of 0.999; packing other
     # counts gets 0.996 in-window but loses held out, so the plateau stays (docs/eplb.md).
     windows = workload("hot:4:0.4", num_experts, 6, seed=3).windows(2).double()
-    ours = build_placement(windows[0], 32, 1)
+    ours = build_placement(windows[0], 32, 1, next_window=None)
     theirs = reference.rebalance(windows[0], 32, 1)
     assert ours.instance_ratio(windows[0]) > 0.99
     assert ours.instance_ratio(windows[1]) > theirs.instance_ratio(windows[1]) + 0.005
+    # The next-window choice takes ours at 256 experts. At 64 the copies expect ours to
+    # gain ~1% of a layer's max with a spread of ~2%, too doubtful at caution 2, so it
+    # keeps DeepSeek's (this pair of windows happens to favour ours by 0.023).
+    chosen = build_placement(windows[0], 32, 1)
+    assert chosen.instance_ratio(windows[1]) >= theirs.instance_ratio(windows[1])
+    if num_experts == 256:
+        assert torch.equal(chosen.phy2log, ours.phy2log)
 
 
 def test_cli_default_skews_are_the_grid_s():

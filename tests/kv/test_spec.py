@@ -33,6 +33,9 @@ def test_sizes_are_those_of_the_engines_export(which, request):
     for n in (0, 1, 3, 7):
         assert spec.shape(n) == e.kv_shape(n)
         assert spec.nbytes(n) == math.prod(e.kv_shape(n)) * e.kv_dtype.itemsize
+        # three children of one prompt moving together (engine/fork_io.py): V4 carries three windows
+        assert spec.shape(n, 3) == e.kv_shape(n, 3)
+        assert spec.nbytes(n, 3) == math.prod(e.kv_shape(n, 3)) * e.kv_dtype.itemsize
     assert spec.nbytes(5) - spec.nbytes(4) == spec.bytes_per_block
 
 

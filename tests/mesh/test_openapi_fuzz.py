@@ -6,7 +6,7 @@ The allowed exceptions (EXCEPTIONS) are what a JSON schema of the request cannot
 the document says: a prompt plus max_tokens that does not fit the context (400
 context_length_exceeded), a response_format or tool schema the grammar library cannot
 enforce (400 unenforceable_schema), and tool settings that disagree with each other (400
-tool_mismatch, n above 1 with tools among them). The default run tries a few dozen cases per operation; `-m slow` runs a
+tool_mismatch). The default run tries a few dozen cases per operation; `-m slow` runs a
 thousand."""
 
 from __future__ import annotations

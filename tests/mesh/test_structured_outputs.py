@@ -12,6 +12,7 @@ import openai
 import pydantic
 import pytest
 
+from moemesh.shared.protocol.forks import fork_seed
 from tests.json_check import validate
 
 SCHEMA = {
@@ -109,3 +110,77 @@ def test_a_named_function_streams_one_call_as_deltas(client):
     args = "".join(d.function.arguments or "" for d in deltas)
     validate(args, CLOCK["function"]["parameters"])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def _args_ok(name: str, arguments: str) -> None:
+    validate(arguments, {"get_weather": WEATHER, "get_time": CLOCK}[name]["function"]["parameters"])
+
+
+def _call(choice) -> tuple[str, str]:
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id
+    return call.function.name, call.function.arguments
+
+
+def test_every_choice_of_n_calls_a_tool_when_required_or_named(client):
+    """n = 3 children forked from one prefill, each under its own state of the tool-call
+    grammar: each choice a valid call of its own, with ids unique across choices."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+              tools=[WEATHER, CLOCK], parallel_tool_calls=False, max_tokens=120, seed=5, n=3)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(**kw, tool_choice=choice)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        assert [c.finish_reason for c in r.choices] == ["tool_calls"] * 3, r.choices
+        for c in r.choices:
+            _args_ok(*_call(c))
+        assert len({c.message.tool_calls[0].id for c in r.choices}) == 3
+    # named: choice i is the call that n = 1 with child i's seed makes (the random model
+    # names a different city for each), so each child went through the grammar on its own
+    assert {_call(c)[0] for c in r.choices} == {"get_weather"} and len({_call(c) for c in r.choices}) == 3
+    singles = [client.chat.completions.create(**{**kw, "n": 1, "seed": fork_seed(5, i)},
+                                              tool_choice=choice).choices[0] for i in range(3)]
+    assert [_call(c) for c in r.choices] == [_call(c) for c in singles]
+
+
+def test_required_and_named_calls_stream_per_choice(client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK], max_tokens=80,
+              seed=6, parallel_tool_calls=False, stream=True, n=2, stream_options={"include_usage": True})
+    ids = []
+    for choice, name in (("required", None), ({"type": "function", "function": {"name": "get_time"}}, "get_time")):
+        calls: dict[int, list] = {0: [], 1: []}
+        finish, usage = {}, None
+        for chunk in client.chat.completions.create(**kw, tool_choice=choice):
+            usage = chunk.usage or usage
+            for ch in chunk.choices:
+                calls[ch.index] += ch.delta.tool_calls or []
+                if ch.finish_reason:
+                    finish[ch.index] = ch.finish_reason
+        assert finish == {0: "tool_calls", 1: "tool_calls"} and usage.completion_tokens > 0
+        for deltas in calls.values():
+            starts = [d for d in deltas if d.id]
+            assert len(starts) == 1 and {d.index for d in deltas} == {0}
+            assert name is None or starts[0].function.name == name
+            _args_ok(starts[0].function.name, "".join(d.function.arguments or "" for d in deltas))
+            ids.append(starts[0].id)
+    assert len(set(ids)) == 4
+
+
+def test_tool_choice_auto_with_n_choices(client):
+    """auto: the model chooses, per choice. Greedy, every choice is what n = 1 answers (the
+    tiny random model answers in text), streamed or not."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+              tools=[WEATHER, CLOCK], max_tokens=12, temperature=0)
+    one = client.chat.completions.create(**kw).choices[0]
+    assert one.message.tool_calls is None and one.message.content
+    want = (one.message.content, one.finish_reason, None)
+    r = client.chat.completions.create(**kw, n=2)
+    assert [(c.message.content, c.finish_reason, c.message.tool_calls) for c in r.choices] == [want] * 2
+    texts, finish = {}, {}
+    for chunk in client.chat.completions.create(**kw, n=2, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            assert not ch.delta.tool_calls
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert texts == {0: one.message.content, 1: one.message.content}
+    assert finish == {0: one.finish_reason, 1: one.finish_reason}

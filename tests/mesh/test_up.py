@@ -60,14 +60,21 @@ def _stop(p: subprocess.Popen) -> int:
 
 
 def test_up_starts_answers_a_stream_and_stops_cleanly(tmp_path):
-    p = _up(tmp_path)
+    """With two gateways (`--gateways 2`, on consecutive ports): each streams a completion
+    from the same workers."""
+    p = _up(tmp_path, "--gateways", "2")
     url = nats_port = None
     try:
         url, nats_port, lines = _wait_up(p)
+        urls = re.search(r"moemesh is up: ((?:http://\S+\s+)+)\(", "".join(lines)).group(1).split()
+        port = int(url.rsplit(":", 1)[1])
+        assert urls == [url, url.replace(f":{port}", f":{port + 1}")]
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "stream": True, "max_tokens": 5}
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
-        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        for u in urls:
+            r = httpx.post(u + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
         assert "curl" in "".join(lines)
+        assert sorted(f.name for f in (tmp_path / "logs").glob("gateway*.log")) == ["gateway-0.log", "gateway-1.log"]
         assert _procs_mentioning(str(tmp_path / "home"))  # the workers run with the model made there
     finally:
         rc = _stop(p)

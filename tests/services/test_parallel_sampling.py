@@ -1,7 +1,7 @@
 """`n` > 1 through the gateway, with the official openai client: one prefill of the
-prompt forked into n children, each handed to decode and streamed under its `index`;
-usage counts every choice; a client that leaves frees every child on both workers; a
-decode worker that dies moves each child on its own."""
+prompt forked into n children, each handed to decode and streamed under its `index`
+(DeepSeek-V2/V3 and V4); usage counts every choice; a client that leaves frees every
+child on both workers; a decode worker that dies moves each child on its own."""
 
 from __future__ import annotations
 
@@ -109,6 +109,63 @@ def test_n_choices_stream_and_collect_from_one_prefill(nats_url, tiny_model, tin
     assert texts == {0: want_chat, 1: want_chat} and reasons == {0: "length", 1: "length"}
     assert usage.completion_tokens == 12 and usage.prompt_tokens == len(chat_ids)
     assert [ch.text for ch in seeded.choices] == [s.choices[0].text for s in singles]
+    assert len({ch.text for ch in seeded.choices}) == 3
+
+
+def test_v4_choices_prefill_once_and_move_as_one_buffer(nats_url, tiny_v4_model, tmp_path):
+    """A DeepSeek-V4 mesh forks too: the prompt is computed once and the children's KV
+    moves as one item (the shared blocks' main rows once, then each child's last block,
+    then each child's ring look-back); every greedy choice is the single request's, and
+    seeded choice i what n = 1 with seed fork_seed(seed, i) gives, from the prefix cache
+    as well (the repeated prompt's parent starts on the first one's blocks and snapshot)."""
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.llm import LLM
+
+    prompt = [(i * 53 + 7) % 900 + 5 for i in range(40)]
+    want = LLM(EngineConfig(model=tiny_v4_model, num_kv_blocks=64)).generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
+
+    async def go():
+        async with mesh(nats_url, tiny_v4_model, tmp_path) as m:
+            c = _client(m.url)
+            pre, dec = m.prefill.rt.engine, m.decode.rt.engine
+            assert pre.hybrid and dec.num_spec >= 1, "V4, MTP drafts on the decode side"
+            nc = await nats.connect(nats_url)
+            seen: list[KVReady] = []
+
+            async def spy(msg):
+                seen.append(decode(msg.data, KVReady))
+
+            sub = await nc.subscribe(Subjects(m.prefix).decode_kv_ready("decode-t"), cb=spy)
+            await nc.flush()
+            before = pre.num_prompt_tokens_total
+            r = await c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, n=3,
+                                           extra_body={"ignore_eos": True})
+            prefilled = pre.num_prompt_tokens_total - before
+            await sub.unsubscribe()
+            await nc.close()
+            seeded = await c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1, seed=11,
+                                                n=3)
+            singles = [await c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1,
+                                                  seed=fork_seed(11, i)) for i in range(3)]
+            await c.close()
+            await _wait_free(m)
+            for _ in range(500):  # rings go back with the blocks, that _wait_free saw back
+                if all(e.blocks.num_free_rings == e.blocks.num_rings for e in (pre, dec)):
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("a ring is still held")
+            return r, prefilled, seen, m.prefill.rt.kv_spec, seeded, singles
+
+    r, prefilled, seen, spec, seeded, singles = asyncio.run(go())
+    assert [ch.text for ch in r.choices] == [want] * 3 and {ch.finish_reason for ch in r.choices} == {"length"}
+    assert prefilled == len(prompt)
+    items = [i for ready in seen for i in ready.items]
+    assert [len(i.forks) for i in items] == [2]
+    s = (len(prompt) - 1) // spec.block_size
+    assert items[0].num_blocks == s + 3 and items[0].nbytes == spec.nbytes(s + 3, 3) < 3 * spec.nbytes(s + 1)
+    assert [ch.text for ch in seeded.choices] == [x.choices[0].text for x in singles]
     assert len({ch.text for ch in seeded.choices}) == 3
 
 

@@ -1,15 +1,19 @@
 """The gateway's side of structured outputs and tool calls, without a mesh: what
 response_format, tools and tool_choice become (or the 400 naming them), the template
 rendering the tools and tool results, and the parser that turns generated tokens back into
-content and tool_calls."""
+content and tool_calls, one parser per choice when n is above 1."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
+from opentelemetry import trace
 
-from moemesh.services.gateway import openai_api as api
+from moemesh.services.gateway import choices, openai_api as api
+from moemesh.services.gateway.stream import Choices, Handle
 from moemesh.services.gateway.tool_calls import MARKERS, ToolCallParser
 from moemesh.shared.protocol.sampling import GrammarSpec
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
@@ -161,3 +165,101 @@ def test_streamed_tool_chunks_have_openais_shape(tok):
     final = api.final(r, "", "tool_calls", 3, 4, None, 0, p.calls)
     assert final["choices"][0]["message"]["content"] is None
     assert final["choices"][0]["message"]["tool_calls"] == p.calls
+
+
+def test_n_above_1_with_tools_is_served_and_a_forced_call_constrains_every_choice(tok):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, CLOCK], "n": 3}
+    r = api.parse_chat({**body, "tool_choice": "required"}, tok, 16, None, 4)
+    # one grammar on the request's params: the workers fork it into every child's own state
+    assert r.n == 3 and r.tools.choice == "required" and r.params.grammar.kind == "lark"
+    assert api.parse_chat(body, tok, 16, None, 4).params.grammar is None
+    with pytest.raises(api.ApiError) as e:
+        api.parse_chat({**body, "n": 5}, tok, 16, None, 4)
+    assert e.value.param == "n"
+
+
+def _mixed_choices(tok):
+    """A request of n = 3 with tools, and what each choice's child generated: text only, one
+    call, and text then two calls."""
+    b, e, cb, ce, sep = MARKERS
+    req = api.parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, CLOCK],
+                          "n": 3}, tok, 16, None, 4)
+    answers = [_ids(tok, "Sunny today."),
+               _ids(tok, b, cb, "get_weather", sep, '{"city": "Oslo"}', ce, e),
+               _ids(tok, "Checking.", b, cb, "get_weather", sep, '{"city": "Rome"}', ce, cb, "get_time", sep, "{}",
+                    ce, e)]
+    closed = []
+    handles = [Handle(f"r-{i}", "decode-t", lambda rid, why: closed.append(rid)) for i in range(3)]
+    for h, ids in zip(handles, answers):
+        h.ids, h.finish = list(ids), "stop"
+    return req, Choices(handles), closed
+
+
+def _gateway_state(tok):
+    class Metric:
+        def observe(self, v): pass
+
+        def inc(self, v=1): pass
+
+    return SimpleNamespace(tok=tok, cfg=SimpleNamespace(inactivity_timeout_s=30.0), tracer=trace.get_tracer("test"),
+                           m={"ttft": Metric(), "tokens": Metric()})
+
+
+def test_each_choice_streams_its_own_text_or_calls(tok):
+    req, group, closed = _mixed_choices(tok)
+    statuses = []
+
+    async def go():
+        return b"".join([part async for part in choices.sse(_gateway_state(tok), req, group, trace.INVALID_SPAN, 0.0,
+                                                            statuses.append)])
+
+    events = asyncio.run(go()).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and statuses == [200] and sorted(closed) == ["r-0", "r-1", "r-2"]
+    content, calls, finish, roles = {}, {}, {}, set()
+    for ev in events[:-2]:
+        ch = json.loads(ev.removeprefix("data: "))["choices"][0]
+        i, delta = ch["index"], ch["delta"]
+        if delta.get("role"):
+            roles.add(i)
+        content[i] = content.get(i, "") + (delta.get("content") or "")
+        for tc in delta.get("tool_calls", []):
+            if "id" in tc:
+                calls.setdefault(i, []).append({"id": tc["id"], "index": tc["index"], "name": tc["function"]["name"],
+                                                "arguments": tc["function"]["arguments"]})
+            else:
+                assert tc["index"] == calls[i][-1]["index"]  # a piece of the call this choice started last
+                calls[i][-1]["arguments"] += tc["function"]["arguments"]
+        if ch["finish_reason"]:
+            finish[i] = ch["finish_reason"]
+    assert roles == {0, 1, 2} and content == {0: "Sunny today.", 1: "", 2: "Checking."}
+    assert finish == {0: "stop", 1: "tool_calls", 2: "tool_calls"}
+    assert 0 not in calls
+    assert [(c["index"], c["name"], c["arguments"]) for c in calls[1]] == [(0, "get_weather", '{"city": "Oslo"}')]
+    assert [(c["index"], c["name"], c["arguments"]) for c in calls[2]] == \
+           [(0, "get_weather", '{"city": "Rome"}'), (1, "get_time", "{}")]
+    ids = [c["id"] for cs in calls.values() for c in cs]
+    assert len(set(ids)) == 3 and all(i.startswith("call_") for i in ids)
+
+
+def test_each_choice_collects_its_own_message(tok):
+    req, group, _ = _mixed_choices(tok)
+    statuses = []
+
+    async def receive():  # a client that stays
+        await asyncio.Event().wait()
+
+    async def go():
+        return await choices.collect(SimpleNamespace(receive=receive), _gateway_state(tok), req, group,
+                                     trace.INVALID_SPAN, 0.0, statuses.append, {})
+
+    r = json.loads(asyncio.run(go()).body)
+    assert statuses == [200] and [c["index"] for c in r["choices"]] == [0, 1, 2]
+    msgs = [c["message"] for c in r["choices"]]
+    assert [c["finish_reason"] for c in r["choices"]] == ["stop", "tool_calls", "tool_calls"]
+    assert msgs[0] == {"role": "assistant", "content": "Sunny today."}
+    assert msgs[1]["content"] is None and msgs[2]["content"] == "Checking."
+    assert [[(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]] for m in msgs[1:]] == \
+           [[("get_weather", '{"city": "Oslo"}')], [("get_weather", '{"city": "Rome"}'), ("get_time", "{}")]]
+    ids = [c["id"] for m in msgs[1:] for c in m["tool_calls"]]
+    assert len(set(ids)) == 3
+    assert r["usage"]["completion_tokens"] == sum(len(h.streamed) for h in group.handles)

@@ -47,6 +47,7 @@ def register(sub) -> None:
     cp.add_argument("--layers", type=int, default=8, help="layers per grid scenario")
     cp.add_argument("--skews", default=",".join(SKEWS), help="grid skews, comma-separated (zipf:A, hot:N:SHARE)")
     cp.add_argument("--experts", default="64,128,256", help="grid expert counts, comma-separated")
+    cp.add_argument("--seed", type=int, default=1, help="grid workload seed (the documented grid is seed 1)")
     cp.set_defaults(func=run_compare)
 
 
@@ -108,7 +109,7 @@ def _run_grid(args: argparse.Namespace) -> int:
 
     try:
         cfg = grid.GridConfig(skews=tuple(args.skews.split(",")), experts=tuple(int(e) for e in args.experts.split(",")),
-                              num_layers=args.layers)
+                              num_layers=args.layers, seed=args.seed)
         result = grid.run_grid(cfg)
     except ValueError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)

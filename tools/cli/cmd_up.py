@@ -16,7 +16,8 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="model directory (default: a tiny random model, made on first use)")
     p.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
     p.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="gateway port (default 8000)")
+    p.add_argument("--port", type=int, default=None, help="gateway port (default 8000); gateway i listens on PORT + i")
+    p.add_argument("--gateways", type=int, default=None, help="number of gateways (default 1)")
     p.add_argument("--prefill", type=int, default=None, help="number of prefill instances (default 1)")
     p.add_argument("--decode", type=int, default=None, help="number of decode instances (default 1)")
     p.add_argument("--dep", type=int, default=None, help="ranks per decode instance (wide expert parallelism)")
@@ -44,6 +45,7 @@ def config_from_args(args: argparse.Namespace):
     sets = route_settings(args.set)
     return up_config(args.config, model=args.model, nats_url=args.nats_url, host=args.host, port=args.port,
                      num_prefill=args.prefill, num_decode=args.decode, decode_dp=args.dep,
+                     num_gateways=args.gateways,
                      prefill_dp=args.prefill_dep, eplb_redundant=args.redundant, balancer=args.balancer,
                      kv_store=args.kv_store, log_dir=args.log_dir, prefill_args=sets["prefill"],
                      decode_args=sets["decode"], gateway_args=sets["gateway"], kv_store_args=sets["kv_store"],
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         mesh = Mesh(cfg)
         print(f"starting moemesh (logs in {mesh.log_dir}) ...", flush=True)
         with mesh:
-            print(f"moemesh is up: {mesh.url}  (model {mesh.model}, NATS {mesh.nats_url})")
+            print(f"moemesh is up: {'  '.join(mesh.urls)}  (model {mesh.model}, NATS {mesh.nats_url})")
             name = mesh.model.rstrip("/").split("/")[-1]
             print(f"try:\n  curl -N {mesh.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                   f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "

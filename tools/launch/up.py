@@ -46,6 +46,7 @@ class UpConfig:
     port: int = 8000
     num_prefill: int = 1
     num_decode: int = 1
+    num_gateways: int = 1  # gateway i listens on port + i
     decode_dp: int = 1  # ranks per decode instance (DEP-N); each rank is a worker
     prefill_dp: int = 1
     eplb_redundant: int = 0  # redundant expert slots per rank
@@ -68,7 +69,7 @@ class UpConfig:
 # [pools] key -> UpConfig field. Only `moemesh up` reads this table; services never do.
 POOL_KEYS = {"prefill": "num_prefill", "decode": "num_decode", "prefill_dep": "prefill_dp",
              "decode_dep": "decode_dp", "redundant": "eplb_redundant", "balancer": "balancer",
-             "kv_store": "kv_store"}
+             "kv_store": "kv_store", "gateways": "num_gateways"}
 
 
 def up_config(config_file: str = "", **flags: Any) -> UpConfig:
@@ -109,6 +110,8 @@ def up_config(config_file: str = "", **flags: Any) -> UpConfig:
     if min(cfg.num_prefill, cfg.num_decode, cfg.eplb_redundant) < 0 \
             or min(cfg.prefill_dp, cfg.decode_dp) < 1:
         raise ConfigFileError("pool sizes must be >= 0 and DEP widths >= 1")
+    if cfg.num_gateways < 1:
+        raise ConfigFileError("gateways must be >= 1")
     return cfg
 
 
@@ -147,8 +150,14 @@ def worker_names(cfg: UpConfig) -> list[WorkerName]:
                 out += [WorkerName(role, f"{role}-i{i}-r{r}", f"{role}-i{i}", r) for r in range(dp)]
     if wants_balancer(cfg):
         out.append(WorkerName("balancer", "balancer"))
-    out.append(WorkerName("gateway", "gateway"))
+    out += [WorkerName("gateway", gw) for gw in gateway_ids(cfg.num_gateways)]
     return out
+
+
+def gateway_ids(n: int) -> list[str]:
+    """One gateway is `gateway`, as it always was (its NATS user and token subjects keep
+    their names); several are gateway-0 .. gateway-(n-1), numbered like the workers."""
+    return ["gateway"] if n == 1 else [f"gateway-{i}" for i in range(n)]
 
 
 def credentials_env(worker_id: str, environ: dict) -> dict[str, str]:
@@ -177,7 +186,8 @@ class Mesh:
         if cfg.model:
             check_model_dir(cfg.model)
         if cfg.port:
-            check_port_free(cfg.host, cfg.port)
+            for port in range(cfg.port, cfg.port + cfg.num_gateways):
+                check_port_free(cfg.host, port)
         if cfg.nats_url:
             check_nats_reachable(cfg.nats_url, cfg.nats_probe_s)
         self.group = ProcessGroup(self.log_dir)
@@ -187,7 +197,13 @@ class Mesh:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.port}"
+        """The first gateway's URL."""
+        return self.urls[0]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every gateway's URL: gateway i listens on port + i."""
+        return [f"http://{self.cfg.host}:{self.port + i}" for i in range(self.cfg.num_gateways)]
 
     def __enter__(self) -> "Mesh":
         try:
@@ -207,7 +223,7 @@ class Mesh:
             start_nats(self.group, port)
             self.nats_url = f"nats://127.0.0.1:{port}"
         if self.port == 0:
-            self.port = free_port(cfg.host)
+            self.port = free_ports_from(cfg.host, cfg.num_gateways)
         environ = {**os.environ, **cfg.extra_env}
         # Each process gets its own password only (as MOEMESH_NATS_PASSWORD), never its peers'.
         others = tuple(k for k in environ if k.endswith("_NATS_PASSWORD"))
@@ -225,15 +241,20 @@ class Mesh:
                 c = dead[0]
                 raise RuntimeError(f"{c.name} exited with code {c.popen.returncode} during start-up:\n{c.log_tail()}")
             try:
-                with urllib.request.urlopen(self.url + "/health/ready", timeout=2) as r:
-                    # Ready means every worker started here has joined, not just the first
-                    # of each role: a test or a benchmark right after start sees them all.
-                    if r.status == 200 and self._all_joined():
-                        return
+                # Ready means every gateway answers and every worker started here has
+                # joined, not just the first of each role: a test or a benchmark right
+                # after start sees them all.
+                if all(self._ready(url) for url in self.urls) and self._all_joined():
+                    return
             except OSError as e:
                 last = str(e)
             time.sleep(0.25)
         raise TimeoutError(f"mesh not ready after {timeout:.0f}s ({last}); logs in {self.log_dir}")
+
+    @staticmethod
+    def _ready(url: str) -> bool:
+        with urllib.request.urlopen(url + "/health/ready", timeout=2) as r:
+            return r.status == 200
 
     def _all_joined(self) -> bool:
         cfg = self.cfg
@@ -256,7 +277,7 @@ def launch_plan(cfg: UpConfig, model: str, nats_url: str, port: int) -> list[Lau
         cfg: the launch settings.
         model: the model directory every service is given.
         nats_url: the NATS server they all connect to.
-        port: the gateway's HTTP port.
+        port: the first gateway's HTTP port; gateway i gets port + i.
     """
     common = ["--model", model, "--nats-url", nats_url]
     if cfg.config_file:
@@ -265,6 +286,7 @@ def launch_plan(cfg: UpConfig, model: str, nats_url: str, port: int) -> list[Lau
     extra = _sets(cfg.service_args)
     inits: dict[str, str] = {}  # DEP instance -> the address its ranks meet at
     out = []
+    gateway_port = dict(zip(gateway_ids(cfg.num_gateways), range(port, port + cfg.num_gateways)))
     for w in worker_names(cfg):
         me = ["--worker-id", w.worker_id]
         if w.role == "kv_store":
@@ -273,7 +295,8 @@ def launch_plan(cfg: UpConfig, model: str, nats_url: str, port: int) -> list[Lau
             out.append(Launch(w.worker_id, ["moemesh.services.balancer", *common, *me, *_sets(cfg.balancer_args)]))
         elif w.role == "gateway":
             out.append(Launch(w.worker_id, ["moemesh.services.gateway", *traced, *me, "--host", cfg.host,
-                                            "--port", str(port), *_sets(cfg.gateway_args)]))
+                                            "--port", str(gateway_port[w.worker_id]),
+                                            *_sets(cfg.gateway_args)]))
         else:
             dp = cfg.prefill_dp if w.role == "prefill" else cfg.decode_dp
             own = cfg.prefill_args if w.role == "prefill" else cfg.decode_args
@@ -306,6 +329,19 @@ def check_model_dir(model: str) -> None:
         raise RuntimeError(f"bad --model: {e}") from None
     if not (Path(model) / "tokenizer.json").is_file():
         raise RuntimeError(f"bad --model: {Path(model) / 'tokenizer.json'}: not found")
+
+
+def free_ports_from(host: str, n: int, tries: int = 50) -> int:
+    """A port p with p .. p+n-1 all free (the gateways listen on consecutive ports)."""
+    for _ in range(tries):
+        base = free_port(host)
+        try:
+            for port in range(base + 1, base + n):
+                check_port_free(host, port)
+        except RuntimeError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports on {host}")
 
 
 def check_port_free(host: str, port: int) -> None:
