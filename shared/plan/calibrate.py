@@ -2,9 +2,11 @@
 
 - forward times: `moemesh bench forward --model DIR` (its JSON: decode rows of batch and
   forward_ms_p50, prefill rows of prompt_len and forward_ms_p50);
+- collective latency per width: gloo all-to-alls and all-gathers between that many
+  processes, timed by `moemesh bench plan-check` before its DEP runs;
 - host time per step: `moemesh bench decode --mock-step-ms X` (decode_steps of each point:
   host_ms_p50 and host_exposed_ms_p50), or `bench decode`'s own decode_steps.
-Both are parsed here from already-loaded JSON; reading the files is the caller's.
+All are parsed here from already-loaded JSON; reading the files is the caller's.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from moemesh.shared.plan.dims import ModelDims
 from moemesh.shared.plan.host import HostModel
 
 
-def this_host(forward: dict, dims: ModelDims, *, cores: float = 0.0, collective_s: float = 0.0,
+def this_host(forward: dict, dims: ModelDims, *, cores: float = 0.0, collectives: dict | None = None,
               copy_bw: float = 5e9) -> Measured:
-    """Measured costs from a `bench forward` result."""
+    """Measured costs from a `bench forward` result, and the collectives' latency per
+    width from a `time_collectives` result (tools/bench/collectives.py:
+    {width: {"all_to_all_ms_p50", "all_gather_ms_p50"}}, widths as ints or strings)."""
     if forward.get("bench") != "forward":
         raise ValueError("not a `bench forward` result (its 'bench' is not 'forward')")
     dec = sorted(forward.get("decode", []), key=lambda r: r["batch"])
@@ -25,7 +29,14 @@ def this_host(forward: dict, dims: ModelDims, *, cores: float = 0.0, collective_
         raise ValueError("the `bench forward` result has no decode rows")
     return Measured(dims, tuple(float(r["batch"]) for r in dec), tuple(r["forward_ms_p50"] / 1e3 for r in dec),
                     tuple(float(r["prompt_len"]) for r in pre), tuple(r["forward_ms_p50"] / 1e3 for r in pre),
-                    cores=cores, collective_s=collective_s, copy_bw=copy_bw)
+                    cores=cores, copy_bw=copy_bw, **collective_latency(collectives or {}))
+
+
+def collective_latency(collectives: dict) -> dict:
+    """Measured's collective_s_by_width and agree_s_by_width from a `time_collectives` result."""
+    rows = {int(w): r for w, r in collectives.items()}
+    return {"collective_s_by_width": {w: r["all_to_all_ms_p50"] / 1e3 for w, r in rows.items()},
+            "agree_s_by_width": {w: r["all_gather_ms_p50"] / 1e3 for w, r in rows.items()}}
 
 
 def host_from_decode(result: dict, name: str = "measured") -> HostModel:

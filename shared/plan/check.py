@@ -8,19 +8,24 @@ Two kinds of run:
   balancer), balanced and under a router skew, predicted from:
   - `bench forward` of the same model at DEP1 and the expert kernel timed alone at the
     model's shapes (costs.Measured), which split a forward into its parts;
+  - the latency of the ranks' collectives at each width, timed between that many gloo
+    processes on this machine before the DEP runs (an all-to-all, four per MoE layer;
+    an all-gather, the agreement once per step);
+  - the processors left to the ranks: the machine's less what other users took during
+    the DEP runs (a lower bound on the step that binds only when ranks outnumber them);
   - the window of expert loads each run recorded (its skew);
   - the host preset, not overlapped on lockstep ranks (their loop does not overlap);
   - two figures fitted on two runs, which are then no evidence for the model:
-    1. on the DEP1 run, the processors left to the ranks (this machine has two cores
-       and other users; the gateway, NATS and the clients take their share): the CPU
-       work of its step over its measured step time;
+    1. on the DEP1 run, how fast a rank computes in the mesh against the calibration's
+       forward (`speed`): the step the model gives the DEP1 run meets the measured one;
     2. on the first balanced DEP>1 run, the CPU a DEP rank spends per MoE layer besides
-       the expert kernel (routing, sorting, driving the collectives).
+       the expert kernel and the collectives' wait (routing, sorting, the combine).
   The other DEP runs (skewed, wider) are the evidence.
 
-On this host a rank waits mostly for a processor, not for the other ranks' experts: part
-of that wait lands in its collectives (rank wait) and part between its steps (the loop
-gap of its step accounting). The model's wait is set against the two together.
+On this host a DEP rank spends most of its step waiting in collectives (gloo over
+loopback: ~0.7 ms a call between two processes, ~2.8 ms between four, almost none of it
+CPU). Most of that wait lands in rank wait, a little between its steps (the loop gap of
+its step accounting); the model's wait is set against the two together.
 
 A case holds when predicted tokens/s and wait are both within `tolerance` of the
 measured ones (wait: or within `wait_floor_s`, as a few tenths of a millisecond of wait
@@ -103,23 +108,40 @@ def _measured_step(case: Case) -> float:
     return case.width * max(case.batch // case.width, 1) / case.measured_tps
 
 
+def _solve(f, target: float, lo: float, hi: float, iters: int = 40) -> float:
+    """x in [lo, hi] where the monotone f meets target, by bisection; the nearer end
+    where it never does."""
+    f_lo = f(lo) - target
+    if f_lo == 0:
+        return lo
+    if (f(hi) - target) * f_lo > 0:
+        return lo if abs(f_lo) <= abs(f(hi) - target) else hi
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if (f(mid) - target) * f_lo > 0:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def fit(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel, isl: int, osl: int) -> Fitted:
     """The figures the module docstring lists, from the DEP1 run and the first balanced
-    DEP>1 run (either may be missing: its figures then keep their values)."""
+    DEP>1 run (either may be missing: its figures then keep their values). Each is the
+    value at which the model's step for its run meets the measured step."""
     names = []
     dep1 = next((c for c in cases if c.kind == "dep" and c.width == 1 and c.measured_tps), None)
     if dep1 is not None:
-        r = predict(dep1, dims, replace(costs, cores=0.0), host, isl, osl)
-        work, step = r.extra["work_s"], _measured_step(dep1)
-        costs = replace(costs, cores=work / step if step > r.step_s else 0.0)
+        def dep1_step(speed):
+            return predict(dep1, dims, replace(costs, speed=speed), host, isl, osl).step_s
+        costs = replace(costs, speed=_solve(dep1_step, _measured_step(dep1), 0.05, 20.0))
         names.append(dep1.name)
     wide = next((c for c in cases if c.kind == "dep" and c.width > 1 and "balanced" in c.name and c.measured_tps),
                 None)
-    if wide is not None and costs.cores:
-        base = replace(costs, ep_layer_s=0.0)
-        r = predict(wide, dims, base, host_for(wide, host), isl, osl)
-        missing = costs.cores * _measured_step(wide) - r.extra["work_s"]  # CPU the ranks spent beyond the model's
-        costs = replace(base, ep_layer_s=max(missing, 0.0) / (wide.width * dims.num_moe_layers))
+    if wide is not None:
+        def wide_step(ep_layer_s):
+            return predict(wide, dims, replace(costs, ep_layer_s=ep_layer_s), host_for(wide, host), isl, osl).step_s
+        costs = replace(costs, ep_layer_s=_solve(wide_step, _measured_step(wide), 0.0, 0.1))
         names.append(wide.name)
     return Fitted(costs, tuple(names))
 
@@ -146,9 +168,10 @@ def compare(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel
                      "predicted_terms_ms": {k: v * 1e3 for k, v in r.terms_s().items()},
                      "fitted": c.name in f.fitted_on,
                      "holds": tps_err is not None and abs(tps_err) <= tolerance and wait_ok})
-    figures = {"cores": f.costs.cores, "ep_layer_ms": f.costs.ep_layer_s * 1e3,
-               "collective_ms": f.costs.collective_s * 1e3, "slot_us": f.costs.slot_s * 1e6,
-               "pair_us": f.costs.pair_s * 1e6}
+    figures = {"speed": f.costs.speed, "ep_layer_ms": f.costs.ep_layer_s * 1e3, "cores": f.costs.cores,
+               "all_to_all_ms": {w: v * 1e3 for w, v in sorted(f.costs.collective_s_by_width.items())},
+               "agree_ms": {w: v * 1e3 for w, v in sorted(f.costs.agree_s_by_width.items())},
+               "slot_us": f.costs.slot_s * 1e6, "pair_us": f.costs.pair_s * 1e6}
     return {"fitted": figures, "fitted_on": list(f.fitted_on), "rows": rows}
 
 
@@ -162,7 +185,9 @@ def table(result: dict) -> str:
                      f"{r['measured_wait_ms']:>12.2f} {r['predicted_wait_ms']:>7.2f} {we:>7} "
                      f"{('fit' if r['fitted'] else ('yes' if r['holds'] else 'NO')):>6}")
     f = result["fitted"]
-    lines.append(f"fitted on {', '.join(result['fitted_on']) or 'nothing'}: {f['cores']:.2f} processors left to "
-                 f"the ranks, {f['ep_layer_ms']:.3f} ms of DEP bookkeeping per MoE layer; expert kernel "
-                 f"{f['slot_us']:.0f} us per slot + {f['pair_us']:.1f} us per pair")
+    lines.append(f"fitted on {', '.join(result['fitted_on']) or 'nothing'}: ranks compute at {f['speed']:.2f} of the "
+                 f"calibration's speed, {f['ep_layer_ms']:.3f} ms of DEP bookkeeping per MoE layer")
+    coll = ", ".join(f"{w} ranks {a:.2f}/{f['agree_ms'].get(w, 0.0):.2f}" for w, a in f["all_to_all_ms"].items())
+    lines.append(f"measured: {f['cores']:.2f} processors left to the ranks; all-to-all/all-gather ms: "
+                 f"{coll or 'none'}; expert kernel {f['slot_us']:.0f} us per slot + {f['pair_us']:.1f} us per pair")
     return "\n".join(lines)

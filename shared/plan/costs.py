@@ -8,17 +8,31 @@ Two kinds of machine plug in:
   either by the expert kernel's own measured cost (a fixed cost per expert slot that
   runs, plus a cost per pair: `slot_s`, `pair_s`) or, without it, by FLOP shares; a rank
   of a wider instance then takes the dense part at its own batch and the expert part
-  for the slots and pairs it runs. Where the ranks share fewer cores than there are
-  ranks (this 2-core machine, busy with other work too), a step cannot be shorter than
-  all the ranks' CPU work over the cores left to them: each rank computes at full speed
-  when it runs, and waits for a core the rest of the time (core_wait_s).
+  for the slots and pairs it runs, at the speed a rank computes in the mesh (`speed`,
+  against the calibration's). Between the ranks, every collective is a wait of its own,
+  timed on this host at each width (`collective_s_by_width`, `agree_s_by_width`): during
+  it the rank's processor is free for the others, so it lengthens the rank's step
+  without taking CPU from anyone. Where the ranks share fewer processors than there are
+  ranks, a step cannot be shorter than all the ranks' CPU work over the processors left
+  to them (core_wait_s): a separate lower bound, and the step is the longer of the two.
+
+  Why latency adds along a rank's path and is kept out of the processor bound (this
+  2-core machine, `bench plan-check`, 2026-11-30): a DEP4 step is 33 ms, 27 ms of it in
+  nine collectives (~3 ms of wall time each for ~0.1 ms of the rank's own CPU), while
+  the mesh took 1.55 of the two processors and nothing else ran; four gloo processes
+  doing nothing but all-to-alls take as long per call. The rank's own compute (its
+  forward less the collectives: 4.0 ms at DEP2, 3.8-4.7 ms at DEP4) is as much slower
+  than the calibration's forward at its batch (3.1, 2.6 ms) as the lone DEP1 rank's is
+  (4.6-6.1 against 3.6 ms), with processors idle in both: a speed, not a share of
+  processors.
 
 Shapes: S = sampled steps, L = MoE layers, N = ranks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -43,6 +57,11 @@ class Costs(Protocol):
     def a2a_s(self, pairs_in: np.ndarray, width: int) -> np.ndarray:
         """[S, L] seconds of one layer's dispatch + combine, set by the rank that receives
         the most pairs (`pairs_in` [S, L])."""
+        ...
+
+    def sync_s(self, width: int) -> float:
+        """Seconds of the ranks' agreement once per step (one small all-gather of a few
+        ints, shared/engine/dp.py); 0 at width 1."""
         ...
 
     def core_wait_s(self, work: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -80,6 +99,9 @@ class Roofline:
         over_net = nbytes * remote / (hw.net_bw * hw.a2a_eff)
         return hw.a2a_latency_s + np.maximum(over_nvlink, over_net)
 
+    def sync_s(self, width):
+        return 0.0  # a few ints beside a step of tens of ms; not in the hardware table
+
     def core_wait_s(self, work, step):
         return np.zeros_like(step)  # a GPU per rank
 
@@ -92,14 +114,21 @@ class Measured:
         dims: the benchmarked model.
         batches, forward_s: decode forward time at each batch (one rank, all experts).
         prompt_lens, prefill_s: prefill forward time of one prompt of each length.
-        cores: processors' worth of CPU left to the ranks (the machine's cores less what the
-            gateway, NATS, the clients and other users take); 0: a core per rank.
-        collective_s: one collective call between ranks (gloo over loopback); a MoE layer
-            makes four (sizes, tokens, slots, results back).
+        cores: processors' worth of CPU left to the ranks (the machine's cores less what
+            other users take); 0: a core per rank. A lower bound on the step, apart from
+            each rank's own path (module docstring).
+        speed: how fast a rank's forward runs in the mesh against the calibration's
+            (`bench forward` alone): its dense and expert parts take 1/speed as long.
+        collective_s_by_width: one all-to-all between that many ranks (gloo over
+            loopback, small payloads), wall time; a MoE layer makes four (sizes, tokens,
+            slots, results back). Widths between or beyond the timed ones are
+            interpolated (extrapolated linearly past the widest).
+        agree_s_by_width: the ranks' per-step agreement (an all-gather) at that width.
         copy_bw: bytes/s of a collective's payload.
         slot_s, pair_s: the expert kernel per slot that runs and per pair (0: split by FLOPs).
-        ep_layer_s: CPU a DEP>1 rank spends per MoE layer besides the expert kernel
-            (routing to replicas, sorting by slot, driving the collectives).
+        ep_layer_s: CPU a DEP>1 rank spends per MoE layer besides the expert kernel and
+            the collectives' wait (routing to replicas, sorting by slot, the combine);
+            fitted in the mesh, so not scaled by `speed`.
     """
 
     dims: ModelDims
@@ -108,7 +137,9 @@ class Measured:
     prompt_lens: tuple[float, ...] = ()
     prefill_s: tuple[float, ...] = ()
     cores: float = 0.0
-    collective_s: float = 0.0
+    speed: float = 1.0
+    collective_s_by_width: Mapping[int, float] = field(default_factory=dict)
+    agree_s_by_width: Mapping[int, float] = field(default_factory=dict)
     copy_bw: float = 5e9
     slot_s: float = 0.0
     pair_s: float = 0.0
@@ -119,6 +150,8 @@ class Measured:
             raise ValueError("need one decode forward time per batch")
         if len(self.prompt_lens) != len(self.prefill_s):
             raise ValueError("need one prefill time per prompt length")
+        if self.speed <= 0:
+            raise ValueError("speed must be > 0")
 
     def expert_share(self) -> float:
         """The routed experts' share of one token's forward FLOPs."""
@@ -148,7 +181,7 @@ class Measured:
         return d.num_moe_layers * (active * self.slot_s + pairs * self.pair_s)
 
     def dense_s(self, tokens, attn_flops, attn_bytes, width, phase="decode"):
-        return np.maximum(self._forward(tokens, phase) - self._dep1_expert_s(tokens, phase), 0.0)
+        return np.maximum(self._forward(tokens, phase) - self._dep1_expert_s(tokens, phase), 0.0) / self.speed
 
     def expert_s(self, pairs, active, tokens_per_rank, width, phase="decode"):
         d = self.dims
@@ -158,13 +191,16 @@ class Measured:
             per_pair = self._dep1_expert_s(np.asarray(tokens_per_rank), phase) / (
                 d.num_moe_layers * max(tokens_per_rank, 1) * d.top_k)
             per_layer = pairs * per_pair
-        return per_layer + (self.ep_layer_s if width > 1 else 0.0)
+        return per_layer / self.speed + (self.ep_layer_s if width > 1 else 0.0)
 
     def a2a_s(self, pairs_in, width):
         if width <= 1:
             return np.zeros_like(pairs_in)
         nbytes = pairs_in * self.dims.hidden * 4.0 * 2  # fp32 tokens out and back
-        return 4 * self.collective_s + nbytes / self.copy_bw
+        return 4 * by_width(self.collective_s_by_width, width) + nbytes / self.copy_bw
+
+    def sync_s(self, width):
+        return by_width(self.agree_s_by_width, width) if width > 1 else 0.0
 
     def core_wait_s(self, work, step):
         if not self.cores:
@@ -188,5 +224,20 @@ class FixedStep:
     def a2a_s(self, pairs_in, width):
         return np.zeros_like(pairs_in)
 
+    def sync_s(self, width):
+        return 0.0
+
     def core_wait_s(self, work, step):
         return np.zeros_like(step)
+
+
+def by_width(table: Mapping[int, float], width: int) -> float:
+    """A figure timed at some widths, at `width`: linear between them, the narrowest's
+    below it, linear beyond the widest two past it; 0 with none timed."""
+    if not table:
+        return 0.0
+    ws = sorted(table)
+    ys = [table[w] for w in ws]
+    if width > ws[-1] and len(ws) > 1:
+        return max(ys[-1] + (ys[-1] - ys[-2]) / (ws[-1] - ws[-2]) * (width - ws[-1]), 0.0)
+    return float(np.interp(width, ws, ys))

@@ -12,7 +12,8 @@ other. The step model samples `num_steps` steps; in each:
 3. experts: the instance's routed pairs, drawn from the skew, sent through the placement
    (naive or the project's EPLB policy with redundant slots); per MoE layer the slowest
    rank's pairs and weight reads;
-4. all-to-all: per MoE layer the dispatch and combine bytes of the rank that receives most;
+4. collectives: per MoE layer the all-to-alls' latency and the dispatch and combine bytes
+   of the rank that receives most, and once per step the ranks' agreement;
 5. host: each rank's host time per step minus what hides behind the forward;
 6. barrier: the lockstep wait for the rank whose host took longest (stalls, jitter),
    and, where ranks share too few processors (a CPU host), for a processor to run on.
@@ -143,8 +144,10 @@ def run_step(cfg: StepConfig, dims: ModelDims, costs: Costs, balance: Balance, p
     layers = dims.num_moe_layers / pairs.shape[1]  # the skew's layers stand for all MoE layers
     exp = costs.expert_s(pairs, active, float(tokens.mean()), N, cfg.phase) if terms.experts else np.zeros_like(pairs)
     a2a = costs.a2a_s(pairs.max(-1), N) if terms.a2a else np.zeros(pairs.shape[:2])  # [S, L']
+    sync = costs.sync_s(N) if terms.a2a else 0.0
+    comm = a2a.sum(-1) * layers + sync  # [S]
 
-    device = attn.max(1) + exp.max(-1).sum(-1) * layers + a2a.sum(-1) * layers  # [S]
+    device = attn.max(1) + exp.max(-1).sum(-1) * layers + comm  # [S]
     hostt = host.sample(seqs, device, rng) if (terms.host or terms.barrier) else zero
     own_stall, inst_stall = host.expected_stall_s(N)
     own_host = hostt.mean(1) + own_stall
@@ -152,14 +155,15 @@ def run_step(cfg: StepConfig, dims: ModelDims, costs: Costs, balance: Balance, p
     host_term = own_host if terms.host else np.zeros(S)
     barrier_term = wait_host if terms.barrier else np.zeros(S)
     step = device + host_term + barrier_term
-    # Ranks that share too few processors (a CPU host) also wait for one to run on.
+    # Ranks that share too few processors (a CPU host) also wait for one to run on. The
+    # collectives are not work: a rank blocked in one leaves its processor to the others.
     work = attn + exp.sum(1) * layers + (hostt if terms.host else 0.0)  # [S, N] each rank's own work
     cores = costs.core_wait_s(work, step) if terms.barrier else np.zeros(S)
     barrier_term, step = barrier_term + cores, step + cores
-    # A rank waits for the slowest rank's attention and experts, for the all-to-all
-    # itself (the engine counts time in collectives as waiting) and at the barrier.
+    # A rank waits for the slowest rank's attention and experts, for the collectives
+    # themselves (the engine counts time in them as waiting) and at the barrier.
     by_rank = (attn.max(1, keepdims=True) - attn) \
-        + ((exp.max(-1, keepdims=True) - exp).sum(1) + a2a.sum(-1, keepdims=True)) * layers  # [S, N]
+        + (exp.max(-1, keepdims=True) - exp).sum(1) * layers + comm[:, None]  # [S, N]
     if terms.barrier:
         by_rank = by_rank + hostt.max(1, keepdims=True) - hostt + (inst_stall - own_stall)
         if N > 1:  # one rank that waits for a processor computes slower; it waits for no one
@@ -169,7 +173,7 @@ def run_step(cfg: StepConfig, dims: ModelDims, costs: Costs, balance: Balance, p
         ttft = float(np.mean(chunks) * step.mean())
     return StepResult(
         phase=cfg.phase, width=N, batch=cfg.batch, attention_s=float(attn.max(1).mean()),
-        experts_s=float((exp.max(-1).sum(-1) * layers).mean()), a2a_s=float((a2a.sum(-1) * layers).mean()),
+        experts_s=float((exp.max(-1).sum(-1) * layers).mean()), a2a_s=float(comm.mean()),
         host_s=float(host_term.mean()), barrier_s=float(barrier_term.mean()), step_s=float(step.mean()),
         step_p90_s=float(np.percentile(step, 90)), rank_wait_s=float(wait.mean()),
         tokens_per_rank=float(tokens.mean()),

@@ -117,12 +117,14 @@ def test_eplb_on_a_live_dep2_instance(tmp_path, tiny_model):
 def test_plan_check_predicts_each_run(tmp_path, tiny_model):
     res, out = bench(tmp_path, tiny_model, "plan-check", "--model", tiny_model, "--deps", "1,2", "--batch", "4",
                      "--isl", "32", "--osl", "8", "--mock-step-ms", "5", "--mock-batches", "4",
-                     "--mock-seconds", "0", "--repeats", "1", "--waves", "1", timeout=420)
+                     "--mock-seconds", "0", "--repeats", "1", "--waves", "1", "--collective-calls", "20",
+                     timeout=420)
     rows = {r["case"]: r for r in res["comparison"]["rows"]}
     assert set(rows) == {"mock 5ms b4", "DEP1 balanced", "DEP2 balanced", "DEP2 skewed"}
     assert res["comparison"]["fitted_on"] == ["DEP1 balanced", "DEP2 balanced"]
     assert all(r["measured_tps"] > 0 and r["predicted_tps"] > 0 for r in rows.values())
     assert rows["DEP2 skewed"]["measured_wait_ms"] > 0 and "holds" in out
+    assert set(res["collectives"]) == {"2"} and res["comparison"]["fitted"]["all_to_all_ms"]["2"] > 0
 
 
 def test_kv_reuse(tmp_path, tiny_model):

@@ -16,9 +16,13 @@ FORWARD = {"bench": "forward", "decode": [{"batch": b, "forward_ms_p50": 2.0 + 0
 WINDOW = {"target": [[40] * 4 + [5] * 12, [5] * 12 + [40] * 4]}
 
 
+COLLECTIVES = {"2": {"all_to_all_ms_p50": 0.7, "all_gather_ms_p50": 0.5},
+               "4": {"all_to_all_ms_p50": 2.8, "all_gather_ms_p50": 2.0}}
+
+
 def _truth():
-    costs = this_host(FORWARD, DIMS)
-    return replace(costs, slot_s=20e-6, pair_s=2e-6, collective_s=0.1e-3, ep_layer_s=0.4e-3, cores=0.6)
+    costs = this_host(FORWARD, DIMS, cores=2.0, collectives=COLLECTIVES)
+    return replace(costs, slot_s=20e-6, pair_s=2e-6, ep_layer_s=0.4e-3, speed=0.6)
 
 
 def _case(name, width, window=None):
@@ -31,18 +35,20 @@ def _case(name, width, window=None):
 def test_fit_recovers_the_hidden_figures():
     cases = [_case("DEP1 balanced", 1), _case("DEP2 balanced", 2), _case("DEP2 skewed", 2, WINDOW),
              _case("DEP4 skewed", 4, WINDOW)]
-    base = replace(_truth(), ep_layer_s=0.0, cores=0.0)
+    base = replace(_truth(), ep_layer_s=0.0, speed=1.0)
     out = check.compare(cases, DIMS, base, HOSTS["after-9"], 128, 32)
     assert out["fitted_on"] == ["DEP1 balanced", "DEP2 balanced"]
     f = out["fitted"]
-    assert f["cores"] == pytest.approx(0.6, rel=1e-6)
+    assert f["speed"] == pytest.approx(0.6, rel=1e-6)
     assert f["ep_layer_ms"] == pytest.approx(0.4, rel=1e-3)
+    assert f["all_to_all_ms"] == {2: pytest.approx(0.7), 4: pytest.approx(2.8)}
     assert all(r["holds"] for r in out["rows"]), out["rows"]
     assert all(abs(r["tps_error"]) < 1e-3 for r in out["rows"]), out["rows"]
     skewed = next(r for r in out["rows"] if r["case"] == "DEP4 skewed")
     assert skewed["predicted_ratio"] < 0.9
-    # Four ranks on 0.6 of a processor: the step is their work over it, and each waits most of it.
-    assert skewed["predicted_terms_ms"]["barrier"] > skewed["predicted_terms_ms"]["experts"]
+    # Four ranks: eight all-to-alls and the agreement, a step mostly spent waiting in them.
+    assert skewed["predicted_terms_ms"]["a2a"] > skewed["predicted_terms_ms"]["experts"]
+    assert skewed["predicted_wait_ms"] > 2 * 4 * 2.8 + 2.0
     assert "DEP4 skewed" in check.table(out)
 
 

@@ -1,6 +1,8 @@
 """`moemesh bench plan-check`: the step model (shared/plan) against runs on this machine.
 
-Run: `bench forward` of the model at DEP1 (the calibration) -> the mock decode mesh at
+Run: the latency of the ranks' collectives at each DEP width above 1, between that many
+gloo processes (tools/bench/collectives.py) -> `bench forward` of the model at DEP1 (the
+calibration) -> the mock decode mesh at
 fixed step times (host overhead) -> for each width N in --deps, a decode-only DEP-N mesh
 on the real model, balanced and then under a router skew, --waves waves of --batch
 requests each, reading rank 0's step figures and the instance's recorded load window, in
@@ -20,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from moemesh.shared.plan import check
 from moemesh.shared.plan.calibrate import this_host
 from moemesh.shared.plan.host import HOSTS
-from moemesh.tools.bench import decode_mock, forward, phases
+from moemesh.tools.bench import collectives, decode_mock, forward, phases
 from moemesh.tools.bench.env import environment
 from moemesh.tools.bench.proc_cpu import machine_cpu_seconds, tree_cpu_seconds
 from moemesh.tools.launch.up import default_home, ensure_tiny_model
@@ -41,10 +43,13 @@ class PlanCheckConfig:
     mock_seconds: float = 5.0
     threads: int = 1
     seed: int = 0
+    collective_calls: int = 300
 
     def __post_init__(self) -> None:
         if not self.deps or min(self.deps) < 1 or self.batch < max(self.deps) or min(self.waves, self.repeats) < 1:
             raise ValueError("--deps must be >= 1, --batch at least the widest instance, --waves and --repeats >= 1")
+        if self.collective_calls < 1:
+            raise ValueError("--collective-calls must be >= 1")
 
 
 def time_experts(dims, threads: int = 1, repeats: int = 20) -> tuple[float, float]:
@@ -124,6 +129,9 @@ def run(cfg: PlanCheckConfig) -> dict:
 
     model = cfg.model or str(ensure_tiny_model(default_home()))
     dims, _ = load_dims(model)
+    # First, while this process has run no torch work: its workers are forked from it.
+    coll = collectives.time_collectives(cfg.deps, {d: cfg.batch // d for d in cfg.deps}, dims.top_k, dims.hidden,
+                                        cfg.collective_calls)
     per_rank = sorted({max(cfg.batch // d, 1) for d in cfg.deps} | {1})
     fwd = forward.run(forward.ForwardBenchConfig(model=model, batch_sizes=tuple(per_rank),
                                                  context_len=cfg.isl + cfg.osl // 2, prefill_lens=(), steps=20,
@@ -149,10 +157,20 @@ def run(cfg: PlanCheckConfig) -> dict:
         runs.append(raw | {"round": i, "loadavg_1m": os.getloadavg()[0]})
     cases += [_median(v) for v in rounds.values()]
     slot_s, pair_s = time_experts(dims, cfg.threads)
-    costs = replace(this_host(fwd, dims), slot_s=slot_s, pair_s=pair_s)
+    costs = replace(this_host(fwd, dims, cores=processors_left(runs), collectives=coll), slot_s=slot_s, pair_s=pair_s)
     cmp = check.compare(cases, dims, costs, HOSTS["after-9"], cfg.isl, cfg.osl)
     return {"bench": "plan-check", "config": asdict(cfg), "env": environment(), "forward": fwd["decode"],
-            "comparison": cmp, "runs": runs}
+            "collectives": coll, "comparison": cmp, "runs": runs}
+
+
+def processors_left(runs: list[dict], cpu_count: int | None = None) -> float:
+    """The processors other users left the mesh over its DEP runs: the machine's less the
+    median of what the rest took during each (at least one)."""
+    others = sorted(r["cpu"]["other_cores"] for r in runs if r.get("cpu"))
+    n = cpu_count or os.cpu_count() or 1
+    if not others:
+        return float(n)
+    return max(n - others[len(others) // 2], 1.0)
 
 
 def table(result: dict) -> str:
@@ -166,4 +184,8 @@ def table(result: dict) -> str:
             others = f", others {cpu['other_cores']:.2f} cores" if cpu else ""
             spread.setdefault(r["case"], []).append(f"{r['tokens_per_s']:.0f} (load {r['loadavg_1m']:.1f}{others})")
     rounds = [f"  {name}: {', '.join(v)}" for name, v in spread.items()]
-    return "\n".join([head, check.table(result["comparison"]), "tokens/s of each round:", *rounds])
+    coll = [f"  {w} ranks: all-to-all {r['all_to_all_ms_p50']:.2f} ms (p90 {r['all_to_all_ms_p90']:.2f}), "
+            f"all-gather {r['all_gather_ms_p50']:.2f} ms (p90 {r['all_gather_ms_p90']:.2f}), {r['calls']} calls each"
+            for w, r in result.get("collectives", {}).items()]
+    return "\n".join([head, check.table(result["comparison"]), "tokens/s of each round:", *rounds,
+                      "collectives timed before the DEP runs:", *coll])

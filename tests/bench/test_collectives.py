@@ -1,0 +1,20 @@
+"""The collectives' timing between real gloo processes, kept short."""
+
+from moemesh.tools.bench.collectives import time_collectives
+from moemesh.tools.bench.plan_check import processors_left
+
+
+def test_times_each_width_above_one():
+    out = time_collectives([1, 2], {1: 4, 2: 2}, top_k=2, hidden=8, calls=5)
+    assert set(out) == {2}
+    r = out[2]
+    assert r["calls"] == 5
+    assert 0 < r["all_to_all_ms_p50"] <= r["all_to_all_ms_p90"]
+    assert 0 < r["all_gather_ms_p50"] <= r["all_gather_ms_p90"]
+
+
+def test_processors_left_is_the_machine_less_what_others_took():
+    runs = [{"cpu": {"other_cores": x}} for x in (0.0, 1.0, 0.2)] + [{"point": {}}]
+    assert processors_left(runs, cpu_count=2) == 1.8
+    assert processors_left([], cpu_count=2) == 2.0
+    assert processors_left([{"cpu": {"other_cores": 3.0}}], cpu_count=2) == 1.0
