@@ -20,7 +20,7 @@ def this_host(forward: dict, dims: ModelDims, *, cores: float = 0.0, collectives
               copy_bw: float = 5e9) -> Measured:
     """Measured costs from a `bench forward` result, and the collectives' latency per
     width from a `time_collectives` result (tools/bench/collectives.py:
-    {width: {"all_to_all_ms_p50", "all_gather_ms_p50"}}, widths as ints or strings)."""
+    {width: {"all_to_all_ms", "all_gather_ms"}} (means), widths as ints or strings)."""
     if forward.get("bench") != "forward":
         raise ValueError("not a `bench forward` result (its 'bench' is not 'forward')")
     dec = sorted(forward.get("decode", []), key=lambda r: r["batch"])
@@ -35,8 +35,8 @@ def this_host(forward: dict, dims: ModelDims, *, cores: float = 0.0, collectives
 def collective_latency(collectives: dict) -> dict:
     """Measured's collective_s_by_width and agree_s_by_width from a `time_collectives` result."""
     rows = {int(w): r for w, r in collectives.items()}
-    return {"collective_s_by_width": {w: r["all_to_all_ms_p50"] / 1e3 for w, r in rows.items()},
-            "agree_s_by_width": {w: r["all_gather_ms_p50"] / 1e3 for w, r in rows.items()}}
+    return {"collective_s_by_width": {w: r["all_to_all_ms"] / 1e3 for w, r in rows.items()},
+            "agree_s_by_width": {w: r["all_gather_ms"] / 1e3 for w, r in rows.items()}}
 
 
 def host_from_decode(result: dict, name: str = "measured") -> HostModel:

@@ -5,10 +5,10 @@ from moemesh.tools.bench.plan_check import processors_left
 
 
 def test_times_each_width_above_one():
-    out = time_collectives([1, 2], {1: 4, 2: 2}, top_k=2, hidden=8, calls=5)
+    out = time_collectives([1, 2], {1: 4, 2: 2}, top_k=2, hidden=8, calls=5, blocks=2)
     assert set(out) == {2}
     r = out[2]
-    assert r["calls"] == 5
+    assert r["calls"] == 10 and len(r["blocks"]) == 2 and r["all_to_all_ms"] > 0 and r["all_gather_ms"] > 0
     assert 0 < r["all_to_all_ms_p50"] <= r["all_to_all_ms_p90"]
     assert 0 < r["all_gather_ms_p50"] <= r["all_gather_ms_p90"]
 
@@ -18,3 +18,9 @@ def test_processors_left_is_the_machine_less_what_others_took():
     assert processors_left(runs, cpu_count=2) == 1.8
     assert processors_left([], cpu_count=2) == 2.0
     assert processors_left([{"cpu": {"other_cores": 3.0}}], cpu_count=2) == 1.0
+
+
+def test_the_compute_between_calls_is_not_counted_in_them():
+    # 3 ms of compute a step: the calls are timed without it.
+    r = time_collectives([2], {2: 2}, top_k=2, hidden=8, calls=5, forward_s_by_width={2: 3e-3}, blocks=1)[2]
+    assert r["wall_s"] > 5 * 3e-3 and r["all_to_all_ms_p50"] < 3.0

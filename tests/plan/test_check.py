@@ -16,8 +16,8 @@ FORWARD = {"bench": "forward", "decode": [{"batch": b, "forward_ms_p50": 2.0 + 0
 WINDOW = {"target": [[40] * 4 + [5] * 12, [5] * 12 + [40] * 4]}
 
 
-COLLECTIVES = {"2": {"all_to_all_ms_p50": 0.7, "all_gather_ms_p50": 0.5},
-               "4": {"all_to_all_ms_p50": 2.8, "all_gather_ms_p50": 2.0}}
+COLLECTIVES = {"2": {"all_to_all_ms": 0.7, "all_gather_ms": 0.5},
+               "4": {"all_to_all_ms": 2.8, "all_gather_ms": 2.0}}
 
 
 def _truth():

@@ -18,8 +18,8 @@ from moemesh.shared.plan.workload import get_workload
 DIMS = from_config(preset_config("tiny"), "tiny")
 FORWARD = {"bench": "forward", "decode": [{"batch": b, "forward_ms_p50": 2.0 + 0.25 * b} for b in (1, 4, 8, 16)],
            "prefill": []}
-COLL = {"2": {"all_to_all_ms_p50": 0.7, "all_gather_ms_p50": 0.5},
-        "4": {"all_to_all_ms_p50": 2.8, "all_gather_ms_p50": 2.0}}
+COLL = {"2": {"all_to_all_ms": 0.7, "all_gather_ms": 0.5},
+        "4": {"all_to_all_ms": 2.8, "all_gather_ms": 2.0}}
 
 
 def _step(costs, width, batch=4):

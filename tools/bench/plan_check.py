@@ -1,15 +1,16 @@
 """`moemesh bench plan-check`: the step model (shared/plan) against runs on this machine.
 
-Run: the latency of the ranks' collectives at each DEP width above 1, between that many
-gloo processes (tools/bench/collectives.py) -> `bench forward` of the model at DEP1 (the
-calibration) -> the mock decode mesh at
+Run: `bench forward` of the model at DEP1 and the expert kernel alone (the calibration)
+-> the latency of the ranks' collectives at each DEP width above 1, between that many
+gloo processes computing as long as a rank does between them (tools/bench/collectives.py)
+-> the mock decode mesh at
 fixed step times (host overhead) -> for each width N in --deps, a decode-only DEP-N mesh
 on the real model, balanced and then under a router skew, --waves waves of --batch
 requests each, reading rank 0's step figures and the instance's recorded load window, in
 --repeats interleaved rounds (each case takes its median) -> the
 model's prediction of every run (shared/plan/check.py) beside the measurement. The
-expert kernel is also timed alone at the model's shapes, so that the DEP1 forward can be
-split into its data-parallel and expert parts.
+expert kernel is timed alone at the model's shapes so that the DEP1 forward can be split
+into its data-parallel and expert parts.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class PlanCheckConfig:
     mock_seconds: float = 5.0
     threads: int = 1
     seed: int = 0
-    collective_calls: int = 300
+    collective_calls: int = 200
 
     def __post_init__(self) -> None:
         if not self.deps or min(self.deps) < 1 or self.batch < max(self.deps) or min(self.waves, self.repeats) < 1:
@@ -129,13 +130,12 @@ def run(cfg: PlanCheckConfig) -> dict:
 
     model = cfg.model or str(ensure_tiny_model(default_home()))
     dims, _ = load_dims(model)
-    # First, while this process has run no torch work: its workers are forked from it.
-    coll = collectives.time_collectives(cfg.deps, {d: cfg.batch // d for d in cfg.deps}, dims.top_k, dims.hidden,
-                                        cfg.collective_calls)
     per_rank = sorted({max(cfg.batch // d, 1) for d in cfg.deps} | {1})
     fwd = forward.run(forward.ForwardBenchConfig(model=model, batch_sizes=tuple(per_rank),
                                                  context_len=cfg.isl + cfg.osl // 2, prefill_lens=(), steps=20,
                                                  warmup=4, num_threads=cfg.threads, seed=cfg.seed))
+    slot_s, pair_s = time_experts(dims, cfg.threads)
+    coll = _time_collectives(cfg, dims, fwd, slot_s, pair_s)
     cases, runs = [], []
     for step_ms in cfg.mock_step_ms:
         mock = decode_mock.run(decode_mock.MockDecodeConfig(model=model, mock_step_ms=step_ms, isl=cfg.isl,
@@ -156,11 +156,20 @@ def run(cfg: PlanCheckConfig) -> dict:
         rounds.setdefault(case.name, []).append(case)
         runs.append(raw | {"round": i, "loadavg_1m": os.getloadavg()[0]})
     cases += [_median(v) for v in rounds.values()]
-    slot_s, pair_s = time_experts(dims, cfg.threads)
     costs = replace(this_host(fwd, dims, cores=processors_left(runs), collectives=coll), slot_s=slot_s, pair_s=pair_s)
     cmp = check.compare(cases, dims, costs, HOSTS["after-9"], cfg.isl, cfg.osl)
     return {"bench": "plan-check", "config": asdict(cfg), "env": environment(), "forward": fwd["decode"],
             "collectives": coll, "comparison": cmp, "runs": runs}
+
+
+def _time_collectives(cfg: PlanCheckConfig, dims, fwd: dict, slot_s: float, pair_s: float) -> dict:
+    """The collectives at each width, with a rank's compute between them: its forward at
+    its batch (the calibration's) and the expert kernel for the pairs it receives."""
+    fwd_ms = {r["batch"]: r["forward_ms_p50"] for r in fwd["decode"]}
+    tokens = {d: max(cfg.batch // d, 1) for d in cfg.deps}
+    exp = {d: slot_s * min(dims.num_experts // d, t * dims.top_k) + pair_s * t * dims.top_k for d, t in tokens.items()}
+    return collectives.time_collectives(cfg.deps, tokens, dims.top_k, dims.hidden, cfg.collective_calls,
+                                        dims.num_moe_layers, {d: fwd_ms[t] / 1e3 for d, t in tokens.items()}, exp)
 
 
 def processors_left(runs: list[dict], cpu_count: int | None = None) -> float:
@@ -184,8 +193,10 @@ def table(result: dict) -> str:
             others = f", others {cpu['other_cores']:.2f} cores" if cpu else ""
             spread.setdefault(r["case"], []).append(f"{r['tokens_per_s']:.0f} (load {r['loadavg_1m']:.1f}{others})")
     rounds = [f"  {name}: {', '.join(v)}" for name, v in spread.items()]
-    coll = [f"  {w} ranks: all-to-all {r['all_to_all_ms_p50']:.2f} ms (p90 {r['all_to_all_ms_p90']:.2f}), "
-            f"all-gather {r['all_gather_ms_p50']:.2f} ms (p90 {r['all_gather_ms_p90']:.2f}), {r['calls']} calls each"
+    coll = [f"  {w} ranks: all-to-all {r['all_to_all_ms']:.2f} ms mean (p50 {r['all_to_all_ms_p50']:.2f}, p90 "
+            f"{r['all_to_all_ms_p90']:.2f}), all-gather {r['all_gather_ms']:.2f} (p50 {r['all_gather_ms_p50']:.2f}, "
+            f"p90 {r['all_gather_ms_p90']:.2f}), {r['calls']} steps; blocks: "
+            + ", ".join(f"{a:.2f}/{g:.2f}" for a, g in r["blocks"])
             for w, r in result.get("collectives", {}).items()]
     return "\n".join([head, check.table(result["comparison"]), "tokens/s of each round:", *rounds,
                       "collectives timed before the DEP runs:", *coll])
