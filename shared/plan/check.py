@@ -18,8 +18,9 @@ Two kinds of run:
   - two figures fitted on two runs, which are then no evidence for the model:
     1. on the DEP1 run, how fast a rank computes in the mesh against the calibration's
        forward (`speed`): the step the model gives the DEP1 run meets the measured one;
-    2. on the first balanced DEP>1 run, the CPU a DEP rank spends per MoE layer besides
-       the expert kernel and the collectives' wait (routing, sorting, the combine).
+    2. on the first balanced DEP>1 run, the time a DEP rank spends per MoE layer besides
+       the expert kernel and the collectives' wait (routing, sorting, the combine, and
+       whatever else of that run's step the model lacks).
   The other DEP runs (skewed, wider) are the evidence.
 
 On this host a DEP rank spends most of its step waiting in collectives (gloo over
@@ -186,7 +187,8 @@ def table(result: dict) -> str:
                      f"{('fit' if r['fitted'] else ('yes' if r['holds'] else 'NO')):>6}")
     f = result["fitted"]
     lines.append(f"fitted on {', '.join(result['fitted_on']) or 'nothing'}: ranks compute at {f['speed']:.2f} of the "
-                 f"calibration's speed, {f['ep_layer_ms']:.3f} ms of DEP bookkeeping per MoE layer")
+                 f"calibration's speed, {f['ep_layer_ms']:.3f} ms a MoE layer of DEP work beyond the expert "
+                 f"kernel and the collectives")
     coll = ", ".join(f"{w} ranks {a:.2f}/{f['agree_ms'].get(w, 0.0):.2f}" for w, a in f["all_to_all_ms"].items())
     lines.append(f"measured: {f['cores']:.2f} processors left to the ranks; all-to-all/all-gather ms: "
                  f"{coll or 'none'}; expert kernel {f['slot_us']:.0f} us per slot + {f['pair_us']:.1f} us per pair")

@@ -126,9 +126,10 @@ class Measured:
         agree_s_by_width: the ranks' per-step agreement (an all-gather) at that width.
         copy_bw: bytes/s of a collective's payload.
         slot_s, pair_s: the expert kernel per slot that runs and per pair (0: split by FLOPs).
-        ep_layer_s: CPU a DEP>1 rank spends per MoE layer besides the expert kernel and
+        ep_layer_s: time a DEP>1 rank spends per MoE layer besides the expert kernel and
             the collectives' wait (routing to replicas, sorting by slot, the combine);
-            fitted in the mesh, so not scaled by `speed`.
+            fitted in the mesh, so not scaled by `speed`, and so holding whatever else
+            the fitted run took that the model lacks (docs/plan.md).
     """
 
     dims: ModelDims
