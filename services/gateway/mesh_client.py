@@ -43,6 +43,7 @@ from nats.aio.client import Client as NATS
 
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.kv_index import KVIndex
+from moemesh.services.gateway.link import LinkState
 from moemesh.services.gateway.router import pick_decode, route_prefill
 from moemesh.services.gateway.stream import Choices, Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
@@ -107,12 +108,15 @@ class MeshClient:
         self._watcher: asyncio.Task | None = None
         self._heartbeat: Heartbeater | None = None
         self._leaving = False
+        # Workers re-subscribe within a beat or two of the server coming back.
+        self.link = LinkState(settle_s=max(2.0, 2 * cfg.heartbeat_interval_s))
 
     async def start(self) -> None:
         link = LinkEvents()
-        link.down.append(self.registry.hold)
-        link.up += [self.registry.resume, self._recover]
+        link.down += [self.registry.hold, self.link.on_down]
+        link.up += [self.registry.resume, self.link.on_up, self._recover]
         self.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}", link)
+        self.link.on_up()
         s = self.subjects
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
         self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id, "*"), TokenBatch, self._on_tokens))
@@ -243,9 +247,10 @@ class MeshClient:
                 m.prefill_id = prefill.worker_id
             self._assigned_prompt[prefill.worker_id] += len(prompt_ids)
         self._sending.add(request_id)
+        deadline = time.monotonic() + self.cfg.nats_outage_wait_s
         try:
             try:
-                await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, h.headers)
+                await self._request_job(subject, job, h, deadline)
             except Unreachable as e:
                 self._suspect(h.prefill_id or h.decode_id, str(e))
                 if self.cfg.decode_only_bench:
@@ -254,8 +259,7 @@ class MeshClient:
                 job.kv_sources = []
                 for m in members:
                     m.prefill_id = ""
-                ack = await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s,
-                                    h.headers)
+                ack = await self._request_job(self.subjects.prefill_jobs, job, h, deadline)
                 for m in members:
                     m.prefill_id = ack.worker_id
         except Unreachable as e:
@@ -270,6 +274,22 @@ class MeshClient:
             raise Rejected("the request was refused by the serving workers") from None
         finally:
             self._sending.discard(request_id)
+
+    async def _request_job(self, subject: str, job: PrefillJob, h: Handle, deadline: float) -> Ack:
+        """Send a job and take its Ack, riding out an outage of our own NATS link (link.py):
+        a send that failed while the link was down or not yet settled goes again, until
+        deadline. A job that got through but lost its Ack may arrive twice; workers run a
+        repeated job once."""
+        while True:
+            if not await self.link.wait_up(deadline):
+                raise Unreachable(f"NATS has been unreachable for {self.cfg.nats_outage_wait_s:g}s")
+            epoch = self.link.epoch
+            try:
+                return await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, h.headers)
+            except Unreachable:
+                if self.link.steady_since(epoch) or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.25)
 
     # ---- migration ----------------------------------------------------------------------
     def _suspect(self, worker_id: str, why: str) -> None:
