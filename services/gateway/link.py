@@ -22,7 +22,12 @@ class LinkState:
         self._back_at = -1e9
 
     def on_up(self) -> None:
+        """Back after an outage: the workers may not have re-subscribed yet."""
         self._back_at = time.monotonic()
+        self._up.set()
+
+    def on_connected(self) -> None:
+        """The first connection: the workers that beat are subscribed already."""
         self._up.set()
 
     def on_down(self) -> None:
