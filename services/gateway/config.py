@@ -13,6 +13,9 @@ class GatewayConfig(ServiceConfig):
     max_inflight: int = 512  # admitted requests; beyond this, 429 with Retry-After
     retry_after_s: int = 1
     prefill_timeout_s: float = 5.0  # for a prefill worker to accept a job
+    # A new request's job waits this long for the gateway's NATS link to come back (and
+    # the workers to re-subscribe) before the request is a 503 (services/gateway/link.py).
+    nats_outage_wait_s: float = 30.0
     max_migrations: int = 3  # times one request is moved to other workers when its worker dies
     inactivity_timeout_s: float = 60.0  # no token for this long: the request fails
     default_max_tokens: int = 256

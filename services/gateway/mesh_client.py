@@ -20,8 +20,8 @@ hand-off notice), in the request's current migration attempt.
 
 A worker is suspect, and gets no new requests, from the moment a request to it finds
 nobody there or its prefill worker could not hand KV to it; if its heartbeats stop too,
-it is dead sooner than by its heartbeats alone, and its requests move. When the
-reader closes the handle, the request is forgotten here and, if it was aborted, the
+it is dead sooner than by its heartbeats alone, and its requests move (migration.py).
+When the reader closes the handle, the request is forgotten here and, if it was aborted, the
 abort goes out to the workers from a tracked task.
 
 A request of n > 1 is one job (its prompt is prefilled once) and n handles, one per
@@ -32,7 +32,6 @@ stream of its own from then on, with its own end, abort, resends and migration.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -43,6 +42,8 @@ from nats.aio.client import Client as NATS
 
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.kv_index import KVIndex
+from moemesh.services.gateway.link import LinkState
+from moemesh.services.gateway.migration import Migration, NoWorkers, Rejected
 from moemesh.services.gateway.router import pick_decode, route_prefill
 from moemesh.services.gateway.stream import Choices, Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
@@ -64,19 +65,10 @@ log = logging.getLogger(__name__)
 # name subjects, workers and transfers) is logged with the request id instead.
 CLIENT_ERROR = "the request failed while it was being served"
 RESEND_EVERY_S = 0.5
-WATCH_EVERY_S = 0.25
 SILENT_S = 2.0  # a stream this long without a batch: its workers are asked what it missed
 
 
-class NoWorkers(RuntimeError):
-    pass
-
-
-class Rejected(RuntimeError):
-    """A worker refused the request (bad parameters it caught, or draining)."""
-
-
-class MeshClient:
+class MeshClient(Migration):
     def __init__(self, cfg: GatewayConfig, gateway_id: str | None = None, metrics: Metrics | None = None):
         self.cfg = cfg
         m = metrics or Metrics()
@@ -107,12 +99,15 @@ class MeshClient:
         self._watcher: asyncio.Task | None = None
         self._heartbeat: Heartbeater | None = None
         self._leaving = False
+        # Workers re-subscribe within a beat or two of the server coming back.
+        self.link = LinkState(settle_s=max(2.0, 2 * cfg.heartbeat_interval_s))
 
     async def start(self) -> None:
         link = LinkEvents()
-        link.down.append(self.registry.hold)
-        link.up += [self.registry.resume, self._recover]
+        link.down += [self.registry.hold, self.link.on_down]
+        link.up += [self.registry.resume, self.link.on_up, self._recover]
         self.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}", link)
+        self.link.on_connected()
         s = self.subjects
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
         self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id, "*"), TokenBatch, self._on_tokens))
@@ -243,9 +238,10 @@ class MeshClient:
                 m.prefill_id = prefill.worker_id
             self._assigned_prompt[prefill.worker_id] += len(prompt_ids)
         self._sending.add(request_id)
+        deadline = time.monotonic() + self.cfg.nats_outage_wait_s
         try:
             try:
-                await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, h.headers)
+                await self._request_job(subject, job, h, deadline)
             except Unreachable as e:
                 self._suspect(h.prefill_id or h.decode_id, str(e))
                 if self.cfg.decode_only_bench:
@@ -254,8 +250,7 @@ class MeshClient:
                 job.kv_sources = []
                 for m in members:
                     m.prefill_id = ""
-                ack = await request(self.nc, self.subjects.prefill_jobs, job, Ack, self.cfg.prefill_timeout_s,
-                                    h.headers)
+                ack = await self._request_job(self.subjects.prefill_jobs, job, h, deadline)
                 for m in members:
                     m.prefill_id = ack.worker_id
         except Unreachable as e:
@@ -271,68 +266,21 @@ class MeshClient:
         finally:
             self._sending.discard(request_id)
 
-    # ---- migration ----------------------------------------------------------------------
-    def _suspect(self, worker_id: str, why: str) -> None:
-        """No new requests go to the worker from now on; if its heartbeats stop too, its
-        requests move sooner than by heartbeats alone (WorkerRegistry.suspect)."""
-        if self.registry.suspect(worker_id):
-            log.warning("worker %s is suspect (%s): no new requests go to it until it beats again", worker_id, why)
-
-    def _check_workers(self) -> None:
-        """Workers that fell silent: their requests go elsewhere (each sweep)."""
-        dead = self.registry.prune()
-        now = time.monotonic()
-        if not self.registry.held:
-            gone = [w for w, (seen, timeout) in self._draining.items() if now - seen > timeout]
-            for w in gone:
-                del self._draining[w]
-            dead += gone
-        for w in dead:
-            self.kv.forget(w)
-            self._snapshots.discard(w)
-        if dead:
-            self._migrate_from(set(dead), "its worker stopped")
-
-    async def _watch_workers(self) -> None:
+    async def _request_job(self, subject: str, job: PrefillJob, h: Handle, deadline: float) -> Ack:
+        """Send a job and take its Ack, riding out an outage of our own NATS link (link.py):
+        a send that failed while the link was down or not yet settled goes again, until
+        deadline. A job that got through but lost its Ack may arrive twice; workers run a
+        repeated job once."""
         while True:
-            await asyncio.sleep(WATCH_EVERY_S)
-            self._check_workers()
-
-    def _migrate_from(self, dead: set[str], why: str) -> None:
-        # A dead prefill worker strands what has not reached its decode worker: no first
-        # token yet, or the first token only (its KV may never have been handed off).
-        moving = [h for h in self.handles.values() if not h.closed and h.finish is None
-                  and h.request_id not in self._sending
-                  and (h.decode_id in dead or (h.prefill_id in dead and h.next_pos <= 1))]
-        for w in sorted(dead):
-            n = sum(1 for h in moving if w in (h.decode_id, h.prefill_id))
-            log.warning("worker %s stopped sending heartbeats: migrating its %d requests", w, n)
-        for h in moving:
-            self._tasks.spawn(self._migrate(h, why), f"migrate-{h.request_id}")
-
-    async def _migrate(self, h: Handle, why: str) -> None:
-        """Resubmit h as its prompt plus every id it has streamed so far, to live workers:
-        the new worker prefills that and goes on; the client's stream goes on unbroken."""
-        if h.migrations >= self.cfg.max_migrations:
-            h.end(TokenEnd(0, "error", f"request failed: {why} and it was moved {h.migrations} times already"))
-            return
-        old, done = h.request_id, len(h.streamed) + len(h.ids)
-        if done >= h.params.max_tokens:  # all of it arrived; only its end was lost
-            h.end(TokenEnd(0, "length"))
-            return
-        h.migrations += 1
-        self.c_migrations.inc()
-        self.handles.pop(old, None)  # late rows of the old attempt are not its
-        self._tasks.spawn(self._send_abort(self.nc, old, "migrated"), f"abort-{old}")
-        h.request_id = f"{old.split('~', 1)[0]}~m{h.migrations}"
-        h.next_pos, h.asked_at = 0, -1e9
-        params = dataclasses.replace(h.params, max_tokens=h.params.max_tokens - done,
-                                     min_tokens=max(0, h.params.min_tokens - done))
-        prompt = h.prompt_ids + h.streamed + h.ids
-        try:
-            await self._send_job(h, prompt, params)
-        except (NoWorkers, Rejected) as e:
-            h.end(TokenEnd(0, "error", f"request failed: {why}, and it could not be moved ({e})"))
+            if not await self.link.wait_up(deadline):
+                raise Unreachable(f"NATS has been unreachable for {self.cfg.nats_outage_wait_s:g}s")
+            epoch = self.link.epoch
+            try:
+                return await request(self.nc, subject, job, Ack, self.cfg.prefill_timeout_s, h.headers)
+            except Unreachable:
+                if self.link.steady_since(epoch) or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.25)
 
     def _recover(self) -> None:
         """Back from a NATS outage: what was sent meanwhile may be lost; ask for all of it."""

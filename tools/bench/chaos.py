@@ -19,7 +19,6 @@ Run of one scenario:
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import sys
 import time
@@ -95,7 +94,8 @@ def _up(cfg: ChaosConfig, sc: Scenario, log_dir: Path, nats_url: str) -> UpConfi
                f"max_num_batched_tokens={PROMPTS_PER_SLOW_STEP * cfg.prompt_tokens}") \
         if sc.prefill_step_ms else ()
     decode = (f"drain_timeout_s={sc.drain_timeout_s}",) if sc.drain_timeout_s else ()
-    return UpConfig(model=cfg.model, nats_url=nats_url, port=0, num_prefill=2, num_decode=2, service_args=worker, prefill_args=prefill,
+    return UpConfig(model=cfg.model, nats_url=nats_url, port=0, num_prefill=2, num_decode=2, num_gateways=sc.gateways,
+                    service_args=worker, prefill_args=prefill,
                     decode_args=decode, gateway_args=(f"max_inflight={4 * cfg.streams}", "worker_header=true"), balancer=False,
                     log_dir=str(log_dir))
 
@@ -114,9 +114,7 @@ def run_scenario(cfg: ChaosConfig, sc: Scenario, log_dir: Path) -> dict:
 
 
 def _scenario_on(mesh: Mesh, nats: ProcessGroup, port: int, cfg: ChaosConfig, sc: Scenario, log_dir: Path) -> dict:
-    gateways = [mesh.url]
-    if sc.gateways == 2:
-        gateways.append(_second_gateway(mesh))
+    gateways = mesh.urls
     load = ChaosLoad(urls=gateways, model=Path(mesh.model).name, streams=cfg.streams, max_tokens=cfg.max_tokens,
                      prompt_tokens=cfg.prompt_tokens, ready_tokens=cfg.ready_tokens, probe_rate=cfg.probe_rate)
     observed: dict = {"victim_role": sc.target}
@@ -128,7 +126,7 @@ def _scenario_on(mesh: Mesh, nats: ProcessGroup, port: int, cfg: ChaosConfig, sc
             client.wait("streaming")
             victim = _busiest(mesh, "decode") if sc.target == "decode" else None
         if sc.target == "gateway":
-            victim = "gateway"  # the mesh's own; gateway-1 serves the other half, and the probes
+            victim = "gateway-0"  # gateway-1 serves the other half, and the probes
             observed["orphans_at_kill"] = _orphans(mesh, victim)
         observed["victim"] = victim
         child = _live_child(nats if sc.fault == "nats" else mesh.group, "nats" if sc.fault == "nats" else victim)
@@ -149,31 +147,6 @@ def _scenario_on(mesh: Mesh, nats: ProcessGroup, port: int, cfg: ChaosConfig, sc
 
 def _live_child(group: ProcessGroup, name: str) -> Child:
     return next(c for c in reversed(group.children) if c.name == name and c.alive())
-
-
-def _second_gateway(mesh: Mesh) -> str:
-    """A second gateway process beside the mesh's own, with the same settings."""
-    from moemesh.tools.launch.up import launch_plan
-
-    port = free_port(mesh.cfg.host)
-    first = next(lc for lc in launch_plan(mesh.cfg, mesh.model, mesh.nats_url, mesh.port) if lc.name == "gateway")
-    argv = list(first.argv)
-    argv[argv.index("--worker-id") + 1] = "gateway-1"
-    argv[argv.index("--port") + 1] = str(port)
-    mesh.group.start("gateway-1", [sys.executable, "-m", *argv], mesh.cfg.extra_env)
-    url = f"http://{mesh.cfg.host}:{port}"
-    deadline = time.monotonic() + mesh.cfg.ready_timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health/ready", timeout=2) as r:
-                w = json.loads(r.read())["workers"]
-                if w["prefill"] >= 2 and w["decode"] >= 2:
-                    return url
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the second gateway was not ready; see {mesh.log_dir}/gateway-1.log")
-        time.sleep(0.25)
 
 
 # ---- what the mesh says --------------------------------------------------------------------

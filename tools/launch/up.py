@@ -257,13 +257,18 @@ class Mesh:
             return r.status == 200
 
     def _all_joined(self) -> bool:
+        """Every gateway has heard every worker started here."""
         cfg = self.cfg
         want = {"prefill": cfg.num_prefill * cfg.prefill_dp, "decode": cfg.num_decode * cfg.decode_dp}
-        have = self.health().get("workers", {})
-        return all(have.get(role, 0) >= n for role, n in want.items())
+        for url in self.urls:
+            have = self.health(url).get("workers", {})
+            if any(have.get(role, 0) < n for role, n in want.items()):
+                return False
+        return True
 
-    def health(self) -> dict:
-        with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+    def health(self, url: str = "") -> dict:
+        """A gateway's /health (the first gateway's by default)."""
+        with urllib.request.urlopen((url or self.url) + "/health", timeout=2) as r:
             return json.loads(r.read())
 
     def stop(self) -> None:
