@@ -57,7 +57,7 @@ def api_schema(mock_mesh_url):
     return schema.include(method="POST")
 
 
-def _fuzz(api_schema, examples: int) -> None:
+def _fuzz(api_schema, examples: int, derandomize: bool = False) -> None:
     # Hypothesis drives the schema's strategies directly: one property per operation.
     for result in api_schema.get_all_operations():
         operation = result.ok()
@@ -66,7 +66,7 @@ def _fuzz(api_schema, examples: int) -> None:
         # No shrinking: replaying a case through schemathesis' extra-field generator is not
         # reproducible (hypothesis calls it flaky), and the first failing case says enough.
         @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None,
-                  phases=[Phase.generate])
+                  phases=[Phase.generate], derandomize=derandomize)
         def agree(case):
             response = case.call(timeout=60)
             if response.status_code == 400 and response.json()["error"].get("code") in EXCEPTIONS:
@@ -83,7 +83,9 @@ EXCEPTIONS = ("context_length_exceeded", "unenforceable_schema", "tool_mismatch"
 
 
 def test_the_document_and_the_gateway_agree(api_schema):
-    _fuzz(api_schema, 40)
+    # The same 40 cases every run: the default suite passes or fails by the code, not by
+    # which cases came up (and takes the same time); the long run below explores.
+    _fuzz(api_schema, 40, derandomize=True)
 
 
 @pytest.mark.slow
