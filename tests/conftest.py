@@ -47,6 +47,22 @@ def tiny_engine_factory(tiny_model):
 
 
 @pytest.fixture(scope="session")
+def tiny_v4_engine_factory(tiny_v4_model):
+    """Builds engines on the tiny DeepSeek-V4 model, reusing one loaded copy of the weights."""
+    from moemesh.shared.checkpoint.loader import load_model
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.engine import LLMEngine
+
+    model = load_model(tiny_v4_model)
+
+    def make(**kw) -> LLMEngine:
+        kw.setdefault("max_num_seqs", 8)
+        return LLMEngine(EngineConfig(model=tiny_v4_model, **kw), model=model)
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def offline(tiny_model):
     """The offline engine, for outputs a mesh must reproduce exactly."""
     from moemesh.shared.engine.config import EngineConfig

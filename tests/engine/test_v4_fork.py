@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from moemesh.shared.engine import fork_io
-from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.kv.spec import describe
 from moemesh.shared.protocol.forks import fork_ids, fork_params
@@ -26,15 +25,10 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def v4(tiny_v4_model):
-    from moemesh.shared.checkpoint.loader import load_model
-
-    model = load_model(tiny_v4_model)
-
+def v4(tiny_v4_engine_factory):
     def make(**kw) -> LLMEngine:
         kw.setdefault("num_kv_blocks", 64)
-        kw.setdefault("max_num_seqs", 8)
-        return LLMEngine(EngineConfig(model=tiny_v4_model, **kw), model=model)
+        return tiny_v4_engine_factory(**kw)
 
     return make
 

@@ -11,7 +11,6 @@ import random
 
 import pytest
 
-from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.protocol.sampling import SamplingParams
 
@@ -19,15 +18,10 @@ BS = 16
 
 
 @pytest.fixture(scope="module")
-def v4(tiny_v4_model):
-    from moemesh.shared.checkpoint.loader import load_model
-
-    model = load_model(tiny_v4_model)
-
+def v4(tiny_v4_engine_factory):
     def make(**kw) -> LLMEngine:
         kw.setdefault("num_kv_blocks", 96)
-        kw.setdefault("max_num_seqs", 8)
-        return LLMEngine(EngineConfig(model=tiny_v4_model, **kw), model=model)
+        return tiny_v4_engine_factory(**kw)
 
     return make
 
