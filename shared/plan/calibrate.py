@@ -5,11 +5,15 @@
 - collective latency per width: gloo all-to-alls and all-gathers between that many
   processes, timed by `moemesh bench plan-check` before its DEP runs;
 - host time per step: `moemesh bench decode --mock-step-ms X` (decode_steps of each point:
-  host_ms_p50 and host_exposed_ms_p50), or `bench decode`'s own decode_steps.
+  host_ms_p50 and host_exposed_ms_p50), or `bench decode`'s own decode_steps;
+- all of a rank's figures at once: a `bench plan-check` result (from_plan_check): its
+  forward, its collectives and the figures it fitted on this mesh's DEP runs.
 All are parsed here from already-loaded JSON; reading the files is the caller's.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from moemesh.shared.plan.costs import Measured
 from moemesh.shared.plan.dims import ModelDims
@@ -30,6 +34,24 @@ def this_host(forward: dict, dims: ModelDims, *, cores: float = 0.0, collectives
     return Measured(dims, tuple(float(r["batch"]) for r in dec), tuple(r["forward_ms_p50"] / 1e3 for r in dec),
                     tuple(float(r["prompt_len"]) for r in pre), tuple(r["forward_ms_p50"] / 1e3 for r in pre),
                     cores=cores, copy_bw=copy_bw, **collective_latency(collectives or {}))
+
+
+def from_plan_check(result: dict, dims: ModelDims) -> Measured:
+    """Measured costs from a `bench plan-check` result of the same model: the forward it
+    calibrated, the collectives it timed per width, the expert kernel it timed, the
+    processors it found left, and the two figures it fitted on the mesh's DEP runs (a
+    rank's speed in the mesh, and its time per MoE layer beyond the kernel and the
+    collectives). Widths beyond its widest are extrapolated (costs.by_width)."""
+    if result.get("bench") != "plan-check":
+        raise ValueError("not a `bench plan-check` result (its 'bench' is not 'plan-check')")
+    try:
+        f = result["comparison"]["fitted"]
+        costs = this_host({"bench": "forward", "decode": result["forward"]}, dims, cores=f["cores"],
+                          collectives=result.get("collectives") or {})
+        return replace(costs, speed=f["speed"], ep_layer_s=f["ep_layer_ms"] / 1e3, slot_s=f["slot_us"] / 1e6,
+                       pair_s=f["pair_us"] / 1e6)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"the `bench plan-check` result lacks {e}") from None
 
 
 def collective_latency(collectives: dict) -> dict:

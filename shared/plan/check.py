@@ -9,8 +9,9 @@ Two kinds of run:
   - `bench forward` of the same model at DEP1 and the expert kernel timed alone at the
     model's shapes (costs.Measured), which split a forward into its parts;
   - the latency of the ranks' collectives at each width, timed between that many gloo
-    processes on this machine before the DEP runs (an all-to-all, four per MoE layer;
-    an all-gather, the agreement once per step);
+    processes on this machine (an all-to-all, four per MoE layer; an all-gather, the
+    agreement once per step), computing between them what the model gives a rank in
+    the mesh: so after the DEP1 run has given the rank's speed (fit_speed);
   - the processors left to the ranks: the machine's less what other users took during
     the DEP runs (a lower bound on the step that binds only when ranks outnumber them);
   - the window of expert loads each run recorded (its skew);
@@ -126,16 +127,31 @@ def _solve(f, target: float, lo: float, hi: float, iters: int = 40) -> float:
     return (lo + hi) / 2
 
 
+def _dep1(cases: list[Case]) -> Case | None:
+    return next((c for c in cases if c.kind == "dep" and c.width == 1 and c.measured_tps), None)
+
+
+def fit_speed(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel, isl: int, osl: int) -> float:
+    """fit()'s first figure alone: how fast a rank computes in the mesh against the
+    calibration (costs.speed where there is no DEP1 run). It needs no collectives (one
+    rank makes none), so the bench can time them afterwards at the compute it implies."""
+    dep1 = _dep1(cases)
+    if dep1 is None:
+        return costs.speed
+
+    def dep1_step(speed):
+        return predict(dep1, dims, replace(costs, speed=speed), host, isl, osl).step_s
+    return _solve(dep1_step, _measured_step(dep1), 0.05, 20.0)
+
+
 def fit(cases: list[Case], dims: ModelDims, costs: Measured, host: HostModel, isl: int, osl: int) -> Fitted:
     """The figures the module docstring lists, from the DEP1 run and the first balanced
     DEP>1 run (either may be missing: its figures then keep their values). Each is the
     value at which the model's step for its run meets the measured step."""
     names = []
-    dep1 = next((c for c in cases if c.kind == "dep" and c.width == 1 and c.measured_tps), None)
+    dep1 = _dep1(cases)
     if dep1 is not None:
-        def dep1_step(speed):
-            return predict(dep1, dims, replace(costs, speed=speed), host, isl, osl).step_s
-        costs = replace(costs, speed=_solve(dep1_step, _measured_step(dep1), 0.05, 20.0))
+        costs = replace(costs, speed=fit_speed(cases, dims, costs, host, isl, osl))
         names.append(dep1.name)
     wide = next((c for c in cases if c.kind == "dep" and c.width > 1 and "balanced" in c.name and c.measured_tps),
                 None)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moemesh.shared.plan.balance import Balance, balance
+from moemesh.shared.plan.balance import balance
 from moemesh.shared.plan.costs import Costs
 from moemesh.shared.plan.dims import ModelDims
 from moemesh.shared.plan.hardware import Hardware

@@ -125,6 +125,15 @@ def test_plan_check_predicts_each_run(tmp_path, tiny_model):
     assert all(r["measured_tps"] > 0 and r["predicted_tps"] > 0 for r in rows.values())
     assert rows["DEP2 skewed"]["measured_wait_ms"] > 0 and "holds" in out
     assert set(res["collectives"]) == {"2"} and res["comparison"]["fitted"]["all_to_all_ms"]["2"] > 0
+    # The result plans this host, its collectives and fitted figures included.
+    plan = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", "plan", "--model", tiny_model, "--hardware",
+                        "this-host", "--forward", str(tmp_path / "r.json"), "--gpus", "2", "--workload",
+                        "fixed:32:8", "--draft-skew", "", "--steps", "4", "--prefill-tokens", "64", "--decode-batch",
+                        "2", "--out", str(plan)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = next(x for x in json.loads(plan.read_text())["decode"] if x["width"] == 2)
+    assert two["a2a_s"] > 2 * 4 * res["collectives"]["2"]["all_to_all_ms"] / 1e3
 
 
 def test_kv_reuse(tmp_path, tiny_model):

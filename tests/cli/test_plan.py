@@ -68,3 +68,24 @@ def test_plan_on_this_host_from_a_forward_result(tmp_path, tiny_model):
     assert one["attention_s"] + one["experts_s"] == pytest.approx((2 + 0.2 * one["batch"]) / 1e3, rel=0.05)
     r = moemesh("plan", "--model", tiny_model, "--hardware", "this-host", "--out", str(tmp_path / "q.json"))
     assert r.returncode == 2 and "--forward" in r.stderr
+
+
+def test_plan_on_this_host_from_a_plan_check_result(tmp_path, tiny_model):
+    # A plan-check result carries the collectives' latency and the figures fitted in the mesh.
+    pc = tmp_path / "plan_check.json"
+    pc.write_text(json.dumps({
+        "bench": "plan-check", "forward": [{"batch": b, "forward_ms_p50": 2 + 0.2 * b} for b in (1, 8, 16)],
+        "collectives": {"2": {"all_to_all_ms": 0.7, "all_gather_ms": 1.2}},
+        "comparison": {"fitted": {"speed": 0.5, "ep_layer_ms": 1.0, "cores": 2.0, "slot_us": 40.0, "pair_us": 0.5}}}))
+    r = moemesh("plan", "--model", tiny_model, "--hardware", "this-host", "--forward", str(pc), "--gpus", "2",
+                "--workload", "fixed:128:16", "--skew", "uniform", "--draft-skew", "", "--steps", "4",
+                "--prefill-tokens", "512", "--decode-batch", "8", "--out", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    two = next(x for x in json.loads((tmp_path / "p.json").read_text())["decode"] if x["width"] == 2)
+    # Two MoE layers of four all-to-alls, and the agreement once a step.
+    assert two["a2a_s"] == pytest.approx((2 * 4 * 0.7 + 1.2) / 1e3, rel=0.02)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"bench": "plan-check", "forward": []}))
+    r = moemesh("plan", "--model", tiny_model, "--hardware", "this-host", "--forward", str(bad),
+                "--out", str(tmp_path / "q.json"))
+    assert r.returncode == 2 and "plan-check" in r.stderr and "Traceback" not in r.stderr

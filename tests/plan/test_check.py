@@ -40,6 +40,9 @@ def test_fit_recovers_the_hidden_figures():
     assert out["fitted_on"] == ["DEP1 balanced", "DEP2 balanced"]
     f = out["fitted"]
     assert f["speed"] == pytest.approx(0.6, rel=1e-6)
+    # The speed alone, before the collectives are known (plan-check times them at it).
+    no_coll = replace(base, collective_s_by_width={}, agree_s_by_width={})
+    assert check.fit_speed(cases, DIMS, no_coll, HOSTS["after-9"], 128, 32) == pytest.approx(0.6, rel=1e-6)
     assert f["ep_layer_ms"] == pytest.approx(0.4, rel=1e-3)
     assert f["all_to_all_ms"] == {2: pytest.approx(0.7), 4: pytest.approx(2.8)}
     assert all(r["holds"] for r in out["rows"]), out["rows"]

@@ -1,6 +1,5 @@
 """The step model's terms: each does what it says, and switching one off removes exactly it."""
 
-import numpy as np
 import pytest
 
 from moemesh.shared.checkpoint.presets import preset_config

@@ -11,7 +11,13 @@ ranks will, beside whatever else runs there, as the ranks do.
 
 Why the compute between calls: back to back, two processes on two cores stay awake and
 a call takes 0.2 ms; with the compute between, one arrives first and sleeps, and a call
-takes 0.5-0.7 ms, as inside the mesh. Why the mean and not the median: a step waits
+takes 0.5-0.7 ms, as inside the mesh. How long they compute matters too: the longer a
+process ran before a call, the longer its peers slept in it, and the slower the call
+(two processes here: 6.9, 7.4 and 8.2 ms of collectives a step at 1, 1.37 and 1.7 times
+one compute; four: 26.2, 26.4 and 28.5). So the caller passes the compute a rank has in
+the mesh, host work included, not an idealised one. A background load beside the
+processes does not stand in for the mesh's other processes: it made four processes'
+calls faster (26 to 21 ms a step), two processes' slower. Why the mean and not the median: a step waits
 for the sum of its calls, and their times have a long tail (p50 0.8, mean 1.9 ms for
 four processes back to back in one run here).
 """
@@ -36,7 +42,7 @@ def _spin(seconds: float) -> None:
 
 
 def _worker(rank: int, width: int, init: str, calls: int, pairs: int, hidden: int, out_dir: str,
-            layers: int, dense_s: float, expert_s: float) -> None:
+            layers: int, dense_s: float, expert_s: float, host_s: float) -> None:
     import torch
     import torch.distributed as dist
 
@@ -57,7 +63,7 @@ def _worker(rank: int, width: int, init: str, calls: int, pairs: int, hidden: in
             out.append(time.perf_counter() - t0)
 
     for i in range(_WARMUP + calls):
-        _spin(dense_s)
+        _spin(host_s + dense_s)  # the loop's host work, then the forward up to the agreement
         timed(agree, i, dist.all_gather, gathered, mine)
         for _ in range(layers):
             _spin(dense_s)
@@ -71,11 +77,11 @@ def _worker(rank: int, width: int, init: str, calls: int, pairs: int, hidden: in
 
 
 def time_width(width: int, pairs: int, hidden: int, calls: int = 300, layers: int = 2, forward_s: float = 0.0,
-               expert_s: float = 0.0) -> dict:
+               expert_s: float = 0.0, host_s: float = 0.0) -> dict:
     """Wall time of each collective between `width` processes over `calls` steps, each
     process sending `pairs` token rows of `hidden` floats per layer (spread evenly over
-    the peers), computing `forward_s` a step around them and `expert_s` before each
-    combine.
+    the peers), computing `forward_s` a step around them, `expert_s` before each
+    combine and `host_s` before the agreement.
 
     Returns {"all_to_all_ms", "all_gather_ms" (means), "all_to_all_ms_p50",
     "all_gather_ms_p50", "all_to_all_ms_p90", "all_gather_ms_p90", "calls", "wall_s"}."""
@@ -86,7 +92,7 @@ def time_width(width: int, pairs: int, hidden: int, calls: int = 300, layers: in
         init = f"file://{os.path.join(d, 'store')}"
         # fork: a fresh interpreter per process would import torch again, seconds on two cores
         mp.start_processes(_worker, args=(width, init, calls, pairs, hidden, d, layers, forward_s / (layers + 1),
-                                          expert_s), nprocs=width, start_method="fork")
+                                          expert_s, host_s), nprocs=width, start_method="fork")
         a2a, agree = [], []
         for r in range(width):
             with open(os.path.join(d, f"{r}.json")) as f:
@@ -105,7 +111,8 @@ def time_width(width: int, pairs: int, hidden: int, calls: int = 300, layers: in
 
 def time_collectives(widths, tokens_by_width: dict[int, int], top_k: int, hidden: int, calls: int = 300,
                      layers: int = 2, forward_s_by_width: dict[int, float] | None = None,
-                     expert_s_by_width: dict[int, float] | None = None, blocks: int = 3) -> dict:
+                     expert_s_by_width: dict[int, float] | None = None, blocks: int = 3,
+                     host_s_by_width: dict[int, float] | None = None) -> dict:
     """time_width() for each width above 1 (one rank makes no collectives), at that
     width's tokens per rank and compute, in `blocks` blocks of `calls` steps, the widths
     taking turns; each figure is the median over its blocks. Two runs of one block a
@@ -114,13 +121,13 @@ def time_collectives(widths, tokens_by_width: dict[int, int], top_k: int, hidden
 
     Returns {width: time_width's figures, with "blocks": each block's all-to-all and
     all-gather means, and "calls" and "wall_s" summed}."""
-    fwd, exp = forward_s_by_width or {}, expert_s_by_width or {}
+    fwd, exp, host = forward_s_by_width or {}, expert_s_by_width or {}, host_s_by_width or {}
     runs: dict[int, list[dict]] = {}
     for _ in range(blocks):
         for w in sorted(set(widths)):
             if w > 1:
                 runs.setdefault(w, []).append(time_width(w, max(tokens_by_width[w], 1) * top_k, hidden, calls, layers,
-                                                         fwd.get(w, 0.0), exp.get(w, 0.0)))
+                                                         fwd.get(w, 0.0), exp.get(w, 0.0), host.get(w, 0.0)))
     out = {}
     for w, rs in runs.items():
         fig = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("calls", "wall_s")}

@@ -1,14 +1,14 @@
 """`moemesh bench plan-check`: the step model (shared/plan) against runs on this machine.
 
 Run: `bench forward` of the model at DEP1 and the expert kernel alone (the calibration)
--> the latency of the ranks' collectives at each DEP width above 1, between that many
-gloo processes computing as long as a rank does between them (tools/bench/collectives.py)
--> the mock decode mesh at
-fixed step times (host overhead) -> for each width N in --deps, a decode-only DEP-N mesh
-on the real model, balanced and then under a router skew, --waves waves of --batch
-requests each, reading rank 0's step figures and the instance's recorded load window, in
---repeats interleaved rounds (each case takes its median) -> the
-model's prediction of every run (shared/plan/check.py) beside the measurement. The
+-> the mock decode mesh at fixed step times (host overhead) -> for each width N in
+--deps, a decode-only DEP-N mesh on the real model, balanced and then under a router
+skew, --waves waves of --batch requests each, reading rank 0's step figures and the
+instance's recorded load window, in --repeats interleaved rounds (each case takes its
+median) -> the rank's speed in the mesh, fitted on the DEP1 run -> the latency of the
+ranks' collectives at each DEP width above 1, between that many gloo processes computing
+between them as long as the model says a rank in the mesh does (tools/bench/collectives.py)
+-> the model's prediction of every run (shared/plan/check.py) beside the measurement. The
 expert kernel is timed alone at the model's shapes so that the DEP1 forward can be split
 into its data-parallel and expert parts.
 """
@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from moemesh.shared.plan import check
-from moemesh.shared.plan.calibrate import this_host
-from moemesh.shared.plan.host import HOSTS
+from moemesh.shared.plan.calibrate import collective_latency, this_host
+from moemesh.shared.plan.host import HOSTS, HostModel
 from moemesh.tools.bench import collectives, decode_mock, forward, phases
 from moemesh.tools.bench.env import environment
 from moemesh.tools.bench.proc_cpu import machine_cpu_seconds, tree_cpu_seconds
@@ -135,7 +135,6 @@ def run(cfg: PlanCheckConfig) -> dict:
                                                  context_len=cfg.isl + cfg.osl // 2, prefill_lens=(), steps=20,
                                                  warmup=4, num_threads=cfg.threads, seed=cfg.seed))
     slot_s, pair_s = time_experts(dims, cfg.threads)
-    coll = _time_collectives(cfg, dims, fwd, slot_s, pair_s)
     cases, runs = [], []
     for step_ms in cfg.mock_step_ms:
         mock = decode_mock.run(decode_mock.MockDecodeConfig(model=model, mock_step_ms=step_ms, isl=cfg.isl,
@@ -156,20 +155,34 @@ def run(cfg: PlanCheckConfig) -> dict:
         rounds.setdefault(case.name, []).append(case)
         runs.append(raw | {"round": i, "loadavg_1m": os.getloadavg()[0]})
     cases += [_median(v) for v in rounds.values()]
-    costs = replace(this_host(fwd, dims, cores=processors_left(runs), collectives=coll), slot_s=slot_s, pair_s=pair_s)
-    cmp = check.compare(cases, dims, costs, HOSTS["after-9"], cfg.isl, cfg.osl)
+    host = HOSTS["after-9"]
+    base = replace(this_host(fwd, dims, cores=processors_left(runs)), slot_s=slot_s, pair_s=pair_s)
+    speed = check.fit_speed(cases, dims, base, host, cfg.isl, cfg.osl)
+    coll = _time_collectives(cfg, dims, fwd, slot_s, pair_s, speed, host)
+    costs = replace(base, **collective_latency(coll))
+    cmp = check.compare(cases, dims, costs, host, cfg.isl, cfg.osl)
     return {"bench": "plan-check", "config": asdict(cfg), "env": environment(), "forward": fwd["decode"],
             "collectives": coll, "comparison": cmp, "runs": runs}
 
 
-def _time_collectives(cfg: PlanCheckConfig, dims, fwd: dict, slot_s: float, pair_s: float) -> dict:
-    """The collectives at each width, with a rank's compute between them: its forward at
-    its batch (the calibration's) and the expert kernel for the pairs it receives."""
+def _time_collectives(cfg: PlanCheckConfig, dims, fwd: dict, slot_s: float, pair_s: float, speed: float = 1.0,
+                      host: HostModel | None = None) -> dict:
+    """The collectives at each width, with what the model says a rank computes between
+    them in the mesh: its forward at its batch (the calibration's, at the mesh's `speed`),
+    the expert kernel for the pairs it receives, and its loop's host work (lockstep: none
+    of it hidden) before the agreement. How long the ranks compute between two calls
+    changes the calls' time here (two processes: 6.9, 7.4 and 8.2 ms of collectives a
+    step with 1, 1.37 and 1.7 times the calibration's compute between them), so the
+    compute is the mesh's, not the calibration's alone."""
     fwd_ms = {r["batch"]: r["forward_ms_p50"] for r in fwd["decode"]}
     tokens = {d: max(cfg.batch // d, 1) for d in cfg.deps}
-    exp = {d: slot_s * min(dims.num_experts // d, t * dims.top_k) + pair_s * t * dims.top_k for d, t in tokens.items()}
+    exp = {d: (slot_s * min(dims.num_experts // d, t * dims.top_k) + pair_s * t * dims.top_k) / speed
+           for d, t in tokens.items()}
+    lockstep = replace(host, hidden_share=0.0) if host is not None else None
+    hosts = {d: lockstep.host_s(t) if lockstep else 0.0 for d, t in tokens.items()}
     return collectives.time_collectives(cfg.deps, tokens, dims.top_k, dims.hidden, cfg.collective_calls,
-                                        dims.num_moe_layers, {d: fwd_ms[t] / 1e3 for d, t in tokens.items()}, exp)
+                                        dims.num_moe_layers, {d: fwd_ms[t] / 1e3 / speed for d, t in tokens.items()},
+                                        exp, host_s_by_width=hosts)
 
 
 def processors_left(runs: list[dict], cpu_count: int | None = None) -> float:
@@ -199,4 +212,4 @@ def table(result: dict) -> str:
             + ", ".join(f"{a:.2f}/{g:.2f}" for a, g in r["blocks"])
             for w, r in result.get("collectives", {}).items()]
     return "\n".join([head, check.table(result["comparison"]), "tokens/s of each round:", *rounds,
-                      "collectives timed before the DEP runs:", *coll])
+                      "collectives timed after the DEP runs, at the compute the model gives a rank in the mesh:", *coll])

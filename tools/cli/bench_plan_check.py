@@ -25,7 +25,7 @@ def register(bsub) -> None:
     b.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     b.add_argument("--seed", type=int, default=0, help="seed of the forward run and the model's samples")
     b.add_argument("--collective-calls", type=int, default=200,
-                   help="steps of collectives timed per width and block (three blocks) before the DEP runs")
+                   help="steps of collectives timed per width and block (three blocks) after the DEP runs")
     b.add_argument("--out", default="bench-results/plan_check.json", help="where the JSON result goes")
     b.set_defaults(func=run)
 

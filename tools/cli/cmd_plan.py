@@ -30,7 +30,8 @@ def register(sub) -> None:
                    help="host time per step: after-9, before-9, none, or a `bench decode` result file")
     p.add_argument("--host-overhead-ms", type=float, default=None,
                    help="host time per step in ms, not overlapped (overrides --host)")
-    p.add_argument("--forward", default="", help="`bench forward` result of --model (for --hardware this-host)")
+    p.add_argument("--forward", default="", help="`bench forward` result of --model (for --hardware this-host), or "
+                                                 "a `bench plan-check` result: its collectives and fitted figures too")
     p.add_argument("--widths", type=ints, default=(), help="DEP widths (default: powers of two up to --gpus)")
     p.add_argument("--target-tps-user", type=float, default=20.0, help="P90 decode tokens/s per user")
     p.add_argument("--decode-batch", type=int, default=0, help="sequences per decode rank (default: the most "
@@ -71,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> tuple[dict, str]:
-    from moemesh.shared.plan import report, skew as skews
-    from moemesh.shared.plan.calibrate import host_from_decode, this_host
+    from moemesh.shared.plan import report
+    from moemesh.shared.plan.calibrate import from_plan_check, host_from_decode, this_host
     from moemesh.shared.plan.costs import Roofline
     from moemesh.shared.plan.hardware import get_hardware
     from moemesh.shared.plan.host import HostModel, get_host
@@ -85,7 +86,11 @@ def _plan(args: argparse.Namespace) -> tuple[dict, str]:
     if args.hardware == "this-host":
         if not args.forward:
             raise ValueError("--hardware this-host needs --forward (a `bench forward` result of this model)")
-        hw, costs = None, this_host(_json(args.forward), dims)
+        cal = _json(args.forward)
+        if not isinstance(cal, dict):
+            raise ValueError(f"{args.forward}: not a `bench forward` or `bench plan-check` result")
+        hw = None
+        costs = from_plan_check(cal, dims) if cal.get("bench") == "plan-check" else this_host(cal, dims)
     else:
         hw = get_hardware(args.hardware)
         costs = Roofline(dims, hw)
