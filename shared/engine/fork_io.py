@@ -100,6 +100,9 @@ def add(engine: LLMEngine, children: list[tuple[str, list[int], SamplingParams, 
             engine.run_prefilled(rid, toks, num_prompt_tokens, params, list(shared) + [tail], ring, drafts)
         except RequestError:  # its references went back with it; the children after it hold none on `shared`
             _give_back(engine, tails[i + 1 :], rings[i + 1 :])
+            # All or none: the caller fails every child, so the ones started must not run on unseen.
+            for started, *_ in live[:i]:
+                engine.abort(started)
             raise
 
 

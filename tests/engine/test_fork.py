@@ -213,3 +213,30 @@ def test_children_move_to_decode_as_one_buffer(tiny_engine_factory, spec):
     dec.blocks.check()
     assert dec.blocks.num_free_blocks == dec.blocks.num_blocks
 
+
+
+def test_a_child_refused_at_import_takes_its_siblings_with_it(tiny_engine_factory, tiny_model):
+    """The decode service fails every child when one is refused (its first token breaks its
+    grammar); the children started before it must not go on running unseen."""
+    import json
+
+    from moemesh.shared.engine import fork_io
+    from moemesh.shared.protocol.sampling import GrammarSpec
+    from moemesh.shared.tokenizer.tokenizer import Tokenizer
+
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    pre = tiny_engine_factory(role="prefill", num_speculative_tokens=0)
+    pre.add_request("r", PROMPT, p, forks=_forks("r", 3, p))
+    firsts = {k: v["ids"] for k, v in run_whole(pre).items()}
+    kids = fork_ids("r", 3)
+    buf = fork_io.export(pre, kids)
+    strict = SamplingParams(max_tokens=6, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(
+        {"type": "object"})))
+    bad = Tokenizer(tiny_model).encode("x", add_special_tokens=False)[:1]  # no JSON starts with x
+    members = [(c, PROMPT + firsts[c], p, []) for c in kids[:2]] + [(kids[2], PROMPT + bad, strict, [])]
+    dec = tiny_engine_factory(role="decode", num_speculative_tokens=0)
+    with pytest.raises(RequestError, match="response_format"):
+        fork_io.add(dec, members, len(PROMPT), buf)
+    assert not dec.seqs and not dec.has_unfinished()
+    dec.blocks.check()
+    assert dec.blocks.num_free_blocks == dec.blocks.num_blocks

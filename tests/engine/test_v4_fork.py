@@ -243,3 +243,22 @@ def test_a_buffer_of_the_wrong_size_or_too_few_rings_is_refused_and_nothing_leak
     for rid in ("r-1", "r-2"):
         dec.abort(rid)
     _idle(dec)
+
+
+def test_a_child_refused_at_import_takes_its_siblings_and_their_rings_with_it(v4, tiny_model):
+    import json
+
+    from moemesh.shared.engine.engine import RequestError
+    from moemesh.shared.protocol.sampling import GrammarSpec
+    from moemesh.shared.tokenizer.tokenizer import Tokenizer
+
+    dec = v4(role="decode", num_speculative_tokens=0)
+    buf = torch.zeros(fork_io.shape(dec, len(PROMPT), 3), dtype=dec.kv_dtype)
+    strict = SamplingParams(max_tokens=6, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(
+        {"type": "object"})))
+    bad = Tokenizer(tiny_model).encode("x", add_special_tokens=False)[:1]  # no JSON starts with x
+    kids = fork_ids("r", 3)
+    members = [(c, PROMPT + [7], GREEDY, []) for c in kids[:2]] + [(kids[2], PROMPT + bad, strict, [])]
+    with pytest.raises(RequestError, match="response_format"):
+        fork_io.add(dec, members, len(PROMPT), buf)
+    _idle(dec)
