@@ -94,7 +94,9 @@ class KVStoreService(AsyncService):
         await stack.enter_async_context(self._tasks)
         await bus.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
         await bus.sub(s.kv_store_put, KVPut, self._on_put)
-        await bus.sub(s.kv_fetch(self.id), KVFetch, self._on_fetch)
+        # Concurrent: one fetch that waits (on a send, or for its fetcher's first beat)
+        # holds up no other; staging memory bounds how many send at once.
+        await bus.sub(s.kv_fetch(self.id), KVFetch, self._on_fetch, concurrent=True)
         await bus.sub(s.kv_snapshot(self.id), KVSnapshotRequest, self._on_snapshot)
         await bus.sub(s.stats(self.id), StatsRequest, self._on_stats)
         self._tasks.spawn(self.events.run(), "kv-events")
@@ -218,7 +220,8 @@ class KVStoreService(AsyncService):
             return KVFetchReply(True, num_blocks=self._depth(f))
         if not f.hashes or f.nbytes <= 0:
             return KVFetchReply(False, "bad block count or size")
-        if not self.peers.knows(f.address):
+        # A worker that just started may fetch before its first beat reached us.
+        if not await self.peers.known_within(f.address, 2 * self.cfg.heartbeat_interval_s + 0.5):
             return KVFetchReply(False, "the fetching address belongs to no live worker")
         keys = _keys(f.hashes, f.snapshot)
         records = [self._read(k) for k in keys]

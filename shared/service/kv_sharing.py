@@ -92,7 +92,9 @@ class KVSharing:
         rt.loop.after_step.append(self._drain)
         await rt.bus.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
         await rt.bus.sub(s.kv_snapshot(rt.worker_id), KVSnapshotRequest, self._on_snapshot)
-        await rt.bus.sub(s.kv_fetch(rt.worker_id), KVFetch, self._on_fetch)
+        # Concurrent: one fetch that waits (on a send, or for its fetcher's first beat)
+        # holds up no other; staging memory bounds how many send at once.
+        await rt.bus.sub(s.kv_fetch(rt.worker_id), KVFetch, self._on_fetch, concurrent=True)
         rt.spawn(self.events.run(), "kv-events")
 
     def _drain(self) -> None:
@@ -119,7 +121,8 @@ class KVSharing:
             return KVFetchReply(False, why)
         if f.depth_only:
             return KVFetchReply(True, num_blocks=await rt.loop.call(lambda e: block_io.depth(e, f.hashes)))
-        if not self.peers.knows(f.address):
+        # A worker that just started may fetch before its first beat reached us.
+        if not await self.peers.known_within(f.address, 2 * rt.cfg.heartbeat_interval_s + 0.5):
             return KVFetchReply(False, "the fetching address belongs to no live worker")
         blocks = await rt.loop.call(lambda e: block_io.acquire_exact(e, f.hashes))
         if blocks is None:

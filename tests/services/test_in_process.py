@@ -272,7 +272,7 @@ def test_kv_store_takes_blocks_and_serves_them_back(nats_url):
     async def go():
         hub, s = LoopbackHub(), Subjects(f"t{next(_prefixes)}")
         cfg = KVStoreConfig(nats_url=nats_url, subject_prefix=s.prefix, worker_id="kv-t", capacity_mb=1,
-                            staging_mb=1)
+                            staging_mb=1)  # beats every 1 s: a stranger is refused after 2.5 s
         async with KVStoreService(cfg, lambda: LoopbackTransport(hub)) as store:
             me = LoopbackTransport(hub)
             await me.start()
@@ -298,9 +298,26 @@ def test_kv_store_takes_blocks_and_serves_them_back(nats_url):
                 got = await request(nc, s.kv_fetch("kv-t"), KVFetch(hashes[1:], me.address, 7, 512), KVFetchReply, 5)
                 await transfer.wait(5)
                 assert got.ok and got.checksums == sums[1:] and bytes(buf) == b"".join(blocks[1:])
-                stranger = await request(nc, s.kv_fetch("kv-t"), KVFetch(hashes, b"loopback-x", 8, 768),
-                                         KVFetchReply, 5)
-                assert not stranger.ok and "no live worker" in stranger.error
+                # An address no worker announces is refused once a few beats have gone by
+                # without it, and holds up no other fetch meanwhile; a worker whose first beat
+                # comes after its fetch is served.
+                late = LoopbackTransport(hub)
+                await late.start()
+                late_buf = bytearray(256)
+                late_rx = late.post_recv(late_buf, 9)
+                stranger = asyncio.create_task(request(nc, s.kv_fetch("kv-t"), KVFetch(hashes, b"loopback-x", 8, 768),
+                                                       KVFetchReply, 5))
+                late_fetch = asyncio.create_task(request(nc, s.kv_fetch("kv-t"), KVFetch(hashes[:1], late.address, 9,
+                                                                                         256), KVFetchReply, 5))
+                await asyncio.sleep(0.3)
+                await publish(nc, s.heartbeat("prefill", "w-2"), Heartbeat("w-2", "prefill", "tiny", WorkerLoad(),
+                                                                           address=late.address, interval_s=5))
+                got = await late_fetch
+                await late_rx.wait(5)
+                assert got.ok and bytes(late_buf) == blocks[0] and not stranger.done()
+                refused = await stranger
+                assert not refused.ok and "no live worker" in refused.error
+                await late.close()
                 assert store.staging.bytes_used == 0
             finally:
                 await nc.close()

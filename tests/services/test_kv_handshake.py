@@ -3,7 +3,6 @@ refusal to move DeepSeek-V4 blocks one by one."""
 
 from __future__ import annotations
 
-import pytest
 
 from moemesh.shared.engine import block_io
 from moemesh.shared.engine.config import EngineConfig
@@ -50,5 +49,5 @@ def test_v4_layout_names_the_flat_buffer_and_the_architecture(tiny_v4_model, tmp
 
 def test_v4_blocks_move_with_their_snapshot(tiny_v4_model):
     e = _engine(tiny_v4_model)
-    spec = describe(e)
+    describe(e)
     assert block_io.acquire_exact(e, [b"h"]) is None and block_io.depth(e, [b"h"]) == 0  # no such block, let alone its snapshot

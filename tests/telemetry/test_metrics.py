@@ -49,7 +49,6 @@ def test_same_name_returns_the_same_metric_and_conflicts_raise():
 
 def test_the_metrics_server_serves_prometheus_own_exposition_and_health():
     import asyncio
-    import gzip
 
     import httpx
 
