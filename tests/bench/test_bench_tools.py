@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -142,6 +143,21 @@ def test_kv_reuse(tmp_path, tiny_model):
     assert res["with_reuse"]["errors"] == 0 and res["without_reuse"]["errors"] == 0
     assert res["with_reuse"]["prefix_hit_tokens"] > 0 and res["without_reuse"]["prefix_hit_tokens"] == 0
     assert res["turn2plus_ttft_speedup"] is not None
+
+
+def test_kv_reuse_fits_its_default_context_to_the_model_and_refuses_one_that_does_not_fit(tmp_path, tiny_model):
+    from moemesh.tools.bench.kv_reuse import KVReuseBenchConfig, fit_context
+
+    cfg = KVReuseBenchConfig(turns=4, tool_tokens=512, osl=64)
+    assert fit_context(cfg, 4096).context_tokens == 4096 - 4 * (512 + 64) - 256
+    assert fit_context(cfg, 1 << 16).context_tokens == 8192
+    with pytest.raises(ValueError, match="overflow"):
+        fit_context(replace(cfg, turns=8), 4096)
+    env = dict(os.environ, MOEMESH_HOME=str(tmp_path / "home"))
+    r = subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", "bench", "kv-reuse", "--model", tiny_model,
+                        "--context-tokens", "8192", "--out", str(tmp_path / "r.json")],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "at most 1536" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_gateway_start_without_torch(tmp_path, tiny_model):

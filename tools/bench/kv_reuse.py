@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import nats
 
@@ -20,6 +20,7 @@ from moemesh.tools.bench.serve import runner as serve_runner
 from moemesh.tools.bench.serve import workload as wl
 from moemesh.tools.bench.serve.client import ClientConfig
 from moemesh.tools.launch.up import Mesh, UpConfig, default_home, ensure_tiny_model
+from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.protocol.messages import Heartbeat, StatsRequest, WorkerStats
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.protocol.wire import decode
@@ -31,7 +32,7 @@ class KVReuseBenchConfig:
     model: str = ""
     sessions: int = 4
     turns: int = 4
-    context_tokens: int = 8192
+    context_tokens: int = 0  # 0: DEFAULT_CONTEXT, or as much as the model's context leaves room for
     tool_tokens: int = 512
     osl: int = 64
     concurrency: int = 4
@@ -63,8 +64,30 @@ async def _worker_counters(nats_url: str) -> dict[str, dict[str, float]]:
         await nc.close()
 
 
+DEFAULT_CONTEXT = 8192
+_TEMPLATE_ROOM = 256  # the chat template's tokens around the turns
+
+
+def fit_context(cfg: KVReuseBenchConfig, max_position_embeddings: int) -> KVReuseBenchConfig:
+    """cfg with its first turn's context set: DEFAULT_CONTEXT, or less where the model's
+    context would not hold the last turn (the tiny model holds 4096 tokens). An explicit
+    context that does not fit is an error, before any mesh starts."""
+    growth = cfg.turns * (cfg.tool_tokens + cfg.osl) + _TEMPLATE_ROOM
+    room = max_position_embeddings - growth
+    if cfg.context_tokens:
+        if cfg.context_tokens > room:
+            raise ValueError(f"--context-tokens {cfg.context_tokens}: the last turn would not fit the model's "
+                             f"{max_position_embeddings}-token context; at most {max(room, 0)} with --turns "
+                             f"{cfg.turns}, --tool-tokens {cfg.tool_tokens} and --osl {cfg.osl}")
+        return cfg
+    if room < 1:
+        raise ValueError(f"--turns {cfg.turns} of --tool-tokens {cfg.tool_tokens} and --osl {cfg.osl} alone overflow "
+                         f"the model's {max_position_embeddings}-token context")
+    return replace(cfg, context_tokens=min(DEFAULT_CONTEXT, room))
+
+
 def _run_once(cfg: KVReuseBenchConfig, model: str, reuse: bool) -> dict:
-    ctx = cfg.context_tokens + cfg.turns * (cfg.tool_tokens + cfg.osl) + 256
+    ctx = cfg.context_tokens + cfg.turns * (cfg.tool_tokens + cfg.osl) + _TEMPLATE_ROOM
     sets = (f"enable_prefix_caching={str(reuse).lower()}", f"max_model_len={ctx}", "max_num_batched_tokens=2048",
             "kv_cache_memory_mb=4096", "num_speculative_tokens=0")
     up = UpConfig(model=model, port=0, num_prefill=cfg.prefill_workers, service_args=sets, kv_store=reuse,
@@ -98,6 +121,7 @@ def _run_once(cfg: KVReuseBenchConfig, model: str, reuse: bool) -> dict:
 
 def run(cfg: KVReuseBenchConfig) -> dict:
     model = cfg.model or str(ensure_tiny_model(default_home()))
+    cfg = fit_context(cfg, ModelConfig.from_dir(model).max_position_embeddings)
     on = _run_once(cfg, model, True)
     off = _run_once(cfg, model, False)
     ratio = (off["ttft_ms_turn2plus_mean"] / on["ttft_ms_turn2plus_mean"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(bsub) -> None:
@@ -10,7 +11,8 @@ def register(bsub) -> None:
     b.add_argument("--model", default="", help="model directory (default: the tiny model)")
     b.add_argument("--sessions", type=int, default=4, help="conversations")
     b.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    b.add_argument("--context-tokens", type=int, default=8192, help="the first turn's context")
+    b.add_argument("--context-tokens", type=int, default=0,
+                   help="the first turn's context (default: 8192, or as much as the model's context leaves room for)")
     b.add_argument("--tool-tokens", type=int, default=512, help="tool output appended each turn")
     b.add_argument("--osl", type=int, default=64, help="tokens per answer")
     b.add_argument("--concurrency", type=int, default=4, help="conversations in flight")
@@ -28,7 +30,11 @@ def run(args: argparse.Namespace) -> int:
                                       context_tokens=args.context_tokens, tool_tokens=args.tool_tokens,
                                       osl=args.osl, concurrency=args.concurrency,
                                       prefill_workers=args.prefill_workers, seed=args.seed)
-    result = kv_reuse.run(cfg)
+    try:
+        result = kv_reuse.run(cfg)
+    except ValueError as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 2
     print(kv_reuse.table(result))
     save(result, args.out)
     return 0
