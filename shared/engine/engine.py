@@ -12,6 +12,9 @@ draft in one call (the drafts of N decide what N+1 computes). Roles:
 - prefill: a request stops after its first token and is HELD; export_kv() hands its
   blocks out as one contiguous buffer and release() frees them.
 - decode: add_prefilled() imports such a buffer and continues decoding.
+
+Admission (add_request, abort, the fork of n > 1 children) is in admission.py, the
+prefill -> decode hand-off in handoff.py: both run per request, this file per step.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ import torch
 
 from moemesh.shared.checkpoint.loader import load_model
 from moemesh.shared.grammar.compile import GrammarError
+from moemesh.shared.engine.admission import Admission
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.drafter import Drafter
 from moemesh.shared.engine.errors import NoCapacity, RequestError
-from moemesh.shared.engine.fork import can_fork, make_children, ring_copies, take_copy
+from moemesh.shared.engine.fork import ring_copies, take_copy
 from moemesh.shared.engine.grammar import GrammarRows, GrammarRuntime
 from moemesh.shared.engine.handoff import KVHandoff
 from moemesh.shared.engine.hybrid_batch import HybridBatcher
@@ -40,7 +44,6 @@ from moemesh.shared.engine.outputs import Finished, RequestOutput, StepOutputs, 
 from moemesh.shared.engine.planned_step import PlannedStep, run
 from moemesh.shared.protocol.prefix_hash import chain, kv_identity
 from moemesh.shared.engine.runner import Chunk, build_batch
-from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from moemesh.shared.engine.snapshots import SnapshotCache, boundary
 from moemesh.shared.engine.speculative import speculative_step
@@ -60,7 +63,7 @@ class Blocked:
 BLOCKED = Blocked()
 
 
-class LLMEngine(KVHandoff):
+class LLMEngine(Admission, KVHandoff):
     def __init__(self, cfg: EngineConfig, model: DeepseekForCausalLM | None = None, lockstep: bool = False):
         """lockstep: every step runs the model, with an empty batch if need be, and a
         fixed number of MTP passes, as expert-parallel ranks must (collectives)."""
@@ -153,119 +156,6 @@ class LLMEngine(KVHandoff):
         by_mem = max(1, self.cfg.kv_cache_memory_mb * (1 << 20) // per)
         per_seq = -(-self.max_model_len // self.cfg.block_size) + 2
         return int(min(by_mem, self.cfg.max_num_seqs * per_seq))
-
-    # ---- requests ---------------------------------------------------------------
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_ids)
-        if n == 0:
-            raise RequestError("prompt is empty", "prompt")
-        if n >= self.max_model_len:
-            raise RequestError(
-                f"prompt has {n} tokens but the model's context is {self.max_model_len}; "
-                f"prompt plus output must fit", "prompt")
-        vocab = self.model_config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        need = self.blocks.blocks_for(min(n + params.max_tokens, self.max_model_len) + 2 * self.num_spec)
-        if need > self.blocks.num_blocks:
-            raise RequestError(
-                f"request needs {need} KV blocks but the cache holds {self.blocks.num_blocks}", "max_tokens")
-
-    def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
-        cached_blocks: list[int] = (), forks: list[tuple[str, SamplingParams]] = (),
-    ) -> None:
-        """output_ids: tokens already generated elsewhere (a decode worker recomputing a
-        prompt whose KV transfer failed); they are recomputed with the prompt.
-        cached_blocks: blocks (references already held, handed over to the request) that
-        hold the KV of the prompt's first len(cached_blocks) full blocks.
-        forks: parallel sampling, the (request id, params) of n children: request_id
-        computes the prompt once and forks into them (engine/fork.py); every output is
-        theirs. `params` is then unused."""
-        if forks:
-            return self._add_parent(request_id, list(prompt_ids), list(forks), list(cached_blocks))
-        if request_id in self.seqs or request_id in self.held or request_id in self._parent_of:
-            raise RequestError(f"duplicate request id {request_id!r}")
-        self.check_request(prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids) + list(output_ids), params, num_prompt_tokens=len(prompt_ids))
-        seq.last_slot = self._last_slot(seq)
-        seq.matcher = self._matcher(seq)
-        seq.block_hashes = chain(seq.token_ids, self.cfg.block_size, self.kv_identity)
-        if cached_blocks:
-            bs = self.cfg.block_size
-            if len(cached_blocks) * bs >= len(seq.token_ids):
-                raise RequestError("cached blocks must leave at least one prompt token to compute")
-            if self.hybrid:  # V4: usable only as deep as a boundary snapshot
-                d = self.snapshots.usable(seq.block_hashes[: len(cached_blocks)]) if self.snapshots else 0
-                self.blocks.free(list(cached_blocks[d:]))
-                cached_blocks = cached_blocks[:d]
-        if cached_blocks:
-            seq.block_ids = list(cached_blocks)
-            seq.num_computed = len(cached_blocks) * bs
-            seq.num_registered = len(cached_blocks)
-            seq.num_cached_tokens = seq.num_computed
-            if self.snapshots is not None:
-                self.scheduler.pin_snapshot(seq)
-        self.seqs[request_id] = seq
-        if seq.matcher is not None:
-            self.constrained[request_id] = seq
-        self.scheduler.add(seq)
-
-    def _add_parent(self, request_id: str, prompt_ids: list[int], forks: list[tuple[str, SamplingParams]],
-                    cached_blocks: list[int]) -> None:
-        ids = [request_id] + [rid for rid, _ in forks]
-        if len(set(ids)) < len(ids) or any(r in self.seqs or r in self.held or r in self._parent_of for r in ids):
-            raise RequestError(f"duplicate request id among {ids!r}")
-        if len(forks) > self.cfg.max_num_seqs:
-            raise RequestError(f"n = {len(forks)} is more than the {self.cfg.max_num_seqs} sequences a step "
-                               f"holds here", "n")
-        for _, p in forks:
-            self.check_request(prompt_ids, p)
-        if len(forks) == 1 or not can_fork(len(prompt_ids)):  # a one-token prompt: the children compute it each
-            for i, (rid, p) in enumerate(forks):
-                self.add_request(rid, prompt_ids, p, cached_blocks=cached_blocks if i == 0 else ())
-            return
-        keep = (len(prompt_ids) - 2) // self.cfg.block_size  # the parent computes up to P-2
-        if len(cached_blocks) > keep:
-            self.blocks.free(cached_blocks[keep:])
-            cached_blocks = cached_blocks[:keep]
-        self.add_request(request_id, prompt_ids, forks[0][1], cached_blocks=cached_blocks)
-        self.seqs[request_id].forks = forks
-        for rid, _ in forks:
-            self._parent_of[rid] = request_id
-
-    def abort(self, request_id: str) -> bool:
-        """A request, a parent (with its children), or one child of a parent not forked yet."""
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None:
-            for rid, _ in seq.forks:
-                self._parent_of.pop(rid, None)
-            self.scheduler.finish(seq, FinishReason.ABORT)
-            return True
-        parent_id = self._parent_of.pop(request_id, None)
-        if parent_id is not None:
-            parent = self.seqs[parent_id]
-            parent.forks = [f for f in parent.forks if f[0] != request_id]
-            if not parent.forks:
-                self.abort(parent_id)
-            return True
-        return self.release(request_id)
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """The parent has computed its prompt but the last position: its children take its
-        place (engine/fork.py). On V4 the caller copies the parent's ring into the
-        children's (fork.ring_copies) once that position's forward has run."""
-        children = make_children(parent, self.blocks, self._last_slot)
-        self.scheduler.fork(parent, children)
-        del self.seqs[parent.request_id]
-        self.constrained.pop(parent.request_id, None)
-        for child in children:
-            self._parent_of.pop(child.request_id, None)
-            self.seqs[child.request_id] = child
-            child.matcher = self._matcher(child)  # its own grammar state (the parent's spec was checked)
-            if child.matcher is not None:
-                self.constrained[child.request_id] = child
-        return children
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
