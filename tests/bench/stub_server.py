@@ -29,6 +29,7 @@ class StubState:
     workers: tuple[str, ...] = ("w0", "w1")
     token_text: str = "tok "  # what each token streams as
     line_end: str = "\n"  # of SSE lines: \n, \r\n or \r are all valid
+    max_model_len: int = 0  # reported on /v1/models (as vLLM and moemesh do) if set
     bodies: list[dict] = field(default_factory=list)
 
     def reset(self, **kw) -> None:
@@ -42,7 +43,9 @@ def _hit(n: int, every: int) -> bool:
 
 def make_app(state: StubState) -> Starlette:
     async def models(_: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+        card = {"id": "stub-model", "object": "model"} | ({"max_model_len": state.max_model_len}
+                                                         if state.max_model_len else {})
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def generate(request: Request):
         body = await request.json()

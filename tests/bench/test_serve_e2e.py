@@ -101,6 +101,20 @@ def test_chat_agentic_rate_with_chunked_tokens(stub, tmp_path):
     assert (out / "latency_cdf.png").exists() and not (out / "throughput.png").exists()
 
 
+def test_requests_that_outgrow_the_servers_context_are_announced(stub, tmp_path):
+    # turn 1: 12 + 7 tokens; turn 2 resends them with 5 more and asks for 7: 31 > 30
+    stub.state.reset(workers=(), max_model_len=30)
+    out = tmp_path / "long"
+    cmd = [sys.executable, "-m", "moemesh.tools.cli.main", "bench", "serve", "--url", stub.url, "--out-dir", str(out),
+           "--no-progress", "--endpoint", "chat", "--workload", "agentic", "--num-sessions", "2", "--turns", "3",
+           "--isl", "12", "--tool-len", "5", "--osl", "7", "--concurrency", "2"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "4 of 6 requests will not fit the server's 30-token context" in p.stderr
+    r = json.loads((out / "result.json").read_text())
+    assert r["config"]["server_max_model_len"] == 30 and r["points"][0]["over_context_requests"] == 4
+
+
 def test_server_errors_are_counted_not_fatal(stub):
     stub.state.reset(bad_every=2)
     cfg = runner.ServeBenchConfig(

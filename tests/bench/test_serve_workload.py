@@ -156,3 +156,11 @@ def test_concurrency_is_held_and_rate_spaces_arrivals():
     capped = FakeClient(delay_s=0.02)
     asyncio.run(runner.run_point(capped, work, "rate", float("inf"), max_concurrency=2))
     assert capped.max_inflight == 2
+
+
+def test_over_context_counts_what_a_servers_context_will_refuse():
+    cfg = WorkloadConfig(kind="agentic", num_sessions=3, turns=LengthDist("fixed", 3), isl=LengthDist("fixed", 100),
+                         tool_len=LengthDist("fixed", 10), osl=LengthDist("fixed", 20))
+    work = wl.build(cfg, 0)
+    # turns need 120, 150 and 180 tokens of context
+    assert [wl.over_context(work, n) for n in (None, 0, 200, 180, 179, 150, 119)] == [0, 0, 0, 0, 3, 3, 9]

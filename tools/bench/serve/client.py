@@ -111,6 +111,7 @@ class ServeClient:
     def __init__(self, cfg: ClientConfig):
         self.cfg = cfg
         self.model = cfg.model
+        self.max_model_len: int | None = None  # the server's context, if /v1/models says (vLLM's field)
         self._http: httpx.AsyncClient | None = None
         self._t0 = time.perf_counter()
 
@@ -135,13 +136,19 @@ class ServeClient:
         return time.perf_counter() - self._t0
 
     async def resolve_model(self) -> str:
-        """The model to name in requests: the configured one, or the server's first."""
-        if self.model is None:
-            try:
-                r = await self._http.get("/v1/models")
-                r.raise_for_status()
-                self.model = r.json()["data"][0]["id"]
-            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        """The model to name in requests: the configured one, or the server's first. Also
+        notes that model's context length where the server gives it."""
+        try:
+            r = await self._http.get("/v1/models")
+            r.raise_for_status()
+            cards = r.json()["data"]
+            card = cards[0] if self.model is None else next((c for c in cards if c.get("id") == self.model), {})
+            if self.model is None:
+                self.model = card["id"]
+            n = card.get("max_model_len")
+            self.max_model_len = n if isinstance(n, int) and n > 0 else None
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            if self.model is None:
                 raise ValueError(f"could not read a model from {self.cfg.base_url}/v1/models "
                                  f"({type(e).__name__}: {e}); pass --model") from None
         return self.model

@@ -171,16 +171,22 @@ async def run_async(cfg: ServeBenchConfig) -> dict:
         points = []
         for i, value in enumerate(cfg.values):
             work = wl.build(cfg.workload, cfg.seed, salt=i, tokenizer=tok)
+            over = wl.over_context(work, client.max_model_len)
+            if over:
+                print(f"warning: {over} of {work.num_requests} requests will not fit the server's "
+                      f"{client.max_model_len}-token context (prompt plus max_tokens"
+                      f"{'; each agentic turn resends the session so far' if cfg.workload.kind == 'agentic' else ''})"
+                      f": they will fail", file=sys.stderr)
             bar = Progress(work.num_requests, f"{cfg.mode}={value:g}", cfg.progress)
             recs = await run_point(client, work, cfg.mode, value, cfg.max_concurrency, bar)
             bar.close()
-            points.append({"mode": cfg.mode, "value": value, "text_salt": i,
+            points.append({"mode": cfg.mode, "value": value, "text_salt": i, "over_context_requests": over,
                            "summary": summarize(recs, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
                            "requests": [r.to_json() for r in recs]})
     return {
         "bench": "serve",
         "schema_version": 1,
-        "config": config_json(cfg) | {"model": model},
+        "config": config_json(cfg) | {"model": model, "server_max_model_len": client.max_model_len},
         "seeds": {"seed": cfg.seed, "warmup_text_salt": "warmup",
                   "points": [{"value": p["value"], "text_salt": p["text_salt"]} for p in points]},
         "env": environment() | {"versions": _versions()},

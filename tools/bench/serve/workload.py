@@ -234,6 +234,22 @@ def build(cfg: WorkloadConfig, seed: int, salt: int | str = 0, tokenizer=None) -
     return Workload(tuple(sessions), tuple(arrivals))
 
 
+def over_context(work: Workload, max_model_len: int | None) -> int:
+    """Requests of `work` whose prompt plus max_tokens will not fit a server's context of
+    max_model_len tokens (None: unknown, 0), by target lengths. A session's turn k
+    resends every earlier turn and answer, so agentic sessions grow past it first."""
+    if not max_model_len:
+        return 0
+    n = 0
+    for s in work.sessions:
+        ctx = 0
+        for t in s.turns:
+            ctx += t.input_len
+            n += ctx + t.max_tokens > max_model_len
+            ctx += t.max_tokens
+    return n
+
+
 def _length(text: str, tokenizer, words_per_token: float) -> int:
     if tokenizer is not None:
         return max(1, len(tokenizer.encode(text, add_special_tokens=False).ids))
