@@ -18,7 +18,7 @@ import numpy as np
 
 from moemesh.services.kv_store.config import KVStoreConfig
 from moemesh.services.kv_store.tiers import DiskTier, MemoryTier
-from moemesh.shared.kv.events import KVEventPublisher, KVPeers
+from moemesh.shared.kv.events import KVEventPublisher, KVPeers, first_beat_wait_s
 from moemesh.shared.kv.receive import StagedReceive
 from moemesh.shared.protocol.messages import (
     Heartbeat,
@@ -221,7 +221,7 @@ class KVStoreService(AsyncService):
         if not f.hashes or f.nbytes <= 0:
             return KVFetchReply(False, "bad block count or size")
         # A worker that just started may fetch before its first beat reached us.
-        if not await self.peers.known_within(f.address, 2 * self.cfg.heartbeat_interval_s + 0.5):
+        if not await self.peers.known_within(f.address, first_beat_wait_s(self.cfg.heartbeat_interval_s)):
             return KVFetchReply(False, "the fetching address belongs to no live worker")
         keys = _keys(f.hashes, f.snapshot)
         records = [self._read(k) for k in keys]

@@ -54,7 +54,7 @@ from moemesh.shared.protocol.messages import (
     PrefillJob,
     WireSampling,
 )
-from moemesh.shared.kv.events import KVPeers
+from moemesh.shared.kv.events import KVPeers, first_beat_wait_s
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, request
 from moemesh.shared.service.gateway_watch import GatewayWatch
@@ -346,7 +346,7 @@ class PrefillService(AsyncService):
         message. A request without a live lease keeps its range empty and is named in the
         reply; the others still go."""
         rt = self.rt
-        if not await self.peers.known_within(p.decode_address, 2 * self.cfg.heartbeat_interval_s + 0.5):
+        if not await self.peers.known_within(p.decode_address, first_beat_wait_s(self.cfg.heartbeat_interval_s)):
             return KVPullReply(False, error="the pulling address belongs to no live decode worker")
         if self.cfg.debug_kv_fault == "error":
             return KVPullReply(False, error="injected fault")

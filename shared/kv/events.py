@@ -51,6 +51,12 @@ class KVEventPublisher:
             await asyncio.sleep(self._batch_s)
 
 
+def first_beat_wait_s(heartbeat_interval_s: float) -> float:
+    """How long to wait for a worker's first beat before taking its address as unknown:
+    two beats and a margin (a worker that just started may message before it beats)."""
+    return 2 * heartbeat_interval_s + 0.5
+
+
 class KVPeers(WorkerRegistry):
     def __init__(self, role: str | None = None):
         """role: the only role whose addresses count (None: any)."""

@@ -3,7 +3,7 @@
 - forward times: `moemesh bench forward --model DIR` (its JSON: decode rows of batch and
   forward_ms_p50, prefill rows of prompt_len and forward_ms_p50);
 - collective latency per width: gloo all-to-alls and all-gathers between that many
-  processes, timed by `moemesh bench plan-check` before its DEP runs;
+  processes, timed by `moemesh bench plan-check` after its DEP runs;
 - host time per step: `moemesh bench decode --mock-step-ms X` (decode_steps of each point:
   host_ms_p50 and host_exposed_ms_p50), or `bench decode`'s own decode_steps;
 - all of a rank's figures at once: a `bench plan-check` result (from_plan_check): its

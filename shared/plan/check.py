@@ -101,9 +101,13 @@ def rank0_wait_s(r: StepResult) -> float:
     return r.extra["rank_wait_s_by_rank"][0]
 
 
-def host_for(case: Case, host: HostModel) -> HostModel:
+def lockstep(host: HostModel) -> HostModel:
     """Lockstep ranks' loops do not overlap the forward: all of their host time shows."""
-    return replace(host, name="lockstep", hidden_share=0.0) if case.width > 1 else host
+    return replace(host, name="lockstep", hidden_share=0.0)
+
+
+def host_for(case: Case, host: HostModel) -> HostModel:
+    return lockstep(host) if case.width > 1 else host
 
 
 def _measured_step(case: Case) -> float:

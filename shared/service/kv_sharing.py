@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from moemesh.shared.config.common import WorkerConfig
 from moemesh.shared.engine import block_io
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.kv.events import KVEventPublisher, KVPeers
+from moemesh.shared.kv.events import KVEventPublisher, KVPeers, first_beat_wait_s
 from moemesh.shared.kv.receive import StagedReceive
 from moemesh.shared.kv.spec import KVSpec, compatible
 from moemesh.shared.protocol.messages import (
@@ -122,7 +122,7 @@ class KVSharing:
         if f.depth_only:
             return KVFetchReply(True, num_blocks=await rt.loop.call(lambda e: block_io.depth(e, f.hashes)))
         # A worker that just started may fetch before its first beat reached us.
-        if not await self.peers.known_within(f.address, 2 * rt.cfg.heartbeat_interval_s + 0.5):
+        if not await self.peers.known_within(f.address, first_beat_wait_s(rt.cfg.heartbeat_interval_s)):
             return KVFetchReply(False, "the fetching address belongs to no live worker")
         blocks = await rt.loop.call(lambda e: block_io.acquire_exact(e, f.hashes))
         if blocks is None:

@@ -165,8 +165,8 @@ def run(cfg: PlanCheckConfig) -> dict:
             "collectives": coll, "comparison": cmp, "runs": runs}
 
 
-def _time_collectives(cfg: PlanCheckConfig, dims, fwd: dict, slot_s: float, pair_s: float, speed: float = 1.0,
-                      host: HostModel | None = None) -> dict:
+def _time_collectives(cfg: PlanCheckConfig, dims, fwd: dict, slot_s: float, pair_s: float, speed: float,
+                      host: HostModel) -> dict:
     """The collectives at each width, with what the model says a rank computes between
     them in the mesh: its forward at its batch (the calibration's, at the mesh's `speed`),
     the expert kernel for the pairs it receives, and its loop's host work (lockstep: none
@@ -178,8 +178,7 @@ def _time_collectives(cfg: PlanCheckConfig, dims, fwd: dict, slot_s: float, pair
     tokens = {d: max(cfg.batch // d, 1) for d in cfg.deps}
     exp = {d: (slot_s * min(dims.num_experts // d, t * dims.top_k) + pair_s * t * dims.top_k) / speed
            for d, t in tokens.items()}
-    lockstep = replace(host, hidden_share=0.0) if host is not None else None
-    hosts = {d: lockstep.host_s(t) if lockstep else 0.0 for d, t in tokens.items()}
+    hosts = {d: check.lockstep(host).host_s(t) for d, t in tokens.items()}
     return collectives.time_collectives(cfg.deps, tokens, dims.top_k, dims.hidden, cfg.collective_calls,
                                         dims.num_moe_layers, {d: fwd_ms[t] / 1e3 / speed for d, t in tokens.items()},
                                         exp, host_s_by_width=hosts)
