@@ -226,6 +226,8 @@ class LLMEngine(Admission, KVHandoff):
                     step.ring_copies += ring_copies(children)
                     if register and register[-1][0] is seq:
                         register[-1] = (children[0], end)
+                    if inflight is not None:  # its chunk before lands after the fork: child 0 registers it
+                        inflight.register = [(children[0] if s is seq else s, e) for s, e in inflight.register]
                 continue
             if end == len(seq.token_ids):  # it reaches its newest token: it samples the next
                 rows.append(c.row + q - 1)

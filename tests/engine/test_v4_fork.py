@@ -166,6 +166,23 @@ def test_aborts_free_every_child_and_ring(v4, spec):
     _idle(eng)
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_the_serving_loop_keeps_the_parents_boundary_snapshot(v4, chunk):
+    """As the serving loop runs: the parent's last chunk (and its fork) is planned before
+    the chunk that ends on a block boundary lands. That chunk's blocks are then registered
+    by child 0, so the boundary's snapshot is kept and a second request starts from it."""
+    prompt = PROMPT[:34]
+    want = _solo(v4, GREEDY, prompt)
+    eng = v4(num_speculative_tokens=0, max_num_batched_tokens=chunk)
+    for rid in ("a", "b"):
+        before = eng.num_cached_tokens_total
+        eng.add_request(rid, prompt, GREEDY, forks=_forks(rid, 3, GREEDY))
+        got = run_overlapped(eng, {})
+        assert [got[c]["ids"] for c in fork_ids(rid, 3)] == [want] * 3
+        assert eng.num_cached_tokens_total - before == (0 if rid == "a" else 32)
+    _idle(eng)
+
+
 def test_a_forked_prompt_is_reused_from_the_prefix_cache(v4):
     """A second request of n > 1 on the same prompt starts its parent on the cached blocks
     and the boundary snapshot the first one's parent took, computes what is left of the
