@@ -67,10 +67,30 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+_INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
+          "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")
+
+
+@contextmanager
+def _no_init():
+    """Modules' reset_parameters() fill their new parameters at construction: on meta
+    tensors there is nothing to fill, yet a random fill of one runs through torch's
+    reference kernels, whose first use imports torch._dynamo: a second of every worker's
+    start on two cores, for nothing. The weights come from the checkpoint."""
+    saved = {n: getattr(torch.nn.init, n) for n in _INITS}
+    for n in _INITS:
+        setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def build_empty(cfg, dtype: torch.dtype, device: str | torch.device, num_slots: int | None = None):
     """Allocate the model's parameters without initialising them."""
     v4 = cfg.model_type == "deepseek_v4"
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), _default_dtype(dtype), _no_init():
         model = DeepseekV4ForCausalLM(cfg, num_slots) if v4 else DeepseekForCausalLM(cfg, num_slots)
     model.to_empty(device=device)
     if v4:  # rotary tables are computed, not loaded

@@ -21,7 +21,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def inv_freq_and_attention_factor(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
-    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    # On the CPU even where the model is built on the meta device (checkpoint/loader.py):
+    # a computed table is no weight, and arithmetic on meta tensors imports torch._dynamo.
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     if rope.kind == "default":
         return 1.0 / pos_freqs, 1.0
     factor = rope.factor
@@ -43,7 +45,7 @@ def inv_freq_and_attention_factor(rope: RopeConfig, dim: int) -> tuple[torch.Ten
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, attention_factor
@@ -65,7 +67,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.interleave = cfg.rope_interleave
         dim = cfg.qk_rope_head_dim
         inv_freq, attn_factor = inv_freq_and_attention_factor(cfg.rope, dim)
-        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device="cpu")
         freqs = pos[:, None] * inv_freq[None, :]  # [P, dim/2]
         self.register_buffer("cos", freqs.cos() * attn_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attn_factor, persistent=False)

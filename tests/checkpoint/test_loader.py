@@ -125,3 +125,18 @@ def test_bf16_load_keeps_router_in_fp32(tiny_model):
     assert m.model.embed_tokens.weight.dtype == torch.bfloat16
     assert moe.gate.weight.dtype == torch.float32
     assert moe.gate.e_score_correction_bias.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_v4_model"])
+def test_building_the_model_imports_no_compiler(request, fixture):
+    """The model is built on the meta device and then loaded: no parameter fill and no
+    computed table may run on meta tensors there, whose first use imports torch._dynamo
+    (a second of a worker's start on two cores)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from moemesh.shared.checkpoint.loader import load_model; "
+            f"load_model({request.getfixturevalue(fixture)!r}); print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
