@@ -84,6 +84,24 @@ async def mesh(nats_url: str, model: str, tmp: Path, engines=None, **worker):
         yield Mesh(url, nats_url, prefix, pre, dec, gw, trace)
 
 
+@asynccontextmanager
+async def kv_ready_seen(nats_url: str, prefix: str, decode_id: str = "decode-t"):
+    """The hand-off notices (KVReady) prefill workers send `decode_id` while the block runs."""
+    nc = await nats.connect(nats_url)
+    seen: list[KVReady] = []
+
+    async def spy(msg):
+        seen.append(decode(msg.data, KVReady))
+
+    sub = await nc.subscribe(Subjects(prefix).decode_kv_ready(decode_id), cb=spy)
+    await nc.flush()
+    try:
+        yield seen
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
+
+
 def _all_free(m: Mesh) -> bool:
     p, d = m.prefill.rt, m.decode.rt
     return (p.engine.blocks.num_free_blocks == p.engine.blocks.num_blocks
@@ -156,21 +174,13 @@ def test_the_first_decode_step_after_a_handoff_verifies_the_prefill_draft(nats_u
     async def go():
         engines = (tiny_engine_factory(role="prefill"), tiny_engine_factory(role="decode"))
         async with mesh(nats_url, tiny_model, tmp_path, engines) as m:
-            nc = await nats.connect(nats_url)
-            seen: list[KVReady] = []
-
-            async def spy(msg):
-                seen.append(decode(msg.data, KVReady))
-
-            sub = await nc.subscribe(Subjects(m.prefix).decode_kv_ready("decode-t"), cb=spy)
-            await nc.flush()
-            body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-            async with httpx.AsyncClient(timeout=30) as c:
-                r = await c.post(m.url + "/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            await _wait_free(m)
-            await sub.unsubscribe()
-            await nc.close()
+            async with kv_ready_seen(nats_url, m.prefix) as seen:
+                body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 8, "temperature": 0,
+                        "ignore_eos": True}
+                async with httpx.AsyncClient(timeout=30) as c:
+                    r = await c.post(m.url + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                await _wait_free(m)
             dec = m.decode.rt.engine
             return r.json(), seen, dec.num_drafted_total, dec.num_accepted_total
 

@@ -10,7 +10,6 @@ import json
 from contextlib import AsyncExitStack
 
 import httpx
-import nats
 import openai
 
 from moemesh.services.decode.config import DecodeConfig
@@ -20,12 +19,9 @@ from moemesh.services.gateway.service import GatewayService
 from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
 from moemesh.shared.protocol.forks import fork_seed
-from moemesh.shared.protocol.messages import KVReady
-from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import decode
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
-from tests.services.test_in_process import _all_free, _wait_free, mesh
+from tests.services.test_in_process import _all_free, _wait_free, kv_ready_seen, mesh
 
 PROMPT = "The experts of the mesh route every token"
 
@@ -49,19 +45,10 @@ def test_n_choices_stream_and_collect_from_one_prefill(nats_url, tiny_model, tin
             c = _client(m.url)
             pre = m.prefill.rt.engine
             before = pre.num_prompt_tokens_total
-            nc = await nats.connect(nats_url)
-            seen: list[KVReady] = []
-
-            async def spy(msg):
-                seen.append(decode(msg.data, KVReady))
-
-            sub = await nc.subscribe(Subjects(m.prefix).decode_kv_ready("decode-t"), cb=spy)
-            await nc.flush()
-            r = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, n=3,
-                                           extra_body={"ignore_eos": True})
+            async with kv_ready_seen(nats_url, m.prefix) as seen:
+                r = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, n=3,
+                                               extra_body={"ignore_eos": True})
             prefilled = pre.num_prompt_tokens_total - before
-            await sub.unsubscribe()
-            await nc.close()
             spec = m.prefill.rt.kv_spec
             # Streamed chat, choices interleaved, each told apart by its index.
             texts, reasons, usage = {}, {}, None
@@ -130,20 +117,11 @@ def test_v4_choices_prefill_once_and_move_as_one_buffer(nats_url, tiny_v4_model,
             c = _client(m.url)
             pre, dec = m.prefill.rt.engine, m.decode.rt.engine
             assert pre.hybrid and dec.num_spec >= 1, "V4, MTP drafts on the decode side"
-            nc = await nats.connect(nats_url)
-            seen: list[KVReady] = []
-
-            async def spy(msg):
-                seen.append(decode(msg.data, KVReady))
-
-            sub = await nc.subscribe(Subjects(m.prefix).decode_kv_ready("decode-t"), cb=spy)
-            await nc.flush()
             before = pre.num_prompt_tokens_total
-            r = await c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, n=3,
-                                           extra_body={"ignore_eos": True})
+            async with kv_ready_seen(nats_url, m.prefix) as seen:
+                r = await c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, n=3,
+                                               extra_body={"ignore_eos": True})
             prefilled = pre.num_prompt_tokens_total - before
-            await sub.unsubscribe()
-            await nc.close()
             seeded = await c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1, seed=11,
                                                 n=3)
             singles = [await c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1,
