@@ -85,7 +85,8 @@ def _plan(args: argparse.Namespace) -> tuple[dict, str]:
     dims, model_cfg = load_dims(args.model)
     if args.hardware == "this-host":
         if not args.forward:
-            raise ValueError("--hardware this-host needs --forward (a `bench forward` result of this model)")
+            raise ValueError("--hardware this-host needs --forward: a `moemesh bench plan-check` result of this model "
+                             "(forward, collectives and the figures fitted in the mesh) or a `bench forward` one")
         cal = _json(args.forward)
         if not isinstance(cal, dict):
             raise ValueError(f"{args.forward}: not a `bench forward` or `bench plan-check` result")
