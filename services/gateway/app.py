@@ -277,6 +277,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
     # the common case: no per-token extras
     plain = not req.params.stop and req.logprobs is None and req.tools is None
     calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
+    call_lps = api.ToolLogprobs(req, st.tok) if calls is not None else None
     stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
     try:
         while True:
@@ -314,7 +315,7 @@ async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: flo
                     if ev.token:
                         tid, k = ids[k], k + 1
                     n_sent += ev.token
-                    out = api.tool_chunks(req, calls, tid, ev.text, ev.finish, first)
+                    out = call_lps.put(api.tool_chunks(req, calls, tid, ev.text, ev.finish, first), ev.logprob)
                     first = False
                     if ev.finish:
                         finished_as, end = api.tool_finish(ev.finish, calls.calls), True

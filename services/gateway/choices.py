@@ -40,6 +40,7 @@ async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, don
     n = len(group.handles)
     readers = [Reader(st.tok, req.params.stop) for _ in range(n)]
     calls = _parsers(req, n)
+    call_lps = [api.ToolLogprobs(req, st.tok) for _ in range(n)] if calls else None
     fast = [api.ChunkBytes(req, i) for i in range(n)]
     first = [True] * n
     finishes: list[str | None] = [None] * n
@@ -80,7 +81,8 @@ async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, don
                         tid = -1
                         if ev.token:
                             tid, k = ids[k], k + 1
-                        for c in api.tool_chunks(req, calls[i], tid, ev.text, ev.finish, first[i], i):
+                        for c in call_lps[i].put(api.tool_chunks(req, calls[i], tid, ev.text, ev.finish, first[i], i),
+                                                 ev.logprob):
                             if cont:
                                 c["usage"] = api.usage(n_prompt, n_sent, group.cached_tokens)
                             parts.append(_data(c))

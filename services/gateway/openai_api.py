@@ -341,6 +341,25 @@ def tool_chunks(req: GenerateRequest, calls: ToolCallParser, token_id: int, text
     return out
 
 
+class ToolLogprobs:
+    """Logprobs of a streamed answer that may hold tool calls. The parser holds a call's
+    tokens until it knows what they are, so a token's logprob goes out on the next chunk
+    its choice sends: every token's once, in order."""
+
+    def __init__(self, req: GenerateRequest, tok: Tokenizer):
+        self.req, self.tok, self.pending = req, tok, []
+
+    def put(self, out: list[dict[str, Any]], logprob) -> list[dict[str, Any]]:
+        if self.req.logprobs is None:
+            return out
+        if logprob is not None:
+            self.pending.append(logprob)
+        if out and self.pending:
+            out[0]["choices"][0]["logprobs"] = logprobs_payload(self.req, self.tok, self.pending)
+            self.pending = []
+        return out
+
+
 class ChunkBytes:
     """SSE bytes of the common chunk (text only, no finish, no logprobs) from a prefix
     built once per request: per token, only the text is serialised. Other chunks go

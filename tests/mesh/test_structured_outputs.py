@@ -165,6 +165,25 @@ def test_required_and_named_calls_stream_per_choice(client):
     assert len(set(ids)) == 4
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_streamed_calls_carry_every_tokens_logprob_once(client, n):
+    """The parser holds a call's tokens until it knows them: their logprobs come on the
+    choice's next chunk, so a stream's logprobs are the unstreamed answer's, token by token."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK], max_tokens=80,
+              seed=6, parallel_tool_calls=False, logprobs=True, top_logprobs=2, n=n,
+              tool_choice={"type": "function", "function": {"name": "get_time"}})
+    whole = client.chat.completions.create(**kw)
+    got: dict[int, list] = {i: [] for i in range(n)}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            got[ch.index] += (ch.logprobs.content or []) if ch.logprobs else []
+    for c in whole.choices:
+        want = c.logprobs.content
+        assert c.finish_reason == "tool_calls" and len(want) > 5
+        assert [(e.token, e.logprob) for e in got[c.index]] == [(e.token, e.logprob) for e in want]
+        assert all(len(e.top_logprobs) == 2 for e in got[c.index])
+
+
 def test_tool_choice_auto_with_n_choices(client):
     """auto: the model chooses, per choice. Greedy, every choice is what n = 1 answers (the
     tiny random model answers in text), streamed or not."""
