@@ -37,7 +37,7 @@ class PlanCheckConfig:
     isl: int = 128
     osl: int = 64
     waves: int = 3
-    repeats: int = 2
+    repeats: int = 5
     skew: str = "zipf:1.2"
     mock_step_ms: tuple[float, ...] = (20.0, 5.0)
     mock_batches: tuple[int, ...] = (8, 64)

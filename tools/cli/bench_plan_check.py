@@ -16,7 +16,8 @@ def register(bsub) -> None:
     b.add_argument("--isl", type=int, default=128, help="prompt tokens of each request (dummy KV)")
     b.add_argument("--osl", type=int, default=64, help="new tokens of each request")
     b.add_argument("--waves", type=int, default=3, help="requests per DEP run, in --batch's")
-    b.add_argument("--repeats", type=int, default=2, help="interleaved rounds of the DEP runs (medians)")
+    b.add_argument("--repeats", type=int, default=5,
+                   help="interleaved rounds of the DEP runs (medians; docs/plan.md validates with 5)")
     b.add_argument("--skew", default="zipf:1.2", help="the workers' router skew for the skewed runs")
     b.add_argument("--mock-step-ms", type=lambda s: tuple(float(x) for x in s.split(",") if x), default=(20.0, 5.0),
                    help="step times of the mock-engine runs, ms")
