@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -71,20 +72,28 @@ _INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_"
           "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")
 
 
+_NO_INIT = threading.Lock()
+
+
 @contextmanager
 def _no_init():
     """Modules' reset_parameters() fill their new parameters at construction: on meta
     tensors there is nothing to fill, yet a random fill of one runs through torch's
     reference kernels, whose first use imports torch._dynamo: a second of every worker's
-    start on two cores, for nothing. The weights come from the checkpoint."""
-    saved = {n: getattr(torch.nn.init, n) for n in _INITS}
-    for n in _INITS:
-        setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.nn.init, n, f)
+    start on two cores, for nothing. The weights come from the checkpoint.
+
+    The fills are torch.nn.init's, process-wide: the lock keeps two threads that build
+    models at once (a prefill and a decode service in one process) from saving each
+    other's stand-ins as the originals."""
+    with _NO_INIT:
+        saved = {n: getattr(torch.nn.init, n) for n in _INITS}
+        for n in _INITS:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        try:
+            yield
+        finally:
+            for n, f in saved.items():
+                setattr(torch.nn.init, n, f)
 
 
 def build_empty(cfg, dtype: torch.dtype, device: str | torch.device, num_slots: int | None = None):

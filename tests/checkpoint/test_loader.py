@@ -140,3 +140,14 @@ def test_building_the_model_imports_no_compiler(request, fixture):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_models_built_at_once_in_threads_leave_torchs_init_as_it_was(tiny_model):
+    # Two services in one process build their models in threads at the same time.
+    from concurrent.futures import ThreadPoolExecutor
+
+    originals = (torch.nn.init.normal_, torch.nn.init.kaiming_uniform_)
+    with ThreadPoolExecutor(4) as pool:
+        models = list(pool.map(lambda _: load_model(tiny_model), range(4)))
+    assert (torch.nn.init.normal_, torch.nn.init.kaiming_uniform_) == originals
+    assert all(torch.equal(m.lm_head.weight, models[0].lm_head.weight) for m in models)
