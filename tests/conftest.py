@@ -30,36 +30,28 @@ def tiny_v4_model(tmp_path_factory) -> str:
     return str(init_model(tmp_path_factory.mktemp("tiny-v4"), "v4-tiny", seed=0))
 
 
-@pytest.fixture(scope="session")
-def tiny_engine_factory(tiny_model):
-    """Builds engines on the tiny model, reusing one loaded copy of the weights."""
+def _engine_factory(model_dir: str, **defaults):
+    """Builds engines on one model, reusing one loaded copy of its weights."""
     from moemesh.shared.checkpoint.loader import load_model
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.engine import LLMEngine
 
-    model = load_model(tiny_model)
+    model = load_model(model_dir)
 
     def make(**kw) -> LLMEngine:
-        kw.setdefault("num_kv_blocks", 512)
-        return LLMEngine(EngineConfig(model=tiny_model, **kw), model=model)
+        return LLMEngine(EngineConfig(model=model_dir, **{**defaults, **kw}), model=model)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_factory(tiny_model):
+    return _engine_factory(tiny_model, num_kv_blocks=512)
 
 
 @pytest.fixture(scope="session")
 def tiny_v4_engine_factory(tiny_v4_model):
-    """Builds engines on the tiny DeepSeek-V4 model, reusing one loaded copy of the weights."""
-    from moemesh.shared.checkpoint.loader import load_model
-    from moemesh.shared.engine.config import EngineConfig
-    from moemesh.shared.engine.engine import LLMEngine
-
-    model = load_model(tiny_v4_model)
-
-    def make(**kw) -> LLMEngine:
-        kw.setdefault("max_num_seqs", 8)
-        return LLMEngine(EngineConfig(model=tiny_v4_model, **kw), model=model)
-
-    return make
+    return _engine_factory(tiny_v4_model, max_num_seqs=8)
 
 
 @pytest.fixture(scope="session")
