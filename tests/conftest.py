@@ -30,6 +30,24 @@ def tiny_v4_model(tmp_path_factory) -> str:
     return str(init_model(tmp_path_factory.mktemp("tiny-v4"), "v4-tiny", seed=0))
 
 
+@pytest.fixture(scope="session")
+def hf_saved(tmp_path_factory):
+    """hf_saved(arch, **save_kwargs): a checkpoint that transformers built and wrote with
+    save_pretrained (tests/checkpoint/hf_built.py), made once per session and arguments."""
+    made: dict = {}
+
+    def get(arch: str, **save_kwargs) -> str:
+        key = (arch, tuple(sorted(save_kwargs.items())))
+        if key not in made:
+            from tests.checkpoint.hf_built import build, save
+
+            model, tok = build(arch, seed=7)
+            made[key] = str(save(model, tok, tmp_path_factory.mktemp(f"hf-saved-{arch}"), **save_kwargs))
+        return made[key]
+
+    return get
+
+
 def _engine_factory(model_dir: str, **defaults):
     """Builds engines on one model, reusing one loaded copy of its weights."""
     from moemesh.shared.checkpoint.loader import load_model

@@ -3,10 +3,12 @@ DeepseekV4ForCausalLM.
 
 Parameters are allocated once, uninitialised, and each tensor is read from disk straight
 into its parameter (see safetensors_io), so peak memory is the model plus at most one
-tensor, and no file is memory-mapped. V4 checkpoints may use transformers' names or the
-upstream ones (names_v4.py), and may store FP8 / FP4 weights with scales: those are
-dequantized as they are read (quant.py), since no kernel here takes them directly.
-Every failure is a CheckpointError whose message names the file and the tensor.
+tensor, and no file is memory-mapped. Tensor names may be spelled as the release, as
+transformers in memory or as transformers' `save_pretrained` spells them (names.py,
+names_v4.py); which tensor fills which parameter is settled and checked before any
+weight is read (mapping.py). V4 checkpoints may store FP8 / FP4 weights with scales:
+those are dequantized as they are read (quant.py), since no kernel here takes them
+directly. Every failure is a CheckpointError whose message names the file and the tensor.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from typing import Callable
 
 import torch
 
-from moemesh.shared.checkpoint.names import Target, hf_to_local
-from moemesh.shared.checkpoint.names_v4 import is_scale, local_to_upstream, scale_names, v4_to_local
+from moemesh.shared.checkpoint.mapping import (CheckpointError, check_expert_ids, check_hash_table,
+                                               resolve_all)
+from moemesh.shared.checkpoint.names import Target, V3Names, is_experts
+from moemesh.shared.checkpoint.names_v4 import V4Names, is_scale, local_to_upstream, scale_names
 from moemesh.shared.checkpoint.quant import QuantSpec, dequant_fp4, dequant_fp8_block
 from moemesh.shared.checkpoint.safetensors_io import SafetensorsFile, SafetensorsFormatError
 from moemesh.shared.model.config import ConfigError, ModelConfig
@@ -33,8 +37,7 @@ from moemesh.shared.model.v4.rope import Rope
 
 log = logging.getLogger(__name__)
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message says which file and tensor."""
+__all__ = ["CheckpointError", "build_empty", "load_model", "weight_files"]
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -137,12 +140,11 @@ def load_model(
         raise CheckpointError(str(e)) from None
     files = weight_files(model_dir)
     names_by_file = {f: _tensor_names(f) for f in files}
-    file_of = {n: f for f, names in names_by_file.items() for n in names}
+    file_of = _file_of(model_dir, names_by_file)
+    names = V4Names() if v4 else V3Names(cfg.num_hidden_layers)
+    skip = {n for n in file_of if v4 and is_scale(n) and _weight_of_scale(n) in file_of}  # read with their weight
 
-    def to_local(name: str) -> Target:
-        return v4_to_local(name) if v4 else hf_to_local(name, cfg.num_hidden_layers)
-
-    if cfg.has_mtp and not any(to_local(n).param.startswith("mtp.") for n in file_of):
+    if cfg.has_mtp and not any((t := names.resolve(n)) and t.param.startswith("mtp.") for n in file_of):
         log.warning("%s: config asks for an MTP layer but the checkpoint has none; speculative decoding is off", model_dir)
         cfg = replace(cfg, num_nextn_predict_layers=0)
 
@@ -150,24 +152,25 @@ def load_model(
     slots_of = expert_slots or (lambda layer: list(range(cfg.n_routed_experts)))
     state = dict(model.named_parameters())
     state.update({n: b for n, b in model.named_buffers() if not _computed(n)})
+    targets = resolve_all(file_of, skip, names, set(state), cfg)
     pending: dict[str, set] = {n: _pieces(n, t) for n, t in state.items()}
 
     for f in files:
         try:
             with SafetensorsFile(f) as sf:
                 for name in names_by_file[f]:
-                    if v4 and is_scale(name) and _weight_of_scale(name) in file_of:
-                        continue  # read with its weight
-                    target = to_local(name)
-                    dest = state.get(target.param)
-                    if dest is None:
-                        raise CheckpointError(
-                            f"{f.name}: unexpected tensor {name!r} (no such parameter in {cfg.model_type})")
+                    if name in skip:
+                        continue
+                    target = targets[name]
+                    dest = state[target.param]
                     src = _Source(sf, f.name, name, file_of, quant if v4 else None, dest.dtype)
-                    if target.param.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                    if is_experts(target.param):
                         layer = _layer_of(target.param, cfg.num_hidden_layers)
                         _copy_experts(dest, target, slots_of(layer), cfg.n_routed_experts, src,
                                       pending[target.param])
+                    elif target.param.endswith(".mlp.gate.tid2eid"):
+                        _copy_hash_table(dest, src, sf.tensors[name].dtype, cfg)
+                        _mark(pending, target)
                     else:
                         _copy(dest, src)
                         _mark(pending, target)
@@ -185,6 +188,23 @@ def load_model(
         raise CheckpointError(f"{model_dir}: missing tensors {', '.join(missing[:5])}{more}")
     model.eval().requires_grad_(False)
     return model
+
+
+def _file_of(model_dir: Path, names_by_file: dict[Path, list[str]]) -> dict[str, Path]:
+    """tensor name -> the file holding it; a name in two files, or an index that puts a
+    tensor in a file without it, is a corrupt checkpoint."""
+    file_of: dict[str, Path] = {}
+    for f, names in names_by_file.items():
+        for n in names:
+            other = file_of.setdefault(n, f)
+            if other != f:
+                raise CheckpointError(f"{model_dir}: tensor {n!r} is stored twice, in {other.name} and {f.name}")
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        for n, fname in json.loads(index.read_text())["weight_map"].items():
+            if n not in file_of or file_of[n].name != fname:
+                raise CheckpointError(f"{index}: lists tensor {n!r} in {fname}, which does not hold it")
+    return file_of
 
 
 def _tensor_names(f: Path) -> list[str]:
@@ -273,9 +293,6 @@ def _copy_experts(dest: torch.Tensor, target: Target, slots: list[int], num_expe
         for s in range(len(slots)):
             pending.difference_update({(s, None), (s, "gate"), (s, "up")})
         return
-    if target.slot >= num_experts:
-        raise CheckpointError(
-            f"{fname}: tensor {name!r} names expert {target.slot}, but the config has {num_experts}")
     for s, e in enumerate(slots):
         if e != target.slot:
             continue
@@ -288,6 +305,13 @@ def _copy_experts(dest: torch.Tensor, target: Target, slots: list[int], num_expe
         with torch.no_grad():
             src.read_into(view)
         pending.discard((s, target.part))
+
+
+def _copy_hash_table(dest: torch.Tensor, src: _Source, stored, cfg) -> None:
+    check_hash_table(src.fname, src.name, src.shape, stored, cfg)
+    with torch.no_grad():
+        src.read_into(dest)
+    check_expert_ids(src.fname, src.name, int(dest.min()), int(dest.max()), cfg.n_routed_experts)
 
 
 def _copy(dest: torch.Tensor, src: _Source) -> None:

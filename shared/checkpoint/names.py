@@ -1,41 +1,103 @@
-"""Map Hugging Face tensor names onto moemesh parameters.
+"""Checkpoint tensor names onto moemesh parameters: one resolver per architecture.
 
-A checkpoint may hold routed experts one tensor per expert
-(`mlp.experts.{e}.gate_proj.weight`, the Hub layout) or fused
-(`mlp.experts.gate_up_proj`, the layout transformers 5 saves). Both land in the same
-stacked parameter; a per-expert tensor names the slot and row range it fills.
+A real checkpoint spells a parameter in one of several ways, and a resolver accepts
+each of them:
+- the release's own names (for V2/V3 that is the Hub layout: one tensor per routed
+  expert, `model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, the MTP layer(s) as
+  `model.layers.{num_hidden_layers + j}`; V4's upstream names are in names_v4.py);
+- transformers' in-memory names (fused `mlp.experts.gate_up_proj` / `down_proj`),
+  which are also moemesh's own;
+- what transformers' `save_pretrained` writes: it reverses its load-time conversion,
+  which for V2/V3 gives the Hub layout back;
+- any of these with or without the base model's `model.` prefix (transformers adds or
+  strips it on load, so a checkpoint of the bare model loads too).
+
+Rules are key patterns, as transformers' conversion rules are, so they hold whatever
+prefix a tensor carries. A name no rule reads resolves to None, and the loader names it.
+
+Glossary: a *piece* of a parameter is what one tensor fills: the whole parameter, or for
+stacked experts one expert's slot, or one half (gate / up) of it.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_LAYER = re.compile(r"^model\.layers\.(?P<i>\d+)\.(?P<rest>.*)$")
+from typing import Protocol
 
 
 @dataclass(frozen=True)
 class Target:
     param: str  # moemesh parameter or buffer name
-    slot: int | None = None  # expert slot for per-expert tensors
+    slot: int | None = None  # expert for per-expert tensors
     part: str | None = None  # "gate" | "up" | None (whole slot)
 
+    def pieces(self, num_experts: int) -> set:
+        """What this tensor fills: (expert, half) for experts, None for a plain parameter."""
+        if self.param.endswith(_STACKED[0]):
+            if self.slot is None:
+                return {(e, p) for e in range(num_experts) for p in ("gate", "up")}
+            return {(self.slot, self.part)}
+        if self.param.endswith(_STACKED[1]):
+            return {(e, None) for e in range(num_experts)} if self.slot is None else {(self.slot, None)}
+        return {None}
 
-def hf_to_local(name: str, num_hidden_layers: int) -> Target:
-    m = _LAYER.match(name)
-    if m and int(m["i"]) >= num_hidden_layers:
-        # The MTP layer(s) follow the target layers on disk.
-        name = f"mtp.{int(m['i']) - num_hidden_layers}.{m['rest']}"
-    if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
-        return Target(name)
-    e = _EXPERT.match(name)
-    if e is None:
-        return Target(name)
-    proj = e["proj"]
-    if proj == "down_proj":
-        return Target(f"{e['pre']}.down_proj", int(e["e"]))
-    return Target(f"{e['pre']}.gate_up_proj", int(e["e"]), "gate" if proj == "gate_proj" else "up")
+
+class Names(Protocol):
+    """The seam between a checkpoint's spelling and the model's parameters."""
+
+    def resolve(self, name: str) -> Target | None:
+        """Args: a tensor name as stored. Returns: the parameter (and expert piece) it
+        fills, or None when no rule of this architecture reads the name."""
+
+
+# Per-expert spellings of one routed expert's three matrices: the Hub's and upstream's.
+_PER_EXPERT = re.compile(r"^mlp\.experts\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_HALF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}
+_STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+_LAYER = re.compile(r"^(?P<head>layers|mtp)\.(?P<i>\d+)\.(?P<rest>.+)$")
+
+
+def in_layer(prefix: str, rest: str) -> Target:
+    """A tensor inside one decoder (or MTP) layer, `rest` already in our spelling but for
+    the routed experts, which may be per-expert (either spelling) or fused."""
+    e = _PER_EXPERT.match(rest)
+    if e is not None:
+        if e["w"] in _HALF:
+            return Target(prefix + "mlp.experts.gate_up_proj", int(e["e"]), _HALF[e["w"]])
+        return Target(prefix + "mlp.experts.down_proj", int(e["e"]))
+    return Target(prefix + rest)
+
+
+def split_layer(key: str) -> tuple[str, int, str] | None:
+    """('layers' | 'mtp', index, rest) of a key without the `model.` prefix."""
+    m = _LAYER.match(key)
+    return None if m is None else (m["head"], int(m["i"]), m["rest"])
+
+
+class V3Names:
+    """DeepSeek-V2 and V3. The MTP layer(s) follow the target layers on disk."""
+
+    def __init__(self, num_hidden_layers: int):
+        self.num_hidden_layers = num_hidden_layers
+
+    def resolve(self, name: str) -> Target | None:
+        key = name.removeprefix("model.")
+        if key in ("embed_tokens.weight", "norm.weight"):
+            return Target("model." + key)
+        if key == "lm_head.weight":
+            return Target(key)
+        parts = split_layer(key)
+        if parts is None:
+            return None
+        head, i, rest = parts
+        if head == "mtp":  # moemesh's own name for it
+            prefix = f"mtp.{i}."
+        elif i >= self.num_hidden_layers:
+            prefix = f"mtp.{i - self.num_hidden_layers}."
+        else:
+            prefix = f"model.layers.{i}."
+        return in_layer(prefix, rest)
 
 
 def local_to_hf_names(param: str, num_slots: int, num_hidden_layers: int) -> list[str]:
@@ -50,3 +112,8 @@ def local_to_hf_names(param: str, num_slots: int, num_hidden_layers: int) -> lis
         pre = param[: -len(".down_proj")]
         return [f"{pre}.{e}.down_proj.weight" for e in range(num_slots)]
     return [param]
+
+
+def is_experts(param: str) -> bool:
+    """A stacked parameter of routed experts: [E, ...], filled whole or one expert at a time."""
+    return param.endswith(_STACKED)

@@ -1,19 +1,84 @@
-"""DeepSeek-V4 tensor names: transformers' and upstream's, onto moemesh parameters.
+"""DeepSeek-V4 tensor names onto moemesh parameters, and back to the upstream ones.
 
-transformers writes our names (`model.layers.{i}.self_attn.q_a_proj.weight`, fused
-`mlp.experts.gate_up_proj`); the upstream release uses its own
-(`layers.{i}.attn.wq_a.weight`, `layers.{i}.ffn.experts.{e}.w1.weight`, `embed.weight`)
-and keeps the MTP layer under `mtp.0.` (transformers drops it, so an HF-layout folder
-that has one keeps the upstream names for it). Quantized weights come with a scale
-tensor: `<name>.scale` upstream, `<name>_scale_inv` in transformers' FP8 layout.
+Three spellings are in the wild, and the resolver reads each, with or without the
+`model.` prefix:
+- upstream's (`layers.{i}.attn.wq_a.weight`, `layers.{i}.ffn.experts.{e}.w1.weight`,
+  `embed.weight`, `hc_head_fn`, the MTP layer under `mtp.0.`);
+- transformers' in-memory names, which are ours (`model.layers.{i}.self_attn.q_a_proj.weight`,
+  fused `mlp.experts.gate_up_proj`, `model.layers.{i}.mlp.gate.tid2eid`);
+- what transformers' `save_pretrained` writes: it reverses its load-time conversion, so
+  upstream leaf names under transformers' prefixes (`model.layers.{i}.attn.wkv.weight`,
+  `model.embed_tokens.weight`, `model.hc_head.hc_fn`, `head.weight`).
+
+The rules are transformers' own conversion rules for `deepseek_v4`
+(`transformers/conversion_mapping.py`): key patterns, applied in order, every match
+firing, each a no-op on a name already in our spelling. One differs: transformers strips
+the `model.` prefix before its unscoped `.norm.` -> `.kv_norm.` rule and never loads the
+MTP layer, whose own final `norm.weight` that rule would rename; here the rule is scoped
+to the attention, compressor and indexer norms it is meant for.
+
+Quantized weights come with a scale tensor: `<name>.scale` upstream, `<name>_scale_inv`
+in transformers' FP8 layout.
 """
 
 from __future__ import annotations
 
 import re
 
-from moemesh.shared.checkpoint.names import Target
+from moemesh.shared.checkpoint.names import Target, in_layer, split_layer
 
+# (pattern, replacement), in transformers' order.
+_RULES = [(re.compile(p), r) for p, r in [
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight$", "embed_tokens.weight"),
+    (r"^head\.weight$", "lm_head.weight"),
+    (r"(^|\.)hc_head_(fn|base|scale)$", r"\1hc_head.hc_\2"),  # the model's and the MTP layer's
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.(self_attn|compressor|indexer)\.norm\.", r".\1.kv_norm."),  # scoped: see the module docstring
+    (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]]
+_MODEL_TOP = ("embed_tokens.weight", "norm.weight", "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale")
+
+
+class V4Names:
+    """DeepSeek-V4, every spelling above; routed experts per-expert (w1/w3/w2) or fused."""
+
+    def resolve(self, name: str) -> Target | None:
+        key = name.removeprefix("model.")
+        for pattern, repl in _RULES:
+            key = pattern.sub(repl, key, count=1)
+        if key in _MODEL_TOP:
+            return Target("model." + key)
+        if key == "lm_head.weight":
+            return Target(key)
+        parts = split_layer(key)
+        if parts is None:
+            return None
+        head, i, rest = parts
+        return in_layer(f"model.layers.{i}." if head == "layers" else f"mtp.{i}.", rest)
+
+
+# ---- writing the upstream layout ------------------------------------------------------
+# Ours -> upstream, for the writer's upstream layout and for naming missing tensors the
+# way the release does. tests/checkpoint/test_names.py holds it to the rules above.
 _TOP = {
     "embed.weight": "model.embed_tokens.weight",
     "head.weight": "lm_head.weight",
@@ -45,8 +110,6 @@ _IN_LAYER = [
 # Inside a (possibly indexer's) compressor, after the prefix above was renamed.
 _COMPRESSOR = [("wkv.", "kv_proj."), ("wgate.", "gate_proj."), ("ape", "position_bias"), ("norm.", "kv_norm.")]
 _BY_OURS = sorted(_IN_LAYER, key=lambda p: -len(p[1]))  # the reverse: most specific of ours first
-_EXPERT = re.compile(r"^ffn\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
-_LAYER = re.compile(r"^(?P<head>layers|mtp)\.(?P<i>\d+)\.(?P<rest>.+)$")
 
 
 def is_scale(name: str) -> bool:
@@ -57,38 +120,6 @@ def is_scale(name: str) -> bool:
 def scale_names(weight: str) -> tuple[str, str]:
     """Where a weight's scale may be: upstream's `.scale`, transformers' `_scale_inv`."""
     return weight.removesuffix(".weight") + ".scale", weight + "_scale_inv"
-
-
-def v4_to_local(name: str) -> Target:
-    """Our parameter (and expert slot / half) for a tensor of either naming."""
-    if name.startswith("model.") or name.startswith("lm_head."):
-        return Target(name)
-    if name in _TOP:
-        return Target(_TOP[name])
-    m = _LAYER.match(name)
-    if m is None:
-        return Target(name)  # unknown: the loader reports it as unexpected
-    prefix = f"model.layers.{m['i']}." if m["head"] == "layers" else f"mtp.{m['i']}."
-    rest = m["rest"]
-    e = _EXPERT.match(rest)
-    if e is not None:
-        if e["w"] == "w2":
-            return Target(prefix + "mlp.experts.down_proj", int(e["e"]))
-        return Target(prefix + "mlp.experts.gate_up_proj", int(e["e"]), "gate" if e["w"] == "w1" else "up")
-    if rest.startswith(("self_attn.", "mlp.", "input_layernorm", "post_attention_layernorm", "attn_hc.",
-                        "ffn_hc.", "hc_head.", "e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.")):
-        return Target(prefix + rest)  # already our name (an MTP layer written by moemesh)
-    for old, new in _IN_LAYER:
-        if rest.startswith(old):
-            rest = new + rest[len(old):]
-            if "compressor." in new:
-                tail = rest[len(new):]
-                for o, n in _COMPRESSOR:
-                    if tail.startswith(o):
-                        rest = new + n + tail[len(o):]
-                        break
-            break
-    return Target(prefix + rest)
 
 
 def local_to_upstream(param: str, num_experts: int) -> list[str]:

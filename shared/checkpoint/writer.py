@@ -1,8 +1,12 @@
 """`moemesh init-model`: write a seeded random-weight checkpoint in Hugging Face layout.
 
 Every tensor is drawn from its own generator, seeded from (seed, tensor name), so the
-result does not depend on write order or sharding. Routed experts are written one
-tensor per expert, as on the Hub, unless `fused_experts` asks for the fused layout.
+result does not depend on write order, sharding or layout. The layouts:
+- `transformers` (the default where transformers is installed): named as transformers'
+  `save_pretrained` writes them, by transformers' own conversion (writer_transformers.py);
+- `hf`: V2/V3 as on the Hub (routed experts one tensor per expert, unless
+  `fused_experts` asks for the fused layout), V4 under transformers' in-memory names;
+- `upstream` (V4): the release's own names, optionally FP8/FP4 (writer_v4.py).
 Every tensor is random, the router's correction bias included, so a reference
 implementation that zero-initialises something cannot agree with us by accident.
 """
@@ -21,6 +25,7 @@ from moemesh.shared.checkpoint.seeding import seed_for
 from moemesh.shared.checkpoint.presets import REAL_DIMENSIONS, TOKENIZER_VOCAB, VOCAB_FROM_TOKENIZER, preset_config
 from moemesh.shared.checkpoint.tokenizer_builder import build_tokenizer, write_tokenizer
 from moemesh.shared.checkpoint.writer_v4 import QUANT_CONFIG, v4_tensors
+from moemesh.shared.checkpoint import writer_transformers
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.model.deepseek import DeepseekForCausalLM
 
@@ -110,12 +115,13 @@ def init_model(
     num_layers: int | None = None,
     shard_size: int = 2 << 30,
     fused_experts: bool = False,
-    layout: str = "hf",
+    layout: str | None = None,
     quantize: bool = False,
     overrides: dict | None = None,
 ) -> Path:
-    """layout, quantize: DeepSeek-V4 only (writer_v4.py): transformers' names or the
-    upstream ones, and the published FP8/FP4 storage (upstream layout)."""
+    """layout: transformers, hf or (V4) upstream; by default upstream when quantizing, hf
+    for fused experts, else transformers where it is installed, else hf. quantize: V4's published FP8/FP4
+    storage, in the upstream layout."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = preset_config(preset, num_layers)
@@ -133,21 +139,36 @@ def init_model(
     raw["torch_dtype"] = dtype
     cfg = ModelConfig.from_dict(raw)
     tdtype = _DTYPES[dtype]
+    layout = layout or ("hf" if fused_experts else default_layout(quantize))
+    if layout == "transformers" and not writer_transformers.available():
+        raise ValueError("--layout transformers needs transformers installed (pip install transformers)")
+    if layout == "transformers" and fused_experts:
+        raise ValueError("--fused-experts writes transformers' in-memory names, the hf layout: its save path "
+                         "splits the experts (drop --layout transformers)")
     if cfg.model_type == "deepseek_v4":
         if quantize and layout != "upstream":
             raise ValueError("--quantize writes the upstream layout: add --layout upstream")
         if quantize:
             raw["quantization_config"] = dict(QUANT_CONFIG)
             raw["expert_dtype"] = "fp4"
-        _write_shards(out, v4_tensors(cfg, seed, tdtype, layout, quantize), shard_size)
+        tensors = v4_tensors(cfg, seed, tdtype, "ours" if layout == "transformers" else layout, quantize)
+        if layout == "transformers":
+            tensors = writer_transformers.as_saved(raw, tensors)
+        _write_shards(out, tensors, shard_size)
         return _write_meta(out, raw, tok, {"preset": preset, "seed": seed, "dtype": dtype,
                                            "num_layers": cfg.num_hidden_layers, "layout": layout,
                                            "quantized": quantize})
-    if layout != "hf" or quantize:
-        raise ValueError("--layout and --quantize apply to DeepSeek-V4 presets only")
+    if layout not in ("hf", "transformers") or quantize:
+        raise ValueError("--layout upstream and --quantize apply to DeepSeek-V4 presets only")
+    info = {"preset": preset, "seed": seed, "dtype": dtype, "num_layers": cfg.num_hidden_layers, "layout": layout,
+            "fused_experts": fused_experts}
     tensors = _hf_tensors(cfg)
-    if fused_experts:
+    if fused_experts or layout == "transformers":
         tensors = _fuse_names(tensors, cfg)
+    if layout == "transformers":  # from transformers' in-memory (fused) names
+        named = ((n, _materialise(n, shape, cfg, seed, tdtype)) for n, shape in tensors)
+        _write_shards(out, writer_transformers.as_saved(raw, named), shard_size)
+        return _write_meta(out, raw, tok, info)
 
     def nbytes(name: str, shape) -> int:
         elem = 4 if name.endswith("e_score_correction_bias") else tdtype.itemsize
@@ -172,8 +193,14 @@ def init_model(
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(nbytes(n, s) for n, s in tensors)}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return _write_meta(out, raw, tok, {"preset": preset, "seed": seed, "dtype": dtype,
-                                       "num_layers": cfg.num_hidden_layers, "fused_experts": fused_experts})
+    return _write_meta(out, raw, tok, info)
+
+
+def default_layout(quantize: bool = False) -> str:
+    """What a user most likely downloads, as far as this machine can write it."""
+    if quantize:
+        return "upstream"
+    return "transformers" if writer_transformers.available() else "hf"
 
 
 def _write_shards(out: Path, tensors, shard_size: int) -> None:

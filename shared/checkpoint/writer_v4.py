@@ -81,12 +81,14 @@ def _store(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def v4_tensors(cfg: V4Config, seed: int, dtype: torch.dtype, layout: str = "hf",
                quantize: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of the whole checkpoint, one parameter at a time."""
-    if layout not in ("hf", "upstream"):
+    """(name, tensor) of the whole checkpoint, one parameter at a time. layout: hf, upstream,
+    or ours (every tensor under our names, the MTP layer's too: transformers' in-memory
+    spelling, which the transformers layout converts)."""
+    if layout not in ("hf", "upstream", "ours"):
         raise ValueError(f"layout must be hf or upstream, got {layout!r}")
     for param, shape in _params(cfg):
         t = _materialise(param, shape, seed, cfg)
-        if layout == "hf" and not param.startswith("mtp."):
+        if layout == "ours" or layout == "hf" and not param.startswith("mtp."):
             yield param, _store(param, t, dtype)
             continue
         names = local_to_upstream(param, cfg.n_routed_experts)

@@ -30,7 +30,8 @@ SEED = 5
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("v4-layouts")
     return {
-        "hf": init_model(root / "hf", "v4-tiny", seed=SEED),
+        "hf": init_model(root / "hf", "v4-tiny", seed=SEED, layout="hf"),
+        "transformers": init_model(root / "transformers", "v4-tiny", seed=SEED, layout="transformers"),
         "upstream": init_model(root / "upstream", "v4-tiny", seed=SEED, layout="upstream"),
         "quantized": init_model(root / "quantized", "v4-tiny", seed=SEED, layout="upstream", quantize=True),
     }
@@ -57,8 +58,9 @@ def test_layouts_use_different_names(dirs):
     assert shared and all(n.startswith("mtp.0.") for n in shared)  # the MTP layer keeps upstream names
 
 
-def test_hf_and_upstream_layouts_load_identically(states):
-    a, b = states["hf"], states["upstream"]
+@pytest.mark.parametrize("layout", ["upstream", "transformers"])
+def test_every_layout_loads_identically(states, layout):
+    a, b = states["hf"], states[layout]
     assert set(a) == set(b)
     assert any(k.startswith("mtp.0.") for k in a)
     for k in a:
@@ -72,14 +74,15 @@ def test_seed_changes_the_weights(tmp_path, states):
     assert len(differ) > 0.9 * len(ours)
 
 
-def test_transformers_loads_hf_layout_to_the_same_values(dirs, states):
+@pytest.mark.parametrize("layout", ["hf", "upstream", "transformers"])
+def test_transformers_loads_every_layout_to_the_same_values(dirs, states, layout):
     from transformers import DeepseekV4ForCausalLM
 
-    model, info = DeepseekV4ForCausalLM.from_pretrained(str(dirs["hf"]), dtype=torch.float32,
+    model, info = DeepseekV4ForCausalLM.from_pretrained(str(dirs[layout]), dtype=torch.float32,
                                                         output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert not info["error_msgs"]
-    theirs, ours = model.state_dict(), states["hf"]
+    theirs, ours = model.state_dict(), states[layout]
     assert set(theirs) <= set(ours)
     extra = set(ours) - set(theirs)
     assert extra and all(k.startswith("mtp.") for k in extra)
@@ -144,10 +147,10 @@ def test_quantized_loads_within_the_format_error(dirs, states):
     q, exact = states["quantized"], states["upstream"]
     assert set(q) == set(exact)
     names = _names(dirs["quantized"])
-    from moemesh.shared.checkpoint.names_v4 import v4_to_local
+    from moemesh.shared.checkpoint.names_v4 import V4Names
 
-    fp8 = {v4_to_local(n).param for n, dt in names.items() if dt == "F8_E4M3"}
-    fp4 = {v4_to_local(n).param for n, dt in names.items() if dt == "I8"}
+    fp8 = {V4Names().resolve(n).param for n, dt in names.items() if dt == "F8_E4M3"}
+    fp4 = {V4Names().resolve(n).param for n, dt in names.items() if dt == "I8"}
     assert fp8 and fp4 and not fp8 & fp4
     for k in q:
         a, b = q[k], exact[k]

@@ -9,7 +9,7 @@ from moemesh.shared.checkpoint.presets import PRESETS
 
 
 def register(sub) -> None:
-    p = sub.add_parser("init-model", help="write a seeded random-weight checkpoint in Hugging Face layout")
+    p = sub.add_parser("init-model", help="write a seeded random-weight checkpoint, laid out as users download them")
     p.add_argument("dir", help="folder to write the checkpoint into (created if missing)")
     p.add_argument("--preset", default="tiny", choices=list(PRESETS),
                    help="model shape: a tiny test model, or a published DeepSeek V3/V4 configuration")
@@ -19,9 +19,12 @@ def register(sub) -> None:
                    help="weight dtype (default: the preset's)")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--shard-size-mb", type=int, default=2048, help="largest safetensors shard, in MiB")
-    p.add_argument("--fused-experts", action="store_true", help="write experts in the fused transformers-5 layout")
-    p.add_argument("--layout", choices=["hf", "upstream"], default="hf",
-                   help="DeepSeek-V4: transformers' tensor names (hf) or the release's own (upstream)")
+    p.add_argument("--fused-experts", action="store_true",
+                   help="write experts fused, as transformers 5 holds them in memory (the hf layout)")
+    p.add_argument("--layout", choices=["transformers", "hf", "upstream"], default=None,
+                   help="tensor names: as transformers' save_pretrained writes them (transformers: the default "
+                        "where transformers is installed, else hf), transformers' in-memory names for V4 and the "
+                        "Hub's for V2/V3 (hf), or DeepSeek-V4's release (upstream: the default with --quantize)")
     p.add_argument("--quantize", action="store_true",
                    help="DeepSeek-V4, upstream layout: FP8 block-scaled weights and FP4 experts, as released")
     p.set_defaults(func=run)
