@@ -158,6 +158,16 @@ def test_the_default_layout_is_transformers_where_it_is_installed(tmp_path):
     assert json.loads((q / "moemesh_init.json").read_text())["layout"] == "upstream"
 
 
+def test_without_transformers_the_default_is_hf_and_asking_for_its_layout_is_an_error(tmp_path, monkeypatch):
+    from moemesh.shared.checkpoint import writer_transformers
+
+    monkeypatch.setattr(writer_transformers, "available", lambda: False)
+    d = init_model(tmp_path / "d", "tiny-v2", seed=0)
+    assert json.loads((d / "moemesh_init.json").read_text())["layout"] == "hf"
+    with pytest.raises(ValueError, match="--layout transformers needs transformers installed"):
+        init_model(tmp_path / "e", "tiny-v2", seed=0, layout="transformers")
+
+
 # ---- errors ------------------------------------------------------------------------------
 
 def _edited(src: str, dst: Path, edit=None, edit_config=None) -> Path:
