@@ -166,6 +166,9 @@ def test_without_transformers_the_default_is_hf_and_asking_for_its_layout_is_an_
     assert json.loads((d / "moemesh_init.json").read_text())["layout"] == "hf"
     with pytest.raises(ValueError, match="--layout transformers needs transformers installed"):
         init_model(tmp_path / "e", "tiny-v2", seed=0, layout="transformers")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="--fused-experts writes transformers' in-memory names"):
+        init_model(tmp_path / "f", "tiny", seed=0, layout="transformers", fused_experts=True)
 
 
 # ---- errors ------------------------------------------------------------------------------

@@ -50,8 +50,6 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_model):
     assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr
     r = moemesh("init-model", str(tmp_path / "x"), "--preset", "tiny", "--num-layers", "1")
     assert r.returncode == 2 and "--num-layers" in r.stderr
-    r = moemesh("init-model", str(tmp_path / "x"), "--preset", "tiny", "--layout", "transformers", "--fused-experts")
-    assert r.returncode == 2 and "--fused-experts" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bench_forward_prints_and_saves(tiny_model, tmp_path):
