@@ -1,0 +1,43 @@
+"""`moemesh bench launches` on the test models, at two batch sizes, on the kernel path
+(the Triton interpreter here): the counts are deterministic, so the tool's figures are
+checked, not timed."""
+
+from __future__ import annotations
+
+import pytest
+
+from moemesh.tools.bench.launches import LaunchesBenchConfig, run, table
+
+
+def _run(model: str) -> dict:
+    return run(LaunchesBenchConfig(model=model, batch_sizes=(1, 4), context_len=64, prefill_len=16))
+
+
+@pytest.fixture(scope="module")
+def counts(tiny_model, tiny_v4_model) -> dict[str, dict]:
+    pytest.importorskip("triton")
+    from tests.kernels.conftest import INTERPRET, _imported_mode
+
+    if not INTERPRET or _imported_mode() is False:
+        pytest.skip("the kernel path on CPU needs the Triton interpreter")
+    return {"v3": _run(tiny_model), "v4": _run(tiny_v4_model)}
+
+
+@pytest.mark.parametrize("arch", ["v3", "v4"])
+def test_every_step_is_counted_by_scope(counts, arch):
+    r = counts[arch]
+    layers = r["model"]["num_hidden_layers"]
+    for step in [*r["decode"], r["prefill"]]:
+        scopes = step["by_scope"]
+        assert [s for s in scopes if s.startswith("layer.")] == [f"layer.{i}" for i in range(layers)]
+        counted = sum(v["launches"] for k, v in scopes.items() if k != "land")
+        assert counted == step["launches"] > 0
+        assert step["triton_launches"] > 0  # the kernels ran, not the reference
+        assert ("read sampled ids", 1) in step["sync_ops"]
+    assert "decode B=4" in table(r) and "prefill 16" in table(r)
+
+
+@pytest.mark.parametrize("arch", ["v3", "v4"])
+def test_a_layer_launches_as_much_at_any_batch_size(counts, arch):
+    b1, b4 = counts[arch]["decode"]
+    assert b1["per_layer"] == b4["per_layer"]

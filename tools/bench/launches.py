@@ -1,0 +1,163 @@
+"""`moemesh bench launches`: kernel launches and host syncs of one engine step.
+
+For each batch size B, B sequences get a cache of `context_len` tokens (as bench
+forward gives them, no prefill) and one decode step is counted; then one prompt of
+`prefill_len` tokens is prefilled in one chunk and that step is counted. Counts are
+deterministic, so one step says it all.
+
+The kernel path (`kernels="triton"`) is the op stream a GPU would get: on a CPU the
+kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by the command before
+triton loads), whose own work is not counted. The step is charged by scope:
+- `plan`: scheduling and the batch's metadata (positions, slots, tables, V4's ring and
+  entry addresses), host work that on a GPU ends in copies to the device;
+- `layer.{i}` (and `mtp.{j}`): each decoder layer's forward;
+- `model`: the embedding, the final norm and head, and sampling, outside the layers;
+- `land`: writing the sampled ids into the sequences. It works on the host's copy of
+  them, so it launches nothing on a GPU: its ops are listed, not counted in the totals.
+The step's read of its sampled ids (`.cpu()`, invisible on a CPU) is the one sync a
+decode step must have; it is added to the count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.kernels.dispatch import ENV_VAR
+from moemesh.shared.model.config import ModelConfig
+from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.tools.bench.env import environment
+from moemesh.tools.bench.forward import fill_dummy
+from moemesh.tools.bench.launch_count import LaunchCounter, counting_triton
+
+
+@dataclass(frozen=True)
+class LaunchesBenchConfig:
+    model: str
+    batch_sizes: tuple[int, ...] = (1, 16)
+    context_len: int = 512
+    prefill_len: int = 128
+    kernels: str = "triton"  # the kernel path, or "torch" for the CPU reference path
+    top: int = 12
+    seed: int = 0
+
+
+def _engine(cfg: LaunchesBenchConfig) -> LLMEngine:
+    max_b = max(cfg.batch_sizes)
+    bs = math.lcm(16, getattr(ModelConfig.from_dir(cfg.model), "block_multiple", 1))
+    per_seq = -(-(cfg.context_len + 8) // bs) + 1
+    return LLMEngine(EngineConfig(
+        model=cfg.model, num_speculative_tokens=0, max_num_seqs=max_b,
+        max_num_batched_tokens=max(max_b, cfg.prefill_len), num_threads=1,
+        num_kv_blocks=max_b * per_seq + -(-cfg.prefill_len // bs) + 2,
+        max_model_len=max(cfg.context_len, cfg.prefill_len) + 16, enable_prefix_caching=False,
+    ))
+
+
+def _hooks(counter: LaunchCounter, model) -> list:
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        handles += counter.hook(layer, f"layer.{i}")
+    for j, layer in enumerate(getattr(model, "mtp", [])):
+        handles += counter.hook(layer, f"mtp.{j}")
+    return handles
+
+
+def count_step(engine: LLMEngine, top: int) -> dict:
+    """Counts one plan -> run -> land step of the engine (it must have work)."""
+    counter = LaunchCounter()
+    handles = _hooks(counter, engine.model)
+    try:
+        with counting_triton(counter), counter, torch.inference_mode():
+            with counter.scoped("plan"):
+                step = engine.plan_step()
+            with counter.scoped("model"):
+                engine.run_step(step)
+            with counter.scoped("land"):
+                engine.land_step(step)
+    finally:
+        for h in handles:
+            h.remove()
+    land = {"ops": sum(counter.launches.pop("land", {}).values()), "host_reads": sum(counter.syncs.pop("land", {}).values())}
+    if step.seqs:
+        counter.syncs["model"]["read sampled ids"] += 1
+    layers = sorted({s for s in counter.launches if s.startswith(("layer.", "mtp."))},
+                    key=lambda s: (s.split(".")[0] == "mtp", int(s.split(".")[1])))
+    return {
+        "launches": counter.total(), "syncs": counter.total("syncs"),
+        "by_scope": {s: {"launches": sum(counter.launches[s].values()), "syncs": sum(counter.syncs[s].values())}
+                     for s in ["plan", *layers, "model"]} | {"land": land},
+        "per_layer": (sum(counter.total(prefix=s) for s in layers) / len(layers)) if layers else 0.0,
+        "triton_launches": sum(n for c in counter.launches.values() for op, n in c.items() if op.startswith("triton.")),
+        "top_ops": counter.top(top), "sync_ops": counter.top(top, "syncs"),
+        "num_tokens": step.batch.num_tokens,
+    }
+
+
+@contextmanager
+def _kernels(mode: str):
+    """The kernel mode for this run only (it is read at every call)."""
+    old = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[ENV_VAR]
+        else:
+            os.environ[ENV_VAR] = old
+
+
+def run(cfg: LaunchesBenchConfig) -> dict:
+    with _kernels(cfg.kernels):
+        return _run(cfg)
+
+
+def _run(cfg: LaunchesBenchConfig) -> dict:
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    engine = _engine(cfg)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    decode = []
+    for b in cfg.batch_sizes:
+        ids = [f"d{b}-{i}" for i in range(b)]
+        for rid in ids:
+            fill_dummy(engine, rid, cfg.context_len, params, rng)
+        decode.append({"batch": b, "context_len": cfg.context_len, **count_step(engine, cfg.top)})
+        for rid in ids:
+            engine.abort(rid)
+    vocab = engine.model_config.vocab_size
+    engine.add_request("prefill", [rng.randrange(vocab) for _ in range(cfg.prefill_len)], params)
+    prefill = {"prompt_len": cfg.prefill_len, **count_step(engine, cfg.top)}
+    engine.abort("prefill")
+    return {
+        "bench": "launches",
+        "config": asdict(cfg),
+        "model": engine.model_config.identity() | {"path": cfg.model,
+                                                   "num_hidden_layers": engine.model_config.num_hidden_layers},
+        "env": environment("cpu") | {"kernels": cfg.kernels, "triton_interpret": os.environ.get("TRITON_INTERPRET")},
+        "decode": decode,
+        "prefill": prefill,
+    }
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['model']['model_type']} {result['model']['path']} · kernels={result['config']['kernels']}",
+             f"{'step':>16} {'launches':>9} {'per layer':>10} {'plan':>6} {'syncs':>6}"]
+    rows = [(f"decode B={d['batch']}", d) for d in result["decode"]]
+    rows.append((f"prefill {result['prefill']['prompt_len']}", result["prefill"]))
+    for name, d in rows:
+        lines.append(f"{name:>16} {d['launches']:>9} {d['per_layer']:>10.1f} {d['by_scope']['plan']['launches']:>6} "
+                     f"{d['syncs']:>6}")
+    last = result["decode"][-1]
+    lines.append(f"top ops at B={last['batch']}: " + ", ".join(f"{n} {c}" for n, c in last["top_ops"]))
+    if last["sync_ops"]:
+        lines.append("syncs: " + ", ".join(f"{n} {c}" for n, c in last["sync_ops"]))
+    return "\n".join(lines)
