@@ -94,7 +94,7 @@ class LLMEngine(Admission, KVHandoff):
             num_snaps = self._num_snapshots(cfg)
             self.kv = HybridKVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device, num_rings,
                                     self.num_spec, num_snaps)
-            self.batcher = HybridBatcher(mcfg, cfg.block_size)
+            self.batcher = HybridBatcher(mcfg, cfg.block_size, tuple(r.count for r in self.kv.layout.rings))
             self.draft_batcher = partial(self.batcher, sliding_only=True)
             if num_snaps:
                 self.snapshots = SnapshotCache(num_rings, num_snaps)

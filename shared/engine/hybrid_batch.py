@@ -2,103 +2,110 @@
 
 For each chunk of `n` positions p .. p+n-1 of one sequence:
 - pre positions: the `lookback` positions before p, read back from the ring;
-- ring writes: every row, with its chunk's end (each region keeps the last of them);
+- ring writes: every row, with its chunk's end; a region of span s keeps a row only if
+  it is among the chunk's last s positions, and `keep[s]` lists those rows, so that the
+  forward writes without asking the device which rows they are;
 - window keys: positions t-W+1 .. t for each row (decode), or p-W+1 .. p+n-1 shared by
   the chunk's rows (extend);
 - groups completing in the chunk: entries w with p <= (w+1)*m - 1 < p+n, that is
   w in [p // m, (p+n) // m);
 - entries: the sequence's entries 0 .. (p+n)//m - 1, of which row t sees (t+1)//m.
+
+Everything per row, group or decode sequence is computed for the whole batch at once:
+a fixed number of array ops on the host (numpy: a tenth of a torch op's overhead, and
+the results become tensors without a copy), whatever the batch size. Only the chunks'
+scalars and block tables are read one chunk at a time (as for V2/V3). Extend chunks
+(prefill, draft verification) still get their own key lists and entries.
+tests/engine/hybrid_batch_ref.py keeps the chunk-at-a-time version as the reference.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from moemesh.shared.engine.runner import Chunk
 from moemesh.shared.model.v4.batch import Entries, Extend, Groups, HybridMeta
 from moemesh.shared.model.v4.config import CSA, SLIDING, V4Config
 
+_I = np.int64
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=_I))
+
 
 class HybridBatcher:
-    def __init__(self, cfg: V4Config, block_size: int):
+    def __init__(self, cfg: V4Config, block_size: int, spans: tuple[int, ...] = ()):
+        """spans: the ring regions' slot counts (layout.py), for the rows each keeps."""
         self.W, self.lookback, self.bs = cfg.sliding_window, cfg.lookback, block_size
+        self.spans = tuple(sorted(set(spans)))
         types = {cfg.layer_type(i) for i in range(cfg.num_hidden_layers)}
         self.rates = {t: cfg.rate(t) for t in sorted(types) if t != SLIDING}
 
-    def __call__(self, chunks: list[Chunk], T: int, sliding_only: bool = False) -> HybridMeta:
+    def __call__(self, chunks, T: int, sliding_only: bool = False) -> HybridMeta:
         bs, W = self.bs, self.W
         rates = {} if sliding_only else self.rates
-        pre_ring, pre_pos, w_ring, w_pos, w_end = [], [], [], [], []
-        dec_keys: list[torch.Tensor] = []
-        dec_rows: list[Chunk] = []
-        groups = {t: ([], [], [], []) for t in rates}
-        extends: list[Extend] = []
-        n_pre = 0
-        for c in chunks:
-            seq, p, n, row0 = c.seq, c.start, c.q_len, c.row
-            L = min(p, self.lookback)
-            pre_ring.append(torch.full((L,), seq.ring, dtype=torch.long))
-            pre_pos.append(torch.arange(p - L, p))
-            prebase = T + n_pre - (p - L)
-            n_pre += L
+        C = len(chunks)
+        lens = [c.q_len for c in chunks]
+        p = np.array([c.start for c in chunks], dtype=_I)
+        n = np.array(lens, dtype=_I)
+        ring = np.array([c.seq.ring for c in chunks], dtype=_I)
+        row0 = np.array([c.row for c in chunks], dtype=_I)
+        end = p + n
+        look = np.minimum(p, self.lookback)
+        pre_start = np.cumsum(look) - look  # each chunk's first pre row, counted from T
+        prebase = T + pre_start - (p - look)
+        ids = np.arange(C)
 
-            def ctx(qs: torch.Tensor) -> torch.Tensor:
-                return torch.where(qs < 0, -1, torch.where(qs >= p, row0 + qs - p, prebase + qs))
+        def ctx(q: np.ndarray, c: np.ndarray) -> np.ndarray:
+            """ctx indices of positions q of chunks c (broadcast)."""
+            return np.where(q < 0, -1, np.where(q >= p[c], row0[c] + q - p[c], prebase[c] + q))
 
-            w_ring.append(torch.full((n,), seq.ring, dtype=torch.long))
-            w_pos.append(torch.arange(p, p + n))
-            w_end.append(torch.full((n,), p + n, dtype=torch.long))
-            if n == 1 and not extends:  # decode chunks come first (build_batch orders them)
-                dec_keys.append(ctx(torch.arange(p - W + 1, p + 1)))
-                dec_rows.append(c)
-            else:
-                extends.append(Extend(row0, n, ctx(torch.arange(p - W + 1, p + n))))
-            if not rates:
-                continue
-            blocks = torch.tensor(seq.block_ids, dtype=torch.long)
-            for t, m in rates.items():
-                w = torch.arange(p // m, (p + n) // m)
-                if len(w):
-                    span = torch.arange(-m if t == CSA else 0, m)
-                    g = groups[t]
-                    g[0].append(ctx(w[:, None] * m + span[None, :]))
-                    g[1].append(w * m)
-                    g[2].append(blocks[(w * m) // bs])
-                    g[3].append((w * m % bs) // m)
-                if n > 1 or extends:
-                    extends[-1].entries[t] = self._entries([(blocks, p + n)], m, torch.arange(p, p + n))
+        pre_c = np.repeat(ids, look)
+        row_c = np.repeat(ids, n)
+        write_pos = p[row_c] + np.arange(T) - row0[row_c]
+        write_end = end[row_c]
+        # build_batch puts decode chunks (one row) first; any later one-row chunk is an extend.
+        Bd = next((i for i, q in enumerate(lens) if q != 1), C)
         meta = HybridMeta(
-            pre_ring=_cat(pre_ring), pre_pos=_cat(pre_pos),
-            write_ring=_cat(w_ring), write_pos=_cat(w_pos), write_end=_cat(w_end),
-            num_decode=len(dec_rows),
-            dec_keys=torch.stack(dec_keys) if dec_keys else torch.zeros(0, W, dtype=torch.long),
-            extends=extends,
+            pre_ring=_t(ring[pre_c]), pre_pos=_t(p[pre_c] - look[pre_c] + np.arange(len(pre_c)) - pre_start[pre_c]),
+            write_ring=_t(ring[row_c]), write_pos=_t(write_pos), write_end=_t(write_end),
+            num_decode=Bd,
+            dec_keys=_t(ctx(p[:Bd, None] + np.arange(-W + 1, 1)[None, :], ids[:Bd, None])),
+            keep={s: _t(np.flatnonzero(write_pos >= write_end - s)) for s in self.spans},
         )
+        for i in range(Bd, C):
+            c = chunks[i]
+            meta.extends.append(Extend(c.row, c.q_len, _t(ctx(np.arange(c.start - W + 1, c.start + c.q_len), i))))
+        if not rates or not C:
+            for t, m in rates.items():
+                meta.groups[t] = Groups(torch.zeros(0, 2 * m if t == CSA else m, dtype=torch.long), *_none(3))
+            return meta
+        need = (end + bs - 1) // bs
+        table = np.zeros((C, int(need.max())), dtype=_I)  # [C, max blocks] block ids, zero-padded
+        for i, c in enumerate(chunks):
+            table[i, : need[i]] = c.seq.block_ids[: need[i]]
         for t, m in rates.items():
-            idx, pos, blk, slot = groups[t]
-            span = 2 * m if t == CSA else m
-            meta.groups[t] = Groups(
-                torch.cat(idx) if idx else torch.zeros(0, span, dtype=torch.long),
-                _cat(pos), _cat(blk), _cat(slot))
-            if dec_rows:
-                seqs = [(torch.tensor(c.seq.block_ids, dtype=torch.long), c.start + 1) for c in dec_rows]
-                meta.dec_entries[t] = self._entries(seqs, m, torch.tensor([c.start for c in dec_rows]))
+            first, count = p // m, end // m - p // m
+            grp_c = np.repeat(ids, count)
+            w = first[grp_c] + np.arange(len(grp_c)) - (np.cumsum(count) - count)[grp_c]
+            span = np.arange(-m if t == CSA else 0, m)
+            meta.groups[t] = Groups(_t(ctx(w[:, None] * m + span[None, :], grp_c[:, None])), _t(w * m),
+                                    _t(table[grp_c, (w * m) // bs]), _t((w * m % bs) // m))
+            if Bd:
+                meta.dec_entries[t] = _entries(table[:Bd], p[:Bd] + 1, m, bs, (p[:Bd] + 1) // m)
+            for i, ext in enumerate(meta.extends, start=Bd):
+                ext.entries[t] = _entries(table[i : i + 1], end[i : i + 1], m, bs,
+                                          (np.arange(p[i], end[i]) + 1) // m)
         return meta
 
-    def _entries(self, seqs: list[tuple[torch.Tensor, int]], m: int, positions: torch.Tensor) -> Entries:
-        """Addresses of each sequence's entries 0 .. end//m - 1, padded to the longest
-        (padding points at entry 0 of block 0: masked, never read as a choice)."""
-        bs = self.bs
-        E = max(end // m for _, end in seqs)
-        e = torch.arange(E)
-        blk = torch.zeros(len(seqs), E, dtype=torch.long)
-        slot = torch.zeros(len(seqs), E, dtype=torch.long)
-        for r, (blocks, end) in enumerate(seqs):
-            k = end // m
-            blk[r, :k] = blocks[(e[:k] * m) // bs]
-            slot[r, :k] = (e[:k] * m % bs) // m
-        return Entries(blk, slot, (positions + 1) // m)
+
+def _entries(table: np.ndarray, end: np.ndarray, m: int, bs: int, visible: np.ndarray) -> Entries:
+    """Each sequence's entries 0 .. end//m - 1, as its block table and the longest count;
+    the table is cut to the blocks those entries need."""
+    E = int((end // m).max()) if len(end) else 0
+    return Entries(_t(table[:, : -(-E * m // bs)]), E, _t(visible))
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.long)
+def _none(k: int) -> list[torch.Tensor]:
+    return [torch.zeros(0, dtype=torch.long) for _ in range(k)]

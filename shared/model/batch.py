@@ -32,7 +32,7 @@ class ExtendSeq:
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T] where each token's latent is written
+    slot_mapping: torch.Tensor  # [T] where each token's latent is written (V4: empty, see hybrid)
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [Bd]

@@ -15,7 +15,8 @@ triton loads), whose own work is not counted. The step is charged by scope:
 - `land`: writing the sampled ids into the sequences. It works on the host's copy of
   them, so it launches nothing on a GPU: its ops are listed, not counted in the totals.
 The step's read of its sampled ids (`.cpu()`, invisible on a CPU) is the one sync a
-decode step must have; it is added to the count.
+decode step must have, and the batch's copy to the device (one, packed: runner.pack)
+its one transfer; on a CPU both are added to the counts.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def count_step(engine: LLMEngine, top: int) -> dict:
     finally:
         for h in handles:
             h.remove()
+    if engine.device.type == "cpu":  # a GPU engine copies the batch's index tensors over, packed in one buffer
+        counter.launches["plan"]["copy to device"] += 1
     land = {"ops": sum(counter.launches.pop("land", {}).values()), "host_reads": sum(counter.syncs.pop("land", {}).values())}
     if step.seqs:
         counter.syncs["model"]["read sampled ids"] += 1

@@ -134,18 +134,20 @@ class V4Attention(nn.Module):
 
     def _entries_per_row(self, ent: Entries, entries, index_keys, q_res, x, cos, sin, visible):
         """Decode rows, one sequence each: [Bd, E', d] keys and their mask."""
-        E = ent.blk.shape[1]
+        per_block = entries.shape[1]
         if self.layer_type == HCA:
-            return entries[ent.blk, ent.slot], torch.arange(E, device=x.device)[None, :] < visible[:, None]
+            blk, slot = ent.addresses(per_block)
+            return entries[blk, slot], torch.arange(ent.count, device=x.device)[None, :] < visible[:, None]
         indexer = self.compressor.indexer
-        scores = indexer.scores(q_res, x, cos, sin, index_keys[ent.blk, ent.slot])
+        blk, slot = ent.addresses(per_block)
+        scores = indexer.scores(q_res, x, cos, sin, index_keys[blk, slot])
         top, valid = indexer.select(scores, visible)
-        return entries[ent.blk.gather(1, top), ent.slot.gather(1, top)], valid
+        return entries[ent.table.gather(1, top // per_block), top % per_block], valid
 
     def _entries_shared(self, ent: Entries, entries, index_keys, q_res, x, cos, sin):
         """An extend chunk's rows share one sequence's entries: [E, d] and a [n, E] mask."""
-        blk, slot, visible = ent.blk[0], ent.slot[0], ent.visible
-        E = blk.shape[0]
+        blk, slot = ent.addresses(entries.shape[1])
+        blk, slot, visible, E = blk[0], slot[0], ent.visible, ent.count
         keys = entries[blk, slot]
         if self.layer_type == HCA:
             return keys, torch.arange(E, device=x.device)[None, :] < visible[:, None]
@@ -190,6 +192,6 @@ def _read(region, st: V4Step) -> torch.Tensor:
 def _write(region, st: V4Step, rows: torch.Tensor) -> None:
     """Store the batch's rows in a ring region: of each chunk, the last `span` positions."""
     m = st.meta
-    keep = (m.write_pos >= m.write_end - region.count).nonzero().flatten()
+    keep = m.keep[region.count]  # listed by the batcher: asking the device would wait on it
     view = region.view(st.rings)
     view[m.write_ring[keep], m.write_pos[keep] % region.count] = rows[keep].to(view.dtype)

@@ -34,11 +34,19 @@ class Groups:
 
 @dataclass
 class Entries:
-    """Compressed entries the rows may attend to, for one layer type."""
+    """Compressed entries the rows may attend to, for one layer type: each sequence's
+    block table, from which the device computes where entry e is (`addresses`), so
+    that the host builds nothing that grows with the context."""
 
-    blk: torch.Tensor  # [R, E] addresses (R = decode rows, or 1 for an extend chunk)
-    slot: torch.Tensor  # [R, E]
+    table: torch.Tensor  # [R, blocks] block ids (R = decode rows, or 1 for an extend chunk)
+    count: int  # entries the longest sequence has; the rows' addresses span 0 .. count-1
     visible: torch.Tensor  # [rows] how many entries each row may see: (t + 1) // m
+
+    def addresses(self, per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(main block [R, count], entry slot [1, count]) of entries 0 .. count-1; past a
+        sequence's own entries they point at what its table row holds there (masked)."""
+        e = torch.arange(self.count, device=self.table.device)
+        return self.table[:, e // per_block], (e % per_block)[None, :]
 
 
 @dataclass
@@ -61,6 +69,7 @@ class HybridMeta:
     dec_entries: dict[str, Entries] = field(default_factory=dict)
     groups: dict[str, Groups] = field(default_factory=dict)
     extends: list[Extend] = field(default_factory=list)
+    keep: dict[int, torch.Tensor] = field(default_factory=dict)  # ring span -> the rows a region of it keeps
 
     def to(self, device) -> "HybridMeta":
         def mv(x):
