@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moemesh.shared.kernels.dispatch import use_triton
+from moemesh.shared.kernels.hyper import hc_merge, hc_mix
+
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation without a weight."""
@@ -30,6 +33,9 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, N, D] -> (post [T, N], comb [T, N, N], collapsed input [T, D])."""
+        if use_triton(streams):  # one GEMM and one kernel (shared/kernels/hyper.py), for ~135 ops here
+            mixes = F.linear(streams.flatten(1).float(), self.fn.float())
+            return hc_mix(mixes, streams, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
         T, N = streams.shape[:2]
         mixes = F.linear(unit_rms(streams.flatten(1).float(), self.norm_eps), self.fn.float())
         pre_w, post_w, comb_w = mixes.split([N, N, N * N], dim=-1)
@@ -49,9 +55,9 @@ class HyperConnection(nn.Module):
 def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """The block's output spread over the streams plus the mixed streams. comb is read
     transposed (new stream k = sum_j comb[j, k] * stream j): Sinkhorn's result is not
-    symmetric, so the direction matters."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    symmetric, so the direction matters. (shared/kernels/hyper.py: one kernel, or this
+    in torch.)"""
+    return hc_merge(streams, out, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -66,6 +72,9 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """[T, N, D] -> [T, D]."""
+        if use_triton(streams):
+            mixes = F.linear(streams.flatten(1).float(), self.hc_fn.float())
+            return hc_mix(mixes, streams, self.hc_base, self.hc_scale, 0, self.hc_eps, self.norm_eps, full=False)
         mixes = F.linear(unit_rms(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
