@@ -25,7 +25,6 @@ from moemesh.shared.model.layers import RMSNorm
 from moemesh.shared.model.v4.batch import Entries, HybridMeta
 from moemesh.shared.model.v4.compressor import Compressor, Indexer
 from moemesh.shared.model.v4.config import CSA, HCA, SLIDING, V4Config
-from moemesh.shared.model.v4.hyper import unit_rms
 from moemesh.shared.model.v4.layout import LayerRegions
 from moemesh.shared.model.v4.rope import Rope, rotate
 
@@ -72,7 +71,7 @@ class V4Attention(nn.Module):
         meta = st.meta
         cos, sin = st.angles[self.rope_kind]
         q_res = self.q_a_norm(self.q_a_proj(x))
-        q = rotate(unit_rms(self.q_b_proj(q_res).view(T, H, d), self.eps), cos, sin)
+        q = rotate(self.q_b_proj(q_res).view(T, H, d), cos, sin, rms_eps=self.eps)
         kv = rotate(self.kv_norm(self.kv_proj(x)), cos, sin)
 
         ctx_kv = torch.cat([kv, _read(reg.window_kv, st).to(kv.dtype)])

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from moemesh.shared.model.config import RopeConfig
+from moemesh.shared.kernels.v4_rope import rope
 from moemesh.shared.model.rope import inv_freq_and_attention_factor
 
 
@@ -28,17 +29,10 @@ class Rope(nn.Module):
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+           rms_eps: float | None = None) -> torch.Tensor:
     """x [T, ..., D]: rotate its last 2 * cos.shape[-1] channels by the row's angles
-    (cos/sin [T, R/2]); the leading channels pass through. Angles are rounded to x's
-    dtype first and the rotation runs in fp32, as the reference does."""
-    half = cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    c = cos.to(x.dtype).float().view(shape)
-    s = sin.to(x.dtype).float().view(shape)
-    if inverse:
-        s = -s
-    rope = x[..., -2 * half :].float()
-    x1, x2 = rope[..., 0::2], rope[..., 1::2]
-    out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., : -2 * half], out], dim=-1)
+    (cos/sin [T, R/2]); the leading channels pass through. rms_eps: RMS-normalise each
+    head first (no weight). Angles are rounded to x's dtype first and the rotation runs
+    in fp32, as the reference does (shared/kernels/v4_rope.py: one kernel, or torch)."""
+    return rope(x, cos, sin, inverse, rms_eps)
