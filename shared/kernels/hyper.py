@@ -49,52 +49,53 @@ def hc_mix_ref(mixes: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, s
 @jit
 def _hc_mix_kernel(
     mix_ptr, x_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
-    N, D, stride_mix, stride_x, stride_out, hc_eps, norm_eps,
-    ITERS: tl.constexpr, FULL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    T, N, D, stride_mix, stride_x, stride_out, hc_eps, norm_eps,
+    ITERS: tl.constexpr, FULL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """BLOCK_T tokens per program: streams as [BLOCK_T, BLOCK_N, BLOCK_D] tiles, the
+    mixing matrices as [BLOCK_T, BLOCK_N, BLOCK_N] (row i, column k)."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tm = t < T
     n = tl.arange(0, BLOCK_N)
     nm = n < N
     d = tl.arange(0, BLOCK_D)
-    x_row = x_ptr + t * stride_x
-    # The RMS scale of the row's N * D values.
-    ss = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    tn = tm[:, None] & nm[None, :]
+    x_rows = x_ptr + t[:, None, None] * stride_x + n[None, :, None] * D
+    # The RMS scale of each token's N * D values.
+    ss = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_D], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
-        m = nm[:, None] & (d0 + d < D)[None, :]
-        v = tl.load(x_row + n[:, None] * D + d0 + d[None, :], mask=m, other=0.0).to(tl.float32)
+        m = tn[:, :, None] & (d0 + d < D)[None, None, :]
+        v = tl.load(x_rows + d0 + d[None, None, :], mask=m, other=0.0).to(tl.float32)
         ss += v * v
-    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / (N * D) + norm_eps)
-    mix_row = mix_ptr + t * stride_mix
-    s_pre = tl.load(scale_ptr)
-    pre = tl.load(mix_row + n, mask=nm, other=0.0) * rstd * s_pre + tl.load(base_ptr + n, mask=nm, other=0.0)
-    pre = tl.where(nm, 1.0 / (1.0 + tl.exp(-pre)) + hc_eps, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=2), axis=1) / (N * D) + norm_eps)  # [BLOCK_T]
+    mix_rows = mix_ptr + t[:, None] * stride_mix
+    pre = tl.load(mix_rows + n[None, :], mask=tn, other=0.0) * rstd[:, None] * tl.load(scale_ptr)
+    pre = pre + tl.load(base_ptr + n, mask=nm, other=0.0)[None, :]
+    pre = tl.where(tn, 1.0 / (1.0 + tl.exp(-pre)) + hc_eps, 0.0)
     if FULL:
-        s_post = tl.load(scale_ptr + 1)
-        s_comb = tl.load(scale_ptr + 2)
-        post = tl.load(mix_row + N + n, mask=nm, other=0.0) * rstd * s_post + tl.load(base_ptr + N + n, mask=nm,
-                                                                                      other=0.0)
-        post = 2.0 / (1.0 + tl.exp(-post))
-        tl.store(post_ptr + t * N + n, post, mask=nm)
-        k = tl.arange(0, BLOCK_N)
-        cm = nm[:, None] & (k < N)[None, :]
-        ij = n[:, None] * N + k[None, :]
-        c = tl.load(mix_row + 2 * N + ij, mask=cm, other=0.0) * rstd * s_comb + tl.load(base_ptr + 2 * N + ij,
-                                                                                        mask=cm, other=0.0)
+        post = tl.load(mix_rows + N + n[None, :], mask=tn, other=0.0) * rstd[:, None] * tl.load(scale_ptr + 1)
+        post = 2.0 / (1.0 + tl.exp(-(post + tl.load(base_ptr + N + n, mask=nm, other=0.0)[None, :])))
+        tl.store(post_ptr + t[:, None] * N + n[None, :], post, mask=tn)
+        ij = n[:, None] * N + n[None, :]  # [i, k]
+        cm = tm[:, None, None] & (nm[:, None] & nm[None, :])[None, :, :]
+        c = tl.load(mix_ptr + t[:, None, None] * stride_mix + 2 * N + ij[None, :, :], mask=cm, other=0.0)
+        c = c * rstd[:, None, None] * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + ij, mask=cm, other=0.0)
         c = tl.where(cm, c, float("-inf"))
-        top = tl.where(nm, tl.max(c, axis=1), 0.0)  # padding rows (n >= N) are all -inf
-        c = tl.exp(c - top[:, None])
-        total = tl.where(nm, tl.sum(c, axis=1), 1.0)
-        c = tl.where(cm, c / total[:, None] + hc_eps, 0.0)
-        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+        top = tl.where(tn, tl.max(c, axis=2), 0.0)  # padding rows (i >= N, or no token) are all -inf
+        c = tl.exp(c - top[:, :, None])
+        total = tl.where(tn, tl.sum(c, axis=2), 1.0)
+        c = tl.where(cm, c / total[:, :, None] + hc_eps, 0.0)
+        c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
         for _ in range(ITERS - 1):
-            c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-        tl.store(comb_ptr + t * N * N + ij, c, mask=cm)
+            c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+        tl.store(comb_ptr + t[:, None, None] * N * N + ij[None, :, :], c, mask=cm)
     for d0 in range(0, D, BLOCK_D):
-        m = nm[:, None] & (d0 + d < D)[None, :]
-        v = tl.load(x_row + n[:, None] * D + d0 + d[None, :], mask=m, other=0.0).to(tl.float32)
-        y = tl.sum(pre[:, None] * v, axis=0)
-        tl.store(out_ptr + t * stride_out + d0 + d, y.to(out_ptr.dtype.element_ty), mask=d0 + d < D)
+        m = tn[:, :, None] & (d0 + d < D)[None, None, :]
+        v = tl.load(x_rows + d0 + d[None, None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.sum(pre[:, :, None] * v, axis=1)
+        tl.store(out_ptr + t[:, None] * stride_out + d0 + d[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=tm[:, None] & (d0 + d < D)[None, :])
 
 
 def hc_mix(mixes: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
@@ -112,10 +113,12 @@ def hc_mix(mixes: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale
     post = torch.empty(T, N, dtype=torch.float32, device=x.device) if full else out
     comb = torch.empty(T, N, N, dtype=torch.float32, device=x.device) if full else out
     if T:
-        _hc_mix_kernel[(T,)](
+        block_n, block_d = next_pow2(N), min(256, next_pow2(D))
+        block_t = max(1, min(16, 4096 // (block_n * block_d), next_pow2(T)))
+        _hc_mix_kernel[(-(-T // block_t),)](
             mixes, x, base.float().contiguous(), scale.float().contiguous(), post, comb, out,
-            N, D, mixes.stride(0), x.stride(0), out.stride(0), hc_eps, norm_eps,
-            ITERS=iters, FULL=full, BLOCK_N=next_pow2(N), BLOCK_D=min(256, next_pow2(D)),
+            T, N, D, mixes.stride(0), x.stride(0), out.stride(0), hc_eps, norm_eps,
+            ITERS=iters, FULL=full, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d,
         )
     return (post, comb, out) if full else out
 
@@ -129,24 +132,26 @@ def hc_merge_ref(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, c
 
 @jit
 def _hc_merge_kernel(
-    x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, N, D, stride_x, stride_o, stride_y,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, T, N, D, stride_x, stride_o, stride_y,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """BLOCK_T tokens by BLOCK_D columns per program; one output stream k at a time."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tm = t < T
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     j = tl.arange(0, BLOCK_N)
-    jm = j < N
-    # comb[j, k] and the streams of this token's column block, as [j, k] and [j, d]
-    c = tl.load(comb_ptr + t * N * N + j[:, None] * N + j[None, :], mask=jm[:, None] & jm[None, :], other=0.0)
-    x = tl.load(x_ptr + t * stride_x + j[:, None] * D + d[None, :], mask=jm[:, None] & dm[None, :],
+    tj = tm[:, None] & (j < N)[None, :]
+    x = tl.load(x_ptr + t[:, None, None] * stride_x + j[None, :, None] * D + d[None, None, :],
+                mask=tj[:, :, None] & dm[None, None, :], other=0.0).to(tl.float32)  # [t, j, d]
+    o = tl.load(o_ptr + t[:, None] * stride_o + d[None, :], mask=tm[:, None] & dm[None, :],
                 other=0.0).to(tl.float32)
-    mixed = tl.sum(c[:, :, None] * x[:, None, :], axis=0)  # [k, d]
-    p = tl.load(post_ptr + t * N + j, mask=jm, other=0.0)
-    o = tl.load(o_ptr + t * stride_o + d, mask=dm, other=0.0).to(tl.float32)
-    y = p[:, None] * o[None, :] + mixed
-    tl.store(y_ptr + t * stride_y + j[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=jm[:, None] & dm[None, :])
+    for k in range(0, N):
+        c = tl.load(comb_ptr + t[:, None] * N * N + j[None, :] * N + k, mask=tj, other=0.0)  # comb[t, j, k]
+        p = tl.load(post_ptr + t * N + k, mask=tm, other=0.0)
+        y = p[:, None] * o + tl.sum(c[:, :, None] * x, axis=1)
+        tl.store(y_ptr + t[:, None] * stride_y + k * D + d[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=tm[:, None] & dm[None, :])
 
 
 def hc_merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -160,9 +165,10 @@ def hc_merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb:
     x, o = streams.contiguous(), out.contiguous()
     y = torch.empty_like(x)
     if T:
-        block_d = min(128, next_pow2(D))
-        _hc_merge_kernel[(T, -(-D // block_d))](
-            x, o, post.float().contiguous(), comb.float().contiguous(), y, N, D, x.stride(0), o.stride(0),
-            y.stride(0), BLOCK_N=next_pow2(N), BLOCK_D=block_d,
+        block_n, block_d = next_pow2(N), min(128, next_pow2(D))
+        block_t = max(1, min(16, 4096 // (block_n * block_d), next_pow2(T)))
+        _hc_merge_kernel[(-(-T // block_t), -(-D // block_d))](
+            x, o, post.float().contiguous(), comb.float().contiguous(), y, T, N, D, x.stride(0), o.stride(0),
+            y.stride(0), BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d,
         )
     return y

@@ -41,38 +41,42 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
 
 @jit
 def _v4_rope_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, H, d, half, stride_cos, eps,
-    SIGN: tl.constexpr, RMS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    x_ptr, cos_ptr, sin_ptr, out_ptr, rows, H, d, half, stride_cos, eps,
+    SIGN: tl.constexpr, RMS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # one head of one token
-    t = row // H
-    base = row * d
+    """BLOCK_ROWS heads (of any tokens) per program; a row is one head of one token."""
+    r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    rm = r < rows
+    t = r // H
+    base = r * d
     cols = tl.arange(0, BLOCK_D)
-    cm = cols < d
-    x = tl.load(x_ptr + base + cols, mask=cm, other=0.0)
-    scale = 1.0
+    m2 = rm[:, None] & (cols < d)[None, :]
+    x = tl.load(x_ptr + base[:, None] + cols[None, :], mask=m2, other=0.0)
     if RMS:
         xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / d + eps)
-        scale = rstd.to(x.dtype).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / d + eps)
+        scale = rstd.to(x.dtype).to(tl.float32)[:, None]
         y = (xf * scale).to(x.dtype)
     else:
+        scale = tl.full([BLOCK_ROWS, 1], 1.0, dtype=tl.float32)
         y = x
-    tl.store(out_ptr + base + cols, y, mask=cm & (cols < d - 2 * half))
-    i = tl.arange(0, BLOCK_R)
-    im = i < half
     first = d - 2 * half
-    e = tl.load(x_ptr + base + first + 2 * i, mask=im, other=0.0)
-    o = tl.load(x_ptr + base + first + 2 * i + 1, mask=im, other=0.0)
+    tl.store(out_ptr + base[:, None] + cols[None, :], y, mask=m2 & (cols < first)[None, :])
+    i = tl.arange(0, BLOCK_R)
+    r2 = rm[:, None] & (i < half)[None, :]
+    ev = base[:, None] + first + 2 * i[None, :]
+    e = tl.load(x_ptr + ev, mask=r2, other=0.0)
+    o = tl.load(x_ptr + ev + 1, mask=r2, other=0.0)
     if RMS:  # the normalised value, rounded as the torch path rounds it
         e = (e.to(tl.float32) * scale).to(x.dtype)
         o = (o.to(tl.float32) * scale).to(x.dtype)
     e = e.to(tl.float32)
     o = o.to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_cos + i, mask=im, other=0.0).to(x.dtype).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_cos + i, mask=im, other=0.0).to(x.dtype).to(tl.float32) * SIGN
-    tl.store(out_ptr + base + first + 2 * i, (e * c - o * s).to(out_ptr.dtype.element_ty), mask=im)
-    tl.store(out_ptr + base + first + 2 * i + 1, (o * c + e * s).to(out_ptr.dtype.element_ty), mask=im)
+    ang = t[:, None] * stride_cos + i[None, :]
+    c = tl.load(cos_ptr + ang, mask=r2, other=0.0).to(x.dtype).to(tl.float32)
+    s = tl.load(sin_ptr + ang, mask=r2, other=0.0).to(x.dtype).to(tl.float32) * SIGN
+    tl.store(out_ptr + ev, (e * c - o * s).to(out_ptr.dtype.element_ty), mask=r2)
+    tl.store(out_ptr + ev + 1, (o * c + e * s).to(out_ptr.dtype.element_ty), mask=r2)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
@@ -88,8 +92,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     out = torch.empty_like(xc)
     if T:
         c, s = cos.contiguous(), sin.contiguous()
-        _v4_rope_kernel[(T * H,)](
-            xc, c, s, out, H, d, half, c.stride(0), rms_eps or 0.0,
-            SIGN=-1.0 if inverse else 1.0, RMS=rms_eps is not None, BLOCK_D=next_pow2(d), BLOCK_R=next_pow2(half),
+        rows, block_d = T * H, next_pow2(d)
+        block_rows = max(1, min(64, 8192 // block_d, next_pow2(rows)))
+        _v4_rope_kernel[(-(-rows // block_rows),)](
+            xc, c, s, out, rows, H, d, half, c.stride(0), rms_eps or 0.0,
+            SIGN=-1.0 if inverse else 1.0, RMS=rms_eps is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
+            BLOCK_R=next_pow2(half),
         )
     return out

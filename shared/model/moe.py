@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moemesh.shared.kernels.dispatch import use_triton
 from moemesh.shared.kernels.fused_moe import fused_moe
+from moemesh.shared.kernels.route import route
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.model.layers import MLP
 
@@ -84,6 +86,14 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
+        if use_triton(x):  # one kernel for what select_experts does in 10-25 ops
+            kw = self._kw
+            grouped = kw["topk_method"] in ("noaux_tc", "group_limited_greedy") and kw["n_group"] > 1
+            return route(logits, kw["top_k"], kw["scoring_func"], correction_bias=self.e_score_correction_bias,
+                         choice_bias=self.choice_bias, n_group=kw["n_group"] if grouped else 1,
+                         topk_group=kw["topk_group"], group_score="top2" if kw["topk_method"] == "noaux_tc" else "max",
+                         norm=kw["norm_topk_prob"], scale=kw["routed_scaling_factor"],
+                         scale_after_norm=kw["scoring_func"] == "sigmoid")
         return select_experts(
             logits, correction_bias=self.e_score_correction_bias, choice_bias=self.choice_bias, **self._kw
         )

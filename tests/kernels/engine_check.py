@@ -18,7 +18,7 @@ from moemesh.shared.checkpoint.loader import load_model
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.protocol.sampling import SamplingParams
-from moemesh.shared.kernels import fused_moe, kv_pack, mla_decode, rmsnorm, rotary
+from moemesh.shared.kernels import fused_moe, hyper, kv_pack, mla_decode, rmsnorm, rotary, route, v4_rope
 
 NEW_TOKENS = 6  # the interpreter is slow; a few steps of each path are enough
 PROMPT_LENS = [1, 7, 33]  # one token, one partial block, three blocks (block_size 16)
@@ -28,7 +28,12 @@ KERNELS = {
     "mla_decode": mla_decode._mla_decode_kernel,
     "fused_moe": fused_moe._fused_moe_kernel,
     "kv_pack": kv_pack._kv_pack_kernel,
+    "route": route._route_kernel,
+    "hc_mix": hyper._hc_mix_kernel,
+    "hc_merge": hyper._hc_merge_kernel,
+    "v4_rope": v4_rope._v4_rope_kernel,
 }
+V4_ONLY = ("hc_mix", "hc_merge", "v4_rope")
 
 
 def _prompts(vocab: int) -> list[list[int]]:

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moemesh.shared.kernels.dispatch import use_triton
 from moemesh.shared.kernels.fused_moe import fused_moe
+from moemesh.shared.kernels.route import route
 from moemesh.shared.model.moe import Experts
 from moemesh.shared.model.v4.config import V4Config
 
@@ -50,12 +52,18 @@ class V4Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, K] fp32, expert ids [T, K] int64)."""
+        if use_triton(x):  # the GEMM and one kernel (shared/kernels/route.py)
+            return self._route(F.linear(x.float(), self.weight.float()), input_ids)
         scores = scores_of(F.linear(x.float(), self.weight.float()), self.scoring_func)
         ids = self.choose(scores, input_ids)
         weights = scores.gather(1, ids)
         if self.norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, ids
+
+    def _route(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(logits, self.top_k, self.scoring_func, correction_bias=self.e_score_correction_bias,
+                     choice_bias=self.choice_bias, norm=self.norm, scale=self.scale)
 
 
 class HashRouter(V4Router):
@@ -66,6 +74,10 @@ class HashRouter(V4Router):
 
     def choose(self, scores: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         return self.tid2eid[input_ids].long()
+
+    def _route(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(logits, self.top_k, self.scoring_func, norm=self.norm, scale=self.scale, tid2eid=self.tid2eid,
+                     token_ids=input_ids)
 
 
 class ClippedMLP(nn.Module):
