@@ -60,8 +60,9 @@ def fused_moe_ref(
 # P = T * K pairs, M = padded rows.
 
 
-def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (sorted_pairs [M] pair index t*K+k or P for padding, block_slot [M / block_m] or -1)."""
+def moe_align_ref(topk_ids: torch.Tensor, num_slots: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (sorted_pairs [M] pair index t*K+k or P for padding, block_slot [M / block_m] or -1).
+    About twenty torch ops; moe_align does it in one launch."""
     flat = topk_ids.reshape(-1)
     P = flat.numel()
     max_rows = (-(-P // block_m) + min(num_slots, P)) * block_m
@@ -83,6 +84,57 @@ def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int) -> tuple[tor
     block_slot = torch.searchsorted(padded_end, block_start, right=True)
     block_slot = torch.where(block_slot < num_slots, block_slot, -1)
     return sorted_pairs[:max_rows], block_slot
+
+
+@jit
+def _moe_align_kernel(
+    ids_ptr, pairs_ptr, block_slot_ptr, P, S, max_rows, block_m,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program: a counting sort of the P pairs by slot, each slot's run padded to a
+    multiple of block_m. Pairs keep their order within a slot, as the stable sort does."""
+    s = tl.arange(0, BLOCK_S)
+    sm = s < S
+    i = tl.arange(0, BLOCK_P)
+    counts = tl.zeros([BLOCK_S], dtype=tl.int64)
+    for p0 in range(0, P, BLOCK_P):
+        key = tl.load(ids_ptr + p0 + i, mask=p0 + i < P, other=-1)
+        counts += tl.sum((key[:, None] == s[None, :]).to(tl.int64), axis=0)
+    padded = tl.where(sm, (counts + block_m - 1) // block_m * block_m, 0)
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    for r0 in range(0, max_rows, BLOCK_P):
+        tl.store(pairs_ptr + r0 + i, tl.full([BLOCK_P], P, dtype=tl.int64), mask=r0 + i < max_rows)
+    tl.debug_barrier()  # the padding is down before any pair lands on it
+    running = tl.zeros([BLOCK_S], dtype=tl.int64)
+    for p0 in range(0, P, BLOCK_P):
+        pm = p0 + i < P
+        key = tl.load(ids_ptr + p0 + i, mask=pm, other=-1)
+        hit = (key[:, None] == s[None, :]) & sm[None, :]  # [pairs, slots], one-hot (none: held elsewhere)
+        earlier = tl.sum(((key[:, None] == key[None, :]) & (i[None, :] < i[:, None])).to(tl.int64), axis=1)
+        base = tl.sum(tl.where(hit, (padded_start + running)[None, :], 0), axis=1)
+        held = pm & (tl.sum(hit.to(tl.int64), axis=1) > 0)
+        tl.store(pairs_ptr + base + earlier, (p0 + i).to(tl.int64), mask=held)
+        running += tl.sum(hit.to(tl.int64), axis=0)
+    for b0 in range(0, max_rows // block_m, BLOCK_P):
+        b = b0 + i
+        slot = tl.sum(((padded_end[None, :] <= (b * block_m)[:, None]) & sm[None, :]).to(tl.int64), axis=1)
+        tl.store(block_slot_ptr + b, tl.where(slot < S, slot, -1), mask=b < max_rows // block_m)
+
+
+def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as moe_align_ref; CUDA tensors (or MOEMESH_KERNELS=triton) run the kernel."""
+    if not use_triton(topk_ids):
+        return moe_align_ref(topk_ids, num_slots, block_m)
+    flat = topk_ids.reshape(-1).contiguous()
+    P = flat.numel()
+    max_rows = (-(-P // block_m) + min(num_slots, P)) * block_m
+    pairs = torch.empty(max_rows, dtype=torch.int64, device=flat.device)
+    block_slot = torch.empty(max_rows // block_m, dtype=torch.int64, device=flat.device)
+    if max_rows:
+        _moe_align_kernel[(1,)](flat, pairs, block_slot, P, num_slots, max_rows, block_m,
+                                BLOCK_P=64, BLOCK_S=next_pow2(num_slots + 1), num_warps=4)
+    return pairs, block_slot
 
 
 @jit

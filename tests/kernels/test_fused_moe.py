@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moemesh.shared.kernels.fused_moe import _fused_moe_kernel, _moe_combine_kernel, fused_moe, fused_moe_ref, moe_align
+from moemesh.shared.kernels.fused_moe import (_fused_moe_kernel, _moe_align_kernel, _moe_combine_kernel, fused_moe,
+                                              fused_moe_ref, moe_align, moe_align_ref)
 from tests.kernels.cases import DEVICE_DTYPES, check, launches, randn
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (5e-2, 5e-2)}
@@ -100,7 +101,12 @@ def test_no_tokens(force_triton):
     assert out.shape == (0, 16)
 
 
-def test_align_pads_each_slot_to_whole_blocks():
+@pytest.mark.parametrize("kernel", [False, True])
+def test_align_pads_each_slot_to_whole_blocks(force_triton, monkeypatch, kernel):
+    if kernel:
+        force_triton("cpu")
+    else:
+        monkeypatch.setenv("MOEMESH_KERNELS", "torch")
     ids = torch.tensor([[2, 0], [2, -1], [2, 1]])  # slot 2 x3, slots 0 and 1 x1, one pair dropped
     pairs, block_slot = moe_align(ids, num_slots=4, block_m=2)
     P = ids.numel()
@@ -110,3 +116,15 @@ def test_align_pads_each_slot_to_whole_blocks():
     assert pairs[:8].tolist() == [1, P, 5, P, 0, 2, 4, P]
     assert (pairs[8:] == P).all()
     assert moe_align(ids, num_slots=256, block_m=2)[1].numel() == 3 + P
+
+
+@pytest.mark.parametrize("T,K,S,block_m", [(1, 1, 1, 16), (7, 2, 8, 16), (123, 8, 256, 16), (64, 6, 64, 32),
+                                           (300, 4, 16, 64), (5, 3, 9, 2)])
+def test_align_kernel_equals_the_reference(force_triton, T, K, S, block_m):
+    force_triton("cpu")
+    g = torch.Generator().manual_seed(T * S)
+    ids = torch.randint(-1, S, (T, K), generator=g)  # -1: held by another rank
+    with launches(_moe_align_kernel):
+        pairs, block_slot = moe_align(ids, S, block_m)
+    want_pairs, want_slot = moe_align_ref(ids, S, block_m)
+    assert torch.equal(pairs, want_pairs) and torch.equal(block_slot, want_slot)
