@@ -3,8 +3,9 @@
 For each chunk of `n` positions p .. p+n-1 of one sequence:
 - pre positions: the `lookback` positions before p, read back from the ring;
 - ring writes: every row, with its chunk's end; a region of span s keeps a row only if
-  it is among the chunk's last s positions, and `keep[s]` lists those rows, so that the
-  forward writes without asking the device which rows they are;
+  it is among the chunk's last s positions: `keep[s]` lists those rows with their ring
+  and slot, and `pre_slot[s]` the pre positions' slots, so that the forward reads and
+  writes each region with one index op and asks the device nothing;
 - window keys: positions t-W+1 .. t for each row (decode), or p-W+1 .. p+n-1 shared by
   the chunk's rows (extend);
 - groups completing in the chunk: entries w with p <= (w+1)*m - 1 < p+n, that is
@@ -72,8 +73,12 @@ class HybridBatcher:
             write_ring=_t(ring[row_c]), write_pos=_t(write_pos), write_end=_t(write_end),
             num_decode=Bd,
             dec_keys=_t(ctx(p[:Bd, None] + np.arange(-W + 1, 1)[None, :], ids[:Bd, None])),
-            keep={s: _t(np.flatnonzero(write_pos >= write_end - s)) for s in self.spans},
         )
+        pre_pos = p[pre_c] - look[pre_c] + np.arange(len(pre_c)) - pre_start[pre_c]
+        for s in self.spans:
+            keep = np.flatnonzero(write_pos >= write_end - s)
+            meta.keep[s], meta.keep_ring[s], meta.keep_slot[s] = _t(keep), _t(ring[row_c][keep]), _t(write_pos[keep] % s)
+            meta.pre_slot[s] = _t(pre_pos % s)
         for i in range(Bd, C):
             c = chunks[i]
             meta.extends.append(Extend(c.row, c.q_len, _t(ctx(np.arange(c.start - W + 1, c.start + c.q_len), i))))

@@ -88,8 +88,12 @@ def test_the_whole_batch_at_once_equals_one_chunk_at_a_time(batch, sliding_only)
             assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
         else:
             assert a[k] == b[k], k
-    for span in SPANS:  # the rows a region of each span keeps, without asking the device
-        assert torch.equal(got.keep[span], (want.write_pos >= want.write_end - span).nonzero().flatten())
+    for span in SPANS:  # where a region of each span reads and writes, without asking the device
+        keep = (want.write_pos >= want.write_end - span).nonzero().flatten()
+        assert torch.equal(got.keep[span], keep)
+        assert torch.equal(got.keep_ring[span], want.write_ring[keep])
+        assert torch.equal(got.keep_slot[span], want.write_pos[keep] % span)
+        assert torch.equal(got.pre_slot[span], want.pre_pos % span)
 
 
 @settings(max_examples=30, deadline=None)

@@ -185,12 +185,11 @@ class V4Attention(nn.Module):
 def _read(region, st: V4Step) -> torch.Tensor:
     """The pre positions' rows of a ring region (stale beyond its look-back: never used)."""
     m = st.meta
-    return region.view(st.rings)[m.pre_ring, m.pre_pos % region.count]
+    return region.view(st.rings)[m.pre_ring, m.pre_slot[region.count]]
 
 
 def _write(region, st: V4Step, rows: torch.Tensor) -> None:
-    """Store the batch's rows in a ring region: of each chunk, the last `span` positions."""
-    m = st.meta
-    keep = m.keep[region.count]  # listed by the batcher: asking the device would wait on it
-    view = region.view(st.rings)
-    view[m.write_ring[keep], m.write_pos[keep] % region.count] = rows[keep].to(view.dtype)
+    """Store the batch's rows in a ring region: of each chunk, the last `span` positions
+    (listed, with their ring and slot, by the batcher: asking the device would wait on it)."""
+    m, s = st.meta, region.count
+    region.view(st.rings)[m.keep_ring[s], m.keep_slot[s]] = rows[m.keep[s]].to(st.rings.dtype)

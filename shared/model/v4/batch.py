@@ -69,7 +69,12 @@ class HybridMeta:
     dec_entries: dict[str, Entries] = field(default_factory=dict)
     groups: dict[str, Groups] = field(default_factory=dict)
     extends: list[Extend] = field(default_factory=list)
-    keep: dict[int, torch.Tensor] = field(default_factory=dict)  # ring span -> the rows a region of it keeps
+    # Per ring span s (layout.py): where a region of that span reads and writes, so that
+    # the forward indexes once per region and asks the device nothing.
+    pre_slot: dict[int, torch.Tensor] = field(default_factory=dict)  # [Npre] pre_pos % s
+    keep: dict[int, torch.Tensor] = field(default_factory=dict)  # rows a region keeps: among its chunk's last s
+    keep_ring: dict[int, torch.Tensor] = field(default_factory=dict)  # their ring
+    keep_slot: dict[int, torch.Tensor] = field(default_factory=dict)  # and slot, write_pos % s
 
     def to(self, device) -> "HybridMeta":
         def mv(x):
