@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moemesh.shared.kernels.dispatch import use_triton
+from moemesh.shared.kernels.v4_attention import v4_decode_attention
 from moemesh.shared.model.layers import RMSNorm
 from moemesh.shared.model.v4.batch import Entries, HybridMeta
 from moemesh.shared.model.v4.compressor import Compressor, Indexer
@@ -92,7 +94,10 @@ class V4Attention(nn.Module):
         out = x.new_empty(T, H, d)
         ccos, csin = st.angles["compress"]
         nd = meta.num_decode
-        if nd:
+        if nd and use_triton(q):  # one kernel reads every key where it lies (shared/kernels/v4_attention.py)
+            out[:nd] = self._decode_kernel(q[:nd], ctx_kv, meta, entries, index_keys, q_res[:nd], x[:nd], ccos[:nd],
+                                           csin[:nd])
+        elif nd:
             keys = ctx_kv[meta.dec_keys.clamp(min=0)]  # [Bd, W, d]
             mask = meta.dec_keys >= 0
             if comp is not None:
@@ -118,6 +123,17 @@ class V4Attention(nn.Module):
 
         out = rotate(out, cos, sin, inverse=True)
         return self.o_b_proj(self._grouped_out(out.reshape(T, H * d)))
+
+    def _decode_kernel(self, q, ctx_kv, meta: HybridMeta, entries, index_keys, q_res, x, cos, sin) -> torch.Tensor:
+        kw = {}
+        if self.compressor is not None:
+            ent = meta.dec_entries[self.layer_type]
+            kw = dict(entries=entries, table=ent.table, visible=ent.visible, count=ent.count)
+            if self.layer_type == CSA:
+                indexer = self.compressor.indexer
+                blk, slot = ent.addresses(entries.shape[1])
+                kw["sel"] = indexer.select(indexer.scores(q_res, x, cos, sin, index_keys[blk, slot]), ent.visible)[0]
+        return v4_decode_attention(q, ctx_kv, meta.dec_keys, self.sinks, self.scale, **kw)
 
     def _compress(self, comp: Compressor, x: torch.Tensor, proj_region, store: torch.Tensor,
                   st: V4Step) -> torch.Tensor:
