@@ -34,8 +34,8 @@ def test_greedy_output_is_unchanged_with_kernels_forced_on(tiny_model):
 @pytest.mark.timeout(280)
 def test_v4_greedy_output_is_unchanged_with_kernels_forced_on(tiny_v4_model):
     """DeepSeek-V4 runs the RMSNorm, routing, fused MoE (SwiGLU clipping included),
-    hyper-connection, rotary and decode attention kernels; its prefill attention, the
-    compressors, the indexer and the cache moves are torch."""
+    hyper-connection, rotary, decode attention and indexer kernels; its prefill
+    attention, the compressors' pooling and the cache moves are torch."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", MOEMESH_KERNELS="torch")
     res = subprocess.run(

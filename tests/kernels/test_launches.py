@@ -41,3 +41,18 @@ def test_every_step_is_counted_by_scope(counts, arch):
 def test_a_layer_launches_as_much_at_any_batch_size(counts, arch):
     b1, b4 = counts[arch]["decode"]
     assert b1["per_layer"] == b4["per_layer"]
+
+
+# Issue #27's goals, which the counts make deterministic: a decode step launches a fixed
+# number of kernels whatever the batch, within a per-layer budget, and waits on the
+# device once (to read its sampled ids).
+BUDGET = {"v3": (30, 40), "v4": (40, 40)}  # launches per layer, plus in all
+
+
+@pytest.mark.parametrize("arch", ["v3", "v4"])
+def test_a_decode_step_stays_within_its_launch_budget_and_syncs_once(counts, arch):
+    r = counts[arch]
+    per_layer, extra = BUDGET[arch]
+    b1, b4 = r["decode"]
+    assert b1["launches"] == b4["launches"] <= per_layer * r["model"]["num_hidden_layers"] + extra
+    assert b1["syncs"] == b4["syncs"] == 1 and r["prefill"]["syncs"] == 1

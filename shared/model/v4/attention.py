@@ -130,9 +130,7 @@ class V4Attention(nn.Module):
             ent = meta.dec_entries[self.layer_type]
             kw = dict(entries=entries, table=ent.table, visible=ent.visible, count=ent.count)
             if self.layer_type == CSA:
-                indexer = self.compressor.indexer
-                blk, slot = ent.addresses(entries.shape[1])
-                kw["sel"] = indexer.select(indexer.scores(q_res, x, cos, sin, index_keys[blk, slot]), ent.visible)[0]
+                kw["sel"] = self.compressor.indexer.pick(q_res, x, cos, sin, index_keys, ent)
         return v4_decode_attention(q, ctx_kv, meta.dec_keys, self.sinks, self.scale, **kw)
 
     def _compress(self, comp: Compressor, x: torch.Tensor, proj_region, store: torch.Tensor,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moemesh.shared.kernels.v4_indexer import index_scores
 from moemesh.shared.model.layers import RMSNorm
 from moemesh.shared.model.v4.batch import Groups
 from moemesh.shared.model.v4.rope import Rope, rotate
@@ -87,6 +88,18 @@ class Indexer(Compressor):
         s = torch.relu(s) * self.width**-0.5
         w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
         return (s * w.unsqueeze(-1)).sum(dim=1)
+
+    def pick(self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+             entries) -> torch.Tensor:
+        """Decode rows on the kernel path: each row's top-k entry ids, scored against the
+        index keys where they lie (`keys` [blocks, per_block, d], `entries` the rows'
+        Entries); the ids past a row's visible entries are picked last, and masked by
+        whoever reads them."""
+        R = x.shape[0]
+        q = rotate(self.q_b_proj(q_res).view(R, self.n_heads, self.width), cos, sin)
+        wts = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
+        scores = index_scores(q, wts, keys, entries.table, entries.visible, entries.count)
+        return scores.topk(min(self.topk, entries.count), dim=-1).indices
 
     def select(self, scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k among the entries it may see: (indices [R, k], valid [R, k])."""

@@ -21,6 +21,7 @@ from torch import nn
 from moemesh.shared.kernels.dispatch import use_triton
 from moemesh.shared.kernels.fused_moe import fused_moe
 from moemesh.shared.kernels.route import route
+from moemesh.shared.kernels.swiglu import swiglu
 from moemesh.shared.model.moe import Experts
 from moemesh.shared.model.v4.config import V4Config
 
@@ -91,10 +92,7 @@ class ClippedMLP(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.limit is not None:
-            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
 class V4MoE(nn.Module):
