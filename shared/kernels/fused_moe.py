@@ -132,9 +132,18 @@ def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int) -> tuple[tor
     pairs = torch.empty(max_rows, dtype=torch.int64, device=flat.device)
     block_slot = torch.empty(max_rows // block_m, dtype=torch.int64, device=flat.device)
     if max_rows:
+        block_p, block_s, warps = align_tiles(num_slots)
         _moe_align_kernel[(1,)](flat, pairs, block_slot, P, num_slots, max_rows, block_m,
-                                BLOCK_P=64, BLOCK_S=next_pow2(num_slots + 1), num_warps=4)
+                                BLOCK_P=block_p, BLOCK_S=block_s, num_warps=warps)
     return pairs, block_slot
+
+
+def align_tiles(num_slots: int) -> tuple[int, int, int]:
+    """(BLOCK_P, BLOCK_S, num_warps): [pairs, slots] tiles of at most 8k entries and
+    [pairs, pairs] of at most 4k, which compile for sm_90 without spills at 256 experts
+    (tests/kernels/compile_check.py)."""
+    block_s = next_pow2(num_slots + 1)
+    return max(16, min(64, 8192 // block_s)), block_s, 8
 
 
 @jit

@@ -122,9 +122,9 @@ def _route_kernel(
                 gs = tl.where(gi[None, :] == g, val[:, None], gs)
             keep = m2 & (e[None, :] < 0)
             for _ in range(0, topk_group):
-                g = tl.argmax(gs, axis=1)
-                keep = keep | (grp[None, :] == g[:, None])
-                gs = tl.where(gi[None, :] == g[:, None], float("-inf"), gs)
+                top_g = tl.argmax(gs, axis=1)
+                keep = keep | (grp[None, :] == top_g[:, None])
+                gs = tl.where(gi[None, :] == top_g[:, None], float("-inf"), gs)
             c = tl.where(keep & m2, c, float("-inf"))
         for j in range(0, K):
             pick = tl.argmax(c, axis=1)

@@ -129,9 +129,7 @@ def v4_decode_attention(q: torch.Tensor, ctx: torch.Tensor, win: torch.Tensor, s
         return out
     dummy = win
     ent = entries if mode else ctx
-    block_h = max(16, min(64, next_pow2(H)))
-    block_d = max(16, next_pow2(d))
-    block_k = max(16, min(64, 8192 // block_d))
+    block_h, block_d, block_k, warps = attention_tiles(H, d, mode)
     _v4_decode_attn_kernel[(B, -(-H // block_h))](
         q, ctx, win, ent, table.contiguous() if mode else dummy, sel.contiguous() if mode == 2 else dummy,
         visible.contiguous() if mode else dummy, sinks.contiguous(), out,
@@ -139,6 +137,15 @@ def v4_decode_attention(q: torch.Tensor, ctx: torch.Tensor, win: torch.Tensor, s
         q.stride(0), q.stride(1), ctx.stride(0), win.stride(0), ent.stride(0), ent.stride(1) if mode else 0,
         table.stride(0) if mode else 0, sel.stride(0) if mode == 2 else 0,
         MODE=mode, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_K=block_k,
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_K=block_k, num_warps=warps,
     )
     return out
+
+
+def attention_tiles(H: int, d: int, mode: int) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_D, BLOCK_K, num_warps): 16 heads a program (tl.dot's least), the
+    whole head width, keys in blocks of 16-64; at V4's 512-wide heads the entry modes
+    need eight warps to keep their addressing and the fp32 accumulator in registers on
+    sm_90, the window-only mode four (tests/kernels/compile_check.py)."""
+    block_d = max(16, next_pow2(d))
+    return 16, block_d, max(16, min(64, 8192 // block_d)), 8 if block_d >= 256 and mode else 4

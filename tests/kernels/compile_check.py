@@ -20,7 +20,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 
-from moemesh.shared.kernels import fused_moe, kv_pack, mla_decode, rmsnorm, rotary
+from moemesh.shared.kernels import (fused_moe, hyper, kv_pack, mla_decode, rmsnorm, rotary, route, swiglu, v4_attention,
+                                    v4_indexer, v4_rope)
 
 ARCH = 90
 BF16 = "bf16"  # the serving dtype; fp32 and fp16 only change the element type
@@ -78,6 +79,39 @@ def main() -> dict:
                 dict(GATE_UP=gate_up, A_PER_TOKEN=gate_up, PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
                 num_warps=warps)
     out["moe_combine"] = _compile(fused_moe._moe_combine_kernel, {"ids_ptr": "i64"}, dict(BLOCK_K=8, BLOCK_D=1024))
+    i64 = {"ids_ptr": "i64", "pairs_ptr": "i64", "block_slot_ptr": "i64"}
+    bp, bs, warps = fused_moe.align_tiles(256)
+    out["moe_align E=256"] = _compile(fused_moe._moe_align_kernel, i64, dict(BLOCK_P=bp, BLOCK_S=bs), num_warps=warps)
+    f32 = dict.fromkeys(("logit_ptr", "bias_ptr", "cbias_ptr", "w_ptr"), "fp32") | {"tid2eid_ptr": "i64",
+                                                                                   "token_ptr": "i64", "ids_ptr": "i64"}
+    for name, (E, K, G) in {"v3": (256, 8, 8), "v4": (256, 6, 1)}.items():
+        bt = max(1, min(16, 4096 // (E * triton.next_power_of_2(K))))
+        out[f"route {name}"] = _compile(route._route_kernel, f32, dict(
+            SCORING=0 if name == "v3" else 2, HAS_BIAS=True, HAS_CBIAS=False, FIXED=False, GROUPED=G > 1,
+            GROUP_MAX=False, NORM=True, SCALE_AFTER_NORM=True, BLOCK_T=bt, BLOCK_E=E,
+            BLOCK_K=triton.next_power_of_2(K), BLOCK_G=G), floats=("scale",))
+    # DeepSeek-V4-Flash: hidden 4096, hc_mult 4, head_dim 512 (rope 64), 64 heads, index 64 x 128.
+    hc = dict.fromkeys(("mix_ptr", "base_ptr", "scale_ptr", "post_ptr", "comb_ptr"), "fp32")
+    for full in (True, False):
+        out[f"hc_mix full={full}"] = _compile(hyper._hc_mix_kernel, hc, dict(ITERS=20, FULL=full, BLOCK_T=4, BLOCK_N=4,
+                                                                          BLOCK_D=256), floats=("hc_eps", "norm_eps"))
+    out["hc_merge"] = _compile(hyper._hc_merge_kernel, {"post_ptr": "fp32", "comb_ptr": "fp32"},
+                               dict(BLOCK_T=8, BLOCK_N=4, BLOCK_D=128))
+    for rms in (False, True):
+        out[f"v4_rope rms={rms}"] = _compile(v4_rope._v4_rope_kernel, {"cos_ptr": "fp32", "sin_ptr": "fp32"},
+                                             dict(SIGN=1.0, RMS=rms, BLOCK_ROWS=16, BLOCK_D=512, BLOCK_R=32),
+                                             floats=("eps",))
+    att = {"win_ptr": "i64", "table_ptr": "i64", "sel_ptr": "i64", "vis_ptr": "i64", "sink_ptr": "fp32"}
+    for mode in (0, 1, 2):
+        bh, bd, bk, warps = v4_attention.attention_tiles(64, 512, mode)
+        out[f"v4_decode_attention mode={mode}"] = _compile(
+            v4_attention._v4_decode_attn_kernel, att,
+            dict(MODE=mode, PRECISION="tf32", BLOCK_H=bh, BLOCK_D=bd, BLOCK_K=bk), num_warps=warps, floats=("scale",))
+    out["v4_index_scores"] = _compile(
+        v4_indexer._index_scores_kernel, {"q_ptr": "fp32", "w_ptr": "fp32", "table_ptr": "i64", "vis_ptr": "i64",
+                                          "out_ptr": "fp32"},
+        dict(PRECISION="tf32", BLOCK_H=64, BLOCK_W=128, BLOCK_E=64), floats=("scale",))
+    out["swiglu clamp"] = _compile(swiglu._swiglu_kernel, {}, dict(CLAMP=True, BLOCK=1024), floats=("limit",))
     return out
 
 
