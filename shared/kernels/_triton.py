@@ -39,6 +39,15 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def rows_per_program(rows: int, compiled: int, elems: int = 1) -> int:
+    """How many rows a program takes: `compiled` on a GPU (its tiles, checked by
+    tests/kernels/compile_check.py); under the interpreter as many as there are, up to
+    64, since it runs programs one after another at a fixed cost each. `elems`: a row's
+    tile size, so a program's tile stays under 32k elements either way."""
+    cap = 64 if interpreting() else compiled
+    return max(1, min(cap, next_pow2(rows), 32768 // max(1, elems)))
+
+
 class LazyKernel:
     """A kernel body that becomes a triton JIT (or interpreted) function when launched."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moemesh.shared.kernels._triton import jit, next_pow2, tl
+from moemesh.shared.kernels._triton import jit, next_pow2, rows_per_program, tl
 from moemesh.shared.kernels.dispatch import use_triton
 
 
@@ -114,7 +114,7 @@ def hc_mix(mixes: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale
     comb = torch.empty(T, N, N, dtype=torch.float32, device=x.device) if full else out
     if T:
         block_n, block_d = next_pow2(N), min(256, next_pow2(D))
-        block_t = max(1, min(16, 4096 // (block_n * block_d), next_pow2(T)))
+        block_t = rows_per_program(T, max(1, min(16, 4096 // (block_n * block_d))), block_n * block_d)
         _hc_mix_kernel[(-(-T // block_t),)](
             mixes, x, base.float().contiguous(), scale.float().contiguous(), post, comb, out,
             T, N, D, mixes.stride(0), x.stride(0), out.stride(0), hc_eps, norm_eps,
@@ -166,7 +166,7 @@ def hc_merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb:
     y = torch.empty_like(x)
     if T:
         block_n, block_d = next_pow2(N), min(128, next_pow2(D))
-        block_t = max(1, min(16, 4096 // (block_n * block_d), next_pow2(T)))
+        block_t = rows_per_program(T, max(1, min(16, 4096 // (block_n * block_d))), block_n * block_d)
         _hc_merge_kernel[(-(-T // block_t), -(-D // block_d))](
             x, o, post.float().contiguous(), comb.float().contiguous(), y, T, N, D, x.stride(0), o.stride(0),
             y.stride(0), BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moemesh.shared.kernels._triton import jit, next_pow2, tl
+from moemesh.shared.kernels._triton import jit, next_pow2, rows_per_program, tl
 from moemesh.shared.kernels.dispatch import use_triton
 
 
@@ -33,22 +33,24 @@ def rms_norm_ref(
 @jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    D, stride_x, stride_res, stride_out, stride_res_out, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    M, D, stride_x, stride_res, stride_out, stride_res_out, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """BLOCK_M rows per program (one on a GPU: a row fills the tile)."""
+    row = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    mask = (row < M)[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        r = tl.load(res_ptr + row[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
         x = x + r  # in the input dtype, as the unfused add rounds
-        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+        tl.store(res_out_ptr + row[:, None] * stride_res_out + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    y = (xf * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    y = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row[:, None] * stride_out + cols[None, :], (w[None, :] * y).to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def rms_norm(
@@ -69,10 +71,11 @@ def rms_norm(
     res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     if M:
         block_d = next_pow2(D)
-        _rms_norm_kernel[(M,)](
+        block_m = rows_per_program(M, 1, block_d)
+        _rms_norm_kernel[(-(-M // block_m),)](
             x2, res2, weight.contiguous(), out, res_out,
-            D, x2.stride(0), res2.stride(0), D, res_out.stride(0), eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_D=block_d,
+            M, D, x2.stride(0), res2.stride(0), D, res_out.stride(0), eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_D=block_d,
             num_warps=min(16, max(1, block_d // 256)),
         )
     return out if residual is None else (out, res_out.view(x.shape))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from moemesh.shared.kernels._triton import jit, next_pow2, tl
+from moemesh.shared.kernels._triton import jit, next_pow2, rows_per_program, tl
 from moemesh.shared.kernels.dispatch import use_triton
 
 SCORING = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
@@ -174,7 +174,8 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, *, correction_bias: to
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     if T:
         dummy = x
-        block_t = max(1, min(16, 4096 // (next_pow2(E) * next_pow2(top_k))))
+        tile = next_pow2(E) * next_pow2(top_k)
+        block_t = rows_per_program(T, max(1, min(16, 4096 // tile)), tile)
         _route_kernel[(-(-T // block_t),)](
             x, correction_bias if correction_bias is not None else dummy,
             choice_bias if choice_bias is not None else dummy,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from moemesh.shared.kernels._triton import jit, next_pow2, tl
+from moemesh.shared.kernels._triton import jit, next_pow2, rows_per_program, tl
 from moemesh.shared.kernels.dispatch import use_triton
 
 
@@ -93,7 +93,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     if T:
         c, s = cos.contiguous(), sin.contiguous()
         rows, block_d = T * H, next_pow2(d)
-        block_rows = max(1, min(64, 8192 // block_d, next_pow2(rows)))
+        block_rows = rows_per_program(rows, max(1, min(64, 8192 // block_d)), block_d)
         _v4_rope_kernel[(-(-rows // block_rows),)](
             xc, c, s, out, rows, H, d, half, c.stride(0), rms_eps or 0.0,
             SIGN=-1.0 if inverse else 1.0, RMS=rms_eps is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
