@@ -29,6 +29,10 @@ from moemesh.shared.model.v4.batch import Entries, Extend, Groups, HybridMeta
 from moemesh.shared.model.v4.config import CSA, SLIDING, V4Config
 
 _I = np.int64
+# Chunks this short (a decode row, or one with its MTP drafts to verify) are attended row
+# by row with the decode rows: one batched path, where a chunk at a time would be a loop
+# over the batch's sequences. Longer ones (prefill) share their keys across their rows.
+ROWWISE_MAX = 8
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -36,12 +40,18 @@ def _t(a: np.ndarray) -> torch.Tensor:
 
 
 class HybridBatcher:
-    def __init__(self, cfg: V4Config, block_size: int, spans: tuple[int, ...] = ()):
-        """spans: the ring regions' slot counts (layout.py), for the rows each keeps."""
+    def __init__(self, cfg: V4Config, block_size: int, spans: tuple[int, ...] = (), rowwise_max: int = ROWWISE_MAX):
+        """spans: the ring regions' slot counts (layout.py), for the rows each keeps.
+        rowwise_max: chunks of at most this many rows are attended row by row."""
         self.W, self.lookback, self.bs = cfg.sliding_window, cfg.lookback, block_size
+        self.rowwise_max = rowwise_max
         self.spans = tuple(sorted(set(spans)))
         types = {cfg.layer_type(i) for i in range(cfg.num_hidden_layers)}
         self.rates = {t: cfg.rate(t) for t in sorted(types) if t != SLIDING}
+
+    def rowwise_order(self, chunk) -> bool:
+        """build_batch's sort key: the chunks attended row by row go first."""
+        return len(chunk.token_ids) > self.rowwise_max
 
     def __call__(self, chunks, T: int, sliding_only: bool = False) -> HybridMeta:
         bs, W = self.bs, self.W
@@ -66,13 +76,16 @@ class HybridBatcher:
         row_c = np.repeat(ids, n)
         write_pos = p[row_c] + np.arange(T) - row0[row_c]
         write_end = end[row_c]
-        # build_batch puts decode chunks (one row) first; any later one-row chunk is an extend.
-        Bd = next((i for i, q in enumerate(lens) if q != 1), C)
+        # build_batch puts the short chunks first (rowwise_order); their rows are attended one
+        # by one, each with its own window and entries, as decode rows are.
+        Bd = next((i for i, q in enumerate(lens) if q > self.rowwise_max), C)
+        R = int(row0[Bd]) if Bd < C else T  # rows of the first Bd chunks
+        rc, rpos = row_c[:R], write_pos[:R]
         meta = HybridMeta(
             pre_ring=_t(ring[pre_c]), pre_pos=_t(p[pre_c] - look[pre_c] + np.arange(len(pre_c)) - pre_start[pre_c]),
             write_ring=_t(ring[row_c]), write_pos=_t(write_pos), write_end=_t(write_end),
-            num_decode=Bd,
-            dec_keys=_t(ctx(p[:Bd, None] + np.arange(-W + 1, 1)[None, :], ids[:Bd, None])),
+            num_decode=R,
+            dec_keys=_t(ctx(rpos[:, None] + np.arange(-W + 1, 1)[None, :], rc[:, None])),
         )
         pre_pos = p[pre_c] - look[pre_c] + np.arange(len(pre_c)) - pre_start[pre_c]
         for s in self.spans:
@@ -97,8 +110,8 @@ class HybridBatcher:
             span = np.arange(-m if t == CSA else 0, m)
             meta.groups[t] = Groups(_t(ctx(w[:, None] * m + span[None, :], grp_c[:, None])), _t(w * m),
                                     _t(table[grp_c, (w * m) // bs]), _t((w * m % bs) // m))
-            if Bd:
-                meta.dec_entries[t] = _entries(table[:Bd], p[:Bd] + 1, m, bs, (p[:Bd] + 1) // m)
+            if R:
+                meta.dec_entries[t] = _entries(table[rc], rpos + 1, m, bs, (rpos + 1) // m)
             for i, ext in enumerate(meta.extends, start=Bd):
                 ext.entries[t] = _entries(table[i : i + 1], end[i : i + 1], m, bs,
                                           (np.arange(p[i], end[i]) + 1) // m)

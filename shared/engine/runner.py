@@ -34,9 +34,10 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
     large batch sizes, so their slots and tables are computed in plain Python ints and
     turned into tensors once; extend chunks use tensor ops per chunk.
     hybrid: a V4 engine's HybridBatcher (called as hybrid(chunks, T)), None for MLA."""
-    chunks.sort(key=lambda c: len(c.token_ids) > 1)
     if hybrid is not None:
+        chunks.sort(key=getattr(hybrid, "rowwise_order", _extends_last))
         return _to(_hybrid_batch(chunks, hybrid), device)
+    chunks.sort(key=_extends_last)
     ids: list[int] = []
     dec_pos: list[int] = []
     dec_slots: list[int] = []
@@ -91,11 +92,16 @@ def _hybrid_batch(chunks: list[Chunk], hybrid) -> ForwardBatch:
         c.row = len(ids)
         ids += c.token_ids
     meta = hybrid(chunks, len(ids))
+    num_decode = sum(1 for c in chunks if len(c.token_ids) == 1)  # decode rows, for the step's stats
     return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long), positions=meta.write_pos,
-                        slot_mapping=_NO_SLOTS, num_decode=meta.num_decode, hybrid=meta)
+                        slot_mapping=_NO_SLOTS, num_decode=num_decode, hybrid=meta)
 
 
 _NO_SLOTS = torch.zeros(0, dtype=torch.long)
+
+
+def _extends_last(c: Chunk) -> bool:
+    return len(c.token_ids) > 1
 
 
 def _block_table(tables: list[list[int]], lens: list[int]) -> torch.Tensor:

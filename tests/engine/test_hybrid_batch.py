@@ -79,7 +79,7 @@ def _fields(meta) -> dict:
 @given(batches(), st.booleans())
 def test_the_whole_batch_at_once_equals_one_chunk_at_a_time(batch, sliding_only):
     chunks, T = batch
-    got = HybridBatcher(CFG, BS, SPANS)(chunks, T, sliding_only)
+    got = HybridBatcher(CFG, BS, SPANS, rowwise_max=1)(chunks, T, sliding_only)  # the reference's split
     want = ReferenceBatcher(CFG, BS)(chunks, T, sliding_only)
     a, b = _fields(got), _fields(want)
     assert a.keys() == b.keys()
@@ -102,9 +102,9 @@ def test_a_batch_reaches_the_device_in_one_copy(batch):
     from moemesh.shared.engine.runner import build_batch, index_tensors, pack
 
     chunks, _ = batch
-    want = _fields(build_batch(list(chunks), BS, "cpu", HybridBatcher(CFG, BS, SPANS)).hybrid)
+    want = _fields(build_batch(list(chunks), BS, "cpu", HybridBatcher(CFG, BS, SPANS, rowwise_max=1)).hybrid)
     copies = []
-    moved = pack(build_batch(list(chunks), BS, "cpu", HybridBatcher(CFG, BS, SPANS)),
+    moved = pack(build_batch(list(chunks), BS, "cpu", HybridBatcher(CFG, BS, SPANS, rowwise_max=1)),
                  lambda flat: copies.append(flat.clone()) or copies[-1])
     assert len(copies) == 1
     for holder, key in index_tensors(moved):  # every index tensor is a view of the one copy
@@ -113,3 +113,34 @@ def test_a_batch_reaches_the_device_in_one_copy(batch):
     got = _fields(moved.hybrid)
     assert got.keys() == want.keys() and all(
         torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k] for k in want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches())
+def test_short_chunks_are_attended_row_by_row_with_what_each_row_sees(batch):
+    """A chunk of a few rows (a decode row and its drafts) goes with the decode rows: each
+    row gets the window its shared-keys form would mask in, and the entries it may see."""
+    from moemesh.shared.engine.runner import build_batch
+
+    chunks, _ = batch
+    short = HybridBatcher(CFG, BS, SPANS)
+    b = build_batch(list(chunks), BS, "cpu", short)
+    order = sorted(chunks, key=short.rowwise_order)
+    ref = ReferenceBatcher(CFG, BS)(order, b.num_tokens)  # same rows, the reference's split
+    meta, W = b.hybrid, CFG.sliding_window
+    n_dec = next((i for i, c in enumerate(order) if c.q_len != 1), len(order))  # the reference's decode rows
+    rowwise = [c for c in order if c.q_len <= short.rowwise_max]
+    assert meta.num_decode == sum(c.q_len for c in rowwise) and not any(e.q_len <= 8 for e in meta.extends)
+    assert torch.equal(meta.dec_keys[:n_dec], ref.dec_keys)
+    for ext in ref.extends:
+        if ext.q_len > short.rowwise_max:
+            continue
+        for i in range(ext.q_len):
+            r = ext.q_start + i
+            assert torch.equal(meta.dec_keys[r], ext.key_idx[i : i + W])
+            for t, m in RATES.items():
+                ent, ref_ent = meta.dec_entries[t], ext.entries[t]
+                assert int(ent.visible[r]) == int(ref_ent.visible[i])
+                k = int(ref_ent.visible[i])
+                blk, slot = ent.addresses(BS // m)
+                assert torch.equal(blk[r, :k], ref_ent.blk[0, :k]) and torch.equal(slot[0, :k], ref_ent.slot[0, :k])

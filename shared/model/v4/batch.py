@@ -11,8 +11,9 @@ Glossary:
   positions w*m .. w*m+m-1; with CSA's overlap also the m before them).
 - entry address: (main block row, entry index within the block).
 
-Decode rows (one per sequence, first in the batch) are computed together; each extend
-chunk (several rows of one sequence) on its own, as in the MLA path.
+The rows of decode chunks and of short chunks (a decode row with its MTP drafts), first
+in the batch, are attended together, each with its own window keys and entries; each
+longer extend chunk (prefill) on its own, its rows sharing the chunk's keys.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class HybridMeta:
     write_ring: torch.Tensor  # [T] each row's ring, position, and the end of its chunk:
     write_pos: torch.Tensor  # a region keeps a row only if it is among the chunk's
     write_end: torch.Tensor  # last `span` positions (earlier ones would collide)
-    num_decode: int
-    dec_keys: torch.Tensor  # [Bd, W] ctx indices of each decode row's window keys
+    num_decode: int  # rows attended one by one (decode rows, and the rows of short chunks), first
+    dec_keys: torch.Tensor  # [Bd, W] ctx indices of each of those rows' window keys
     dec_entries: dict[str, Entries] = field(default_factory=dict)
     groups: dict[str, Groups] = field(default_factory=dict)
     extends: list[Extend] = field(default_factory=list)
