@@ -35,18 +35,17 @@ class Drafter:
 
     def propose(self, work: list[tuple[Chunk, int]], hidden: torch.Tensor) -> None:
         """work: (target chunk, number of its positions whose KV is now valid)."""
-        chunks, prev_rows = [], []
+        chunks, prev_rows = [], {}
         for c, n_valid in work:
             if c.seq.status == SeqStatus.FINISHED:
                 continue
             chunks.append(Chunk(c.seq, c.start, c.seq.token_ids[c.start + 1 : c.start + n_valid + 1]))
-            prev_rows.append(torch.arange(c.row, c.row + n_valid))
+            prev_rows[id(c.seq)] = range(c.row, c.row + n_valid)
         if not chunks and not self.lockstep:
             return
-        order = {id(ch.seq): i for i, ch in enumerate(chunks)}
-        batch = build_batch(chunks, self.block_size, self.device, self.batcher)
-        rows = [prev_rows[order[id(ch.seq)]] for ch in chunks]
-        prev = hidden[torch.cat(rows)] if rows else hidden[:0]
+        batch = build_batch(chunks, self.block_size, self.device, self.batcher)  # may reorder the chunks
+        rows = [r for ch in chunks for r in prev_rows[id(ch.seq)]]  # one index tensor, not one per sequence
+        prev = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)] if rows else hidden[:0]
         h = self.model.mtp_forward(batch, prev, self.kv)
         want = [ch for ch in chunks if ch.seq.status in _DRAFTING and ch.seq.in_decode and self.num_spec]
         for step in range(self.num_spec):

@@ -14,6 +14,18 @@ from moemesh.shared.engine.sampler import processed_probs
 from moemesh.shared.protocol.sampling import SamplingParams
 
 
+def accept_greedy(best: list[int], drafts: list[int]) -> list[int]:
+    """Greedy verification from the target's argmax at each of the k+1 rows: the drafts
+    up to the first that differs, then the target's own token there."""
+    out = []
+    for j, d in enumerate(drafts):
+        if best[j] != d:
+            break
+        out.append(d)
+    out.append(best[len(out)])
+    return out
+
+
 def verify(
     target_logits: torch.Tensor,  # [k+1, V]: row j scores the token after draft j-1
     drafts: list[int],
@@ -22,14 +34,7 @@ def verify(
 ) -> list[int]:
     """Returns the accepted drafts followed by one token from the target (1..k+1 tokens)."""
     if params.greedy:
-        best = target_logits.argmax(dim=-1).tolist()
-        out = []
-        for j, d in enumerate(drafts):
-            if best[j] != d:
-                break
-            out.append(d)
-        out.append(best[len(out)])
-        return out
+        return accept_greedy(target_logits.argmax(dim=-1).tolist(), drafts)
     probs = processed_probs(target_logits, [params] * target_logits.shape[0])
     out = []
     for j, d in enumerate(drafts):

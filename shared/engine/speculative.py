@@ -17,7 +17,7 @@ from moemesh.shared.engine.fork import copy_blocks, ring_copies, take_copy
 from moemesh.shared.engine.outputs import RequestOutput, StepStats
 from moemesh.shared.engine.runner import Chunk, build_batch
 from moemesh.shared.engine.sequence import FinishReason, Sequence
-from moemesh.shared.engine.spec_decode import verify
+from moemesh.shared.engine.spec_decode import accept_greedy, verify
 
 if TYPE_CHECKING:
     from moemesh.shared.engine.engine import LLMEngine
@@ -118,10 +118,21 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
         toks = sampled.tolist()
         for (c, r), t in zip(plain, toks):
             new_tokens[id(c)] = [t]
+    # Greedy, unconstrained verification needs only each row's argmax: one op for all of them.
+    greedy = [c.seq.params.greedy and c.seq.matcher is None for c, _, n in samplers if n > 1]
+    best = logits.argmax(dim=-1).tolist() if any(greedy) else None
     for c, r, n in samplers:
         if n > 1:
             drafts = c.token_ids[c.q_len - (n - 1):]
             m = c.seq.matcher
+            if best is not None and c.seq.params.greedy and m is None:
+                toks = accept_greedy(best[r : r + n], drafts)
+                new_tokens[id(c)] = toks
+                c.seq.num_drafted += len(drafts)
+                c.seq.num_accepted += len(toks) - 1
+                st.num_drafted += len(drafts)
+                st.num_accepted += len(toks) - 1
+                continue
             # Constrained: each row is masked with the grammar's state after the drafts before
             # it, so a forbidden draft is rejected; the rejected ones are rolled back after.
             n_consumed = eng.grammar.mask_drafts(logits[r : r + n], m, drafts) if m is not None else 0
