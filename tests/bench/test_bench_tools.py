@@ -163,4 +163,6 @@ def test_kv_reuse_fits_its_default_context_to_the_model_and_refuses_one_that_doe
 def test_gateway_start_without_torch(tmp_path, tiny_model):
     res, out = bench(tmp_path, tiny_model, "gateway-start", "--model", tiny_model, "--runs", "1")
     assert res["torch_loaded"] is False and "torch loaded: no" in out
-    assert 0 < res["import_s"] < res["start_s"] and res["rss_mib"] > 0
+    # Both are timed, in separate processes: that a start outlasts an import holds on
+    # average, not for one run of each on a busy machine (seen: 0.35 s against 0.32).
+    assert res["import_s"] > 0 and res["start_s"] > 0 and res["rss_mib"] > 0
