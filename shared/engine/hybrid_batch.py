@@ -45,6 +45,7 @@ class HybridBatcher:
         rowwise_max: chunks of at most this many rows are attended row by row."""
         self.W, self.lookback, self.bs = cfg.sliding_window, cfg.lookback, block_size
         self.rowwise_max = rowwise_max
+        self._window = np.arange(-self.W + 1, 1)
         self.spans = tuple(sorted(set(spans)))
         types = {cfg.layer_type(i) for i in range(cfg.num_hidden_layers)}
         self.rates = {t: cfg.rate(t) for t in sorted(types) if t != SLIDING}
@@ -68,14 +69,24 @@ class HybridBatcher:
         prebase = T + pre_start - (p - look)
         ids = np.arange(C)
 
-        def ctx(q: np.ndarray, c: np.ndarray) -> np.ndarray:
-            """ctx indices of positions q of chunks c (broadcast)."""
-            return np.where(q < 0, -1, np.where(q >= p[c], row0[c] + q - p[c], prebase[c] + q))
+        inside = row0 - p  # ctx index minus position, for a position in its chunk
+        one_row = T == C  # every chunk one row (a plain decode step): chunk i is row i
+
+        def ctx(q: np.ndarray, c: np.ndarray | None) -> np.ndarray:
+            """ctx indices of positions q of chunks c (broadcast; None: chunk i for row i)."""
+            if c is None:
+                start, a, b = p[:, None], inside[:, None], prebase[:, None]
+            else:
+                start, a, b = p[c], inside[c], prebase[c]
+            return np.where(q < 0, -1, q + np.where(q >= start, a, b))
 
         pre_c = np.repeat(ids, look)
-        row_c = np.repeat(ids, n)
-        write_pos = p[row_c] + np.arange(T) - row0[row_c]
-        write_end = end[row_c]
+        if one_row:
+            row_c, write_pos, write_end, w_ring = ids, p, end, ring
+        else:
+            row_c = np.repeat(ids, n)
+            write_pos = p[row_c] + np.arange(T) - row0[row_c]
+            write_end, w_ring = end[row_c], ring[row_c]
         # build_batch puts the short chunks first (rowwise_order); their rows are attended one
         # by one, each with its own window and entries, as decode rows are.
         Bd = next((i for i, q in enumerate(lens) if q > self.rowwise_max), C)
@@ -83,14 +94,14 @@ class HybridBatcher:
         rc, rpos = row_c[:R], write_pos[:R]
         meta = HybridMeta(
             pre_ring=_t(ring[pre_c]), pre_pos=_t(p[pre_c] - look[pre_c] + np.arange(len(pre_c)) - pre_start[pre_c]),
-            write_ring=_t(ring[row_c]), write_pos=_t(write_pos), write_end=_t(write_end),
+            write_ring=_t(w_ring), write_pos=_t(write_pos), write_end=_t(write_end),
             num_decode=R,
-            dec_keys=_t(ctx(rpos[:, None] + np.arange(-W + 1, 1)[None, :], rc[:, None])),
+            dec_keys=_t(ctx(rpos[:, None] + self._window[None, :], None if one_row else rc[:, None])),
         )
         pre_pos = p[pre_c] - look[pre_c] + np.arange(len(pre_c)) - pre_start[pre_c]
         for s in self.spans:
             keep = np.flatnonzero(write_pos >= write_end - s)
-            meta.keep[s], meta.keep_ring[s], meta.keep_slot[s] = _t(keep), _t(ring[row_c][keep]), _t(write_pos[keep] % s)
+            meta.keep[s], meta.keep_ring[s], meta.keep_slot[s] = _t(keep), _t(w_ring[keep]), _t(write_pos[keep] % s)
             meta.pre_slot[s] = _t(pre_pos % s)
         for i in range(Bd, C):
             c = chunks[i]
@@ -111,7 +122,7 @@ class HybridBatcher:
             meta.groups[t] = Groups(_t(ctx(w[:, None] * m + span[None, :], grp_c[:, None])), _t(w * m),
                                     _t(table[grp_c, (w * m) // bs]), _t((w * m % bs) // m))
             if R:
-                meta.dec_entries[t] = _entries(table[rc], rpos + 1, m, bs, (rpos + 1) // m)
+                meta.dec_entries[t] = _entries(table if one_row else table[rc], rpos + 1, m, bs, (rpos + 1) // m)
             for i, ext in enumerate(meta.extends, start=Bd):
                 ext.entries[t] = _entries(table[i : i + 1], end[i : i + 1], m, bs,
                                           (np.arange(p[i], end[i]) + 1) // m)
