@@ -23,8 +23,7 @@ from typing import Callable
 
 import torch
 
-from moemesh.shared.checkpoint.mapping import (CheckpointError, check_expert_ids, check_hash_table,
-                                               resolve_all)
+from moemesh.shared.checkpoint.mapping import CheckpointError, check_all, check_expert_ids, check_hash_table
 from moemesh.shared.checkpoint.names import Target, V3Names, is_experts
 from moemesh.shared.checkpoint.names_v4 import V4Names, is_scale, local_to_upstream, scale_names
 from moemesh.shared.checkpoint.quant import QuantSpec, dequant_fp4, dequant_fp8_block
@@ -40,13 +39,23 @@ log = logging.getLogger(__name__)
 __all__ = ["CheckpointError", "build_empty", "load_model", "weight_files"]
 
 
-def weight_files(model_dir: Path) -> list[Path]:
+def _weight_map(model_dir: Path) -> dict[str, str] | None:
+    """The safetensors index's tensor -> file map, or None without an index."""
     index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+    return weight_map
+
+
+def weight_files(model_dir: Path, weight_map: dict[str, str] | None = None) -> list[Path]:
+    """weight_map: the index's, when the caller has read it already."""
+    weight_map = weight_map if weight_map is not None else _weight_map(model_dir)
+    if weight_map is not None:
+        index = model_dir / "model.safetensors.index.json"
         files = sorted({model_dir / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
@@ -138,13 +147,15 @@ def load_model(
         quant = QuantSpec.from_config(cfg.raw, str(model_dir / "config.json")) if v4 else None
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    files = weight_files(model_dir)
+    weight_map = _weight_map(model_dir)
+    files = weight_files(model_dir, weight_map)
     names_by_file = {f: _tensor_names(f) for f in files}
-    file_of = _file_of(model_dir, names_by_file)
+    file_of = _file_of(model_dir, names_by_file, weight_map)
     names = V4Names() if v4 else V3Names(cfg.num_hidden_layers)
     skip = {n for n in file_of if v4 and is_scale(n) and _weight_of_scale(n) in file_of}  # read with their weight
+    resolved = {n: names.resolve(n) for n in file_of if n not in skip}
 
-    if cfg.has_mtp and not any((t := names.resolve(n)) and t.param.startswith("mtp.") for n in file_of):
+    if cfg.has_mtp and not any(t is not None and t.param.startswith("mtp.") for t in resolved.values()):
         log.warning("%s: config asks for an MTP layer but the checkpoint has none; speculative decoding is off", model_dir)
         cfg = replace(cfg, num_nextn_predict_layers=0)
 
@@ -152,7 +163,7 @@ def load_model(
     slots_of = expert_slots or (lambda layer: list(range(cfg.n_routed_experts)))
     state = dict(model.named_parameters())
     state.update({n: b for n, b in model.named_buffers() if not _computed(n)})
-    targets = resolve_all(file_of, skip, names, set(state), cfg)
+    targets = check_all(resolved, file_of, set(state), cfg)
     pending: dict[str, set] = {n: _pieces(n, t) for n, t in state.items()}
 
     for f in files:
@@ -190,7 +201,7 @@ def load_model(
     return model
 
 
-def _file_of(model_dir: Path, names_by_file: dict[Path, list[str]]) -> dict[str, Path]:
+def _file_of(model_dir: Path, names_by_file: dict[Path, list[str]], weight_map: dict[str, str] | None) -> dict[str, Path]:
     """tensor name -> the file holding it; a name in two files, or an index that puts a
     tensor in a file without it, is a corrupt checkpoint."""
     file_of: dict[str, Path] = {}
@@ -199,11 +210,10 @@ def _file_of(model_dir: Path, names_by_file: dict[Path, list[str]]) -> dict[str,
             other = file_of.setdefault(n, f)
             if other != f:
                 raise CheckpointError(f"{model_dir}: tensor {n!r} is stored twice, in {other.name} and {f.name}")
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        for n, fname in json.loads(index.read_text())["weight_map"].items():
-            if n not in file_of or file_of[n].name != fname:
-                raise CheckpointError(f"{index}: lists tensor {n!r} in {fname}, which does not hold it")
+    for n, fname in (weight_map or {}).items():
+        if n not in file_of or file_of[n].name != fname:
+            raise CheckpointError(f"{model_dir / 'model.safetensors.index.json'}: lists tensor {n!r} in {fname}, "
+                                  f"which does not hold it")
     return file_of
 
 

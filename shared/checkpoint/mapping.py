@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moemesh.shared.checkpoint.names import Names, Target
+from moemesh.shared.checkpoint.names import Target
 
 
 class CheckpointError(ValueError):
@@ -30,17 +30,17 @@ def hash_table(layer: int) -> str:
     return f"model.layers.{layer}.mlp.gate.tid2eid"
 
 
-def resolve_all(file_of: dict[str, Path], skip: set[str], names: Names, params: set[str], cfg) -> dict[str, Target]:
-    """Args: every tensor name -> its file; names read with another tensor (quantization
-    scales); the architecture's resolver; the model's parameter and buffer names; its
-    config. Returns: tensor name -> the parameter piece it fills."""
+def check_all(resolved: dict[str, Target | None], file_of: dict[str, Path], params: set[str],
+              cfg) -> dict[str, Target]:
+    """Args: what the architecture's resolver read each tensor name as (names read with
+    another tensor, quantization scales, left out); every tensor name -> its file; the
+    model's parameter and buffer names; its config. Returns: tensor name -> the
+    parameter piece it fills."""
     targets: dict[str, Target] = {}
     owner: dict[tuple[str, object], str] = {}  # (param, piece) -> the tensor that fills it
     num_experts = cfg.n_routed_experts
-    for name, f in file_of.items():
-        if name in skip:
-            continue
-        t = names.resolve(name)
+    for name, t in resolved.items():
+        f = file_of[name]
         if t is None:
             raise CheckpointError(f"{f.name}: unexpected tensor {name!r} (no {cfg.model_type} tensor is named so)")
         if t.param not in params:

@@ -69,10 +69,16 @@ def in_layer(prefix: str, rest: str) -> Target:
     return Target(prefix + rest)
 
 
-def split_layer(key: str) -> tuple[str, int, str] | None:
-    """('layers' | 'mtp', index, rest) of a key without the `model.` prefix."""
+def resolve_key(key: str, model_top: tuple[str, ...], layer_prefix) -> Target | None:
+    """What both architectures do once a key (no `model.` prefix) is in our spelling:
+    the model's top-level tensors (`model_top`), the head, and tensors inside a layer,
+    whose prefix `layer_prefix(head, index)` gives ('layers' or 'mtp', as on disk)."""
+    if key in model_top:
+        return Target("model." + key)
+    if key == "lm_head.weight":
+        return Target(key)
     m = _LAYER.match(key)
-    return None if m is None else (m["head"], int(m["i"]), m["rest"])
+    return None if m is None else in_layer(layer_prefix(m["head"], int(m["i"])), m["rest"])
 
 
 class V3Names:
@@ -82,22 +88,14 @@ class V3Names:
         self.num_hidden_layers = num_hidden_layers
 
     def resolve(self, name: str) -> Target | None:
-        key = name.removeprefix("model.")
-        if key in ("embed_tokens.weight", "norm.weight"):
-            return Target("model." + key)
-        if key == "lm_head.weight":
-            return Target(key)
-        parts = split_layer(key)
-        if parts is None:
-            return None
-        head, i, rest = parts
+        return resolve_key(name.removeprefix("model."), ("embed_tokens.weight", "norm.weight"), self._prefix)
+
+    def _prefix(self, head: str, i: int) -> str:
         if head == "mtp":  # moemesh's own name for it
-            prefix = f"mtp.{i}."
-        elif i >= self.num_hidden_layers:
-            prefix = f"mtp.{i - self.num_hidden_layers}."
-        else:
-            prefix = f"model.layers.{i}."
-        return in_layer(prefix, rest)
+            return f"mtp.{i}."
+        if i >= self.num_hidden_layers:
+            return f"mtp.{i - self.num_hidden_layers}."
+        return f"model.layers.{i}."
 
 
 def local_to_hf_names(param: str, num_slots: int, num_hidden_layers: int) -> list[str]:

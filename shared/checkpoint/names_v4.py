@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from moemesh.shared.checkpoint.names import Target, in_layer, split_layer
+from moemesh.shared.checkpoint.names import Target, resolve_key
 
 # (pattern, replacement), in transformers' order.
 _RULES = [(re.compile(p), r) for p, r in [
@@ -65,15 +65,11 @@ class V4Names:
         key = name.removeprefix("model.")
         for pattern, repl in _RULES:
             key = pattern.sub(repl, key, count=1)
-        if key in _MODEL_TOP:
-            return Target("model." + key)
-        if key == "lm_head.weight":
-            return Target(key)
-        parts = split_layer(key)
-        if parts is None:
-            return None
-        head, i, rest = parts
-        return in_layer(f"model.layers.{i}." if head == "layers" else f"mtp.{i}.", rest)
+        return resolve_key(key, _MODEL_TOP, _prefix)
+
+
+def _prefix(head: str, i: int) -> str:
+    return f"model.layers.{i}." if head == "layers" else f"mtp.{i}."
 
 
 # ---- writing the upstream layout ------------------------------------------------------

@@ -23,7 +23,6 @@ import logging
 import math
 import time
 from dataclasses import replace
-from functools import partial
 
 import torch
 
@@ -95,7 +94,7 @@ class LLMEngine(Admission, KVHandoff):
             self.kv = HybridKVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device, num_rings,
                                     self.num_spec, num_snaps)
             self.batcher = HybridBatcher(mcfg, cfg.block_size, tuple(r.count for r in self.kv.layout.rings))
-            self.draft_batcher = partial(self.batcher, sliding_only=True)
+            self.draft_batcher = self.batcher.sliding()
             if num_snaps:
                 self.snapshots = SnapshotCache(num_rings, num_snaps)
         else:

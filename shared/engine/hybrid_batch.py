@@ -22,6 +22,8 @@ tests/engine/hybrid_batch_ref.py keeps the chunk-at-a-time version as the refere
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -54,9 +56,15 @@ class HybridBatcher:
         """build_batch's sort key: the chunks attended row by row go first."""
         return len(chunk.token_ids) > self.rowwise_max
 
-    def __call__(self, chunks, T: int, sliding_only: bool = False) -> HybridMeta:
+    def sliding(self) -> "HybridBatcher":
+        """The MTP layer's batcher: it attends over the window only (no entries, no groups)."""
+        view = copy.copy(self)
+        view.rates = {}
+        return view
+
+    def __call__(self, chunks, T: int) -> HybridMeta:
         bs, W = self.bs, self.W
-        rates = {} if sliding_only else self.rates
+        rates = self.rates
         C = len(chunks)
         lens = [c.q_len for c in chunks]
         p = np.array([c.start for c in chunks], dtype=_I)
@@ -92,13 +100,13 @@ class HybridBatcher:
         Bd = next((i for i, q in enumerate(lens) if q > self.rowwise_max), C)
         R = int(row0[Bd]) if Bd < C else T  # rows of the first Bd chunks
         rc, rpos = row_c[:R], write_pos[:R]
+        pre_pos = p[pre_c] - look[pre_c] + np.arange(len(pre_c)) - pre_start[pre_c]
         meta = HybridMeta(
-            pre_ring=_t(ring[pre_c]), pre_pos=_t(p[pre_c] - look[pre_c] + np.arange(len(pre_c)) - pre_start[pre_c]),
+            pre_ring=_t(ring[pre_c]), pre_pos=_t(pre_pos),
             write_ring=_t(w_ring), write_pos=_t(write_pos), write_end=_t(write_end),
             num_decode=R,
             dec_keys=_t(ctx(rpos[:, None] + self._window[None, :], None if one_row else rc[:, None])),
         )
-        pre_pos = p[pre_c] - look[pre_c] + np.arange(len(pre_c)) - pre_start[pre_c]
         for s in self.spans:
             keep = np.flatnonzero(write_pos >= write_end - s)
             meta.keep[s], meta.keep_ring[s], meta.keep_slot[s] = _t(keep), _t(w_ring[keep]), _t(write_pos[keep] % s)

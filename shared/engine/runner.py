@@ -35,7 +35,7 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
     turned into tensors once; extend chunks use tensor ops per chunk.
     hybrid: a V4 engine's HybridBatcher (called as hybrid(chunks, T)), None for MLA."""
     if hybrid is not None:
-        chunks.sort(key=getattr(hybrid, "rowwise_order", _extends_last))
+        chunks.sort(key=hybrid.rowwise_order)
         return _to(_hybrid_batch(chunks, hybrid), device)
     chunks.sort(key=_extends_last)
     ids: list[int] = []

@@ -127,18 +127,13 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
             m = c.seq.matcher
             if best is not None and c.seq.params.greedy and m is None:
                 toks = accept_greedy(best[r : r + n], drafts)
-                new_tokens[id(c)] = toks
-                c.seq.num_drafted += len(drafts)
-                c.seq.num_accepted += len(toks) - 1
-                st.num_drafted += len(drafts)
-                st.num_accepted += len(toks) - 1
-                continue
-            # Constrained: each row is masked with the grammar's state after the drafts before
-            # it, so a forbidden draft is rejected; the rejected ones are rolled back after.
-            n_consumed = eng.grammar.mask_drafts(logits[r : r + n], m, drafts) if m is not None else 0
-            toks = verify(logits[r : r + n], drafts, c.seq.params, eng._gen(c.seq))
-            if m is not None:
-                eng.grammar.settle(m, n_consumed, toks)
+            else:
+                # Constrained: each row is masked with the grammar's state after the drafts
+                # before it, so a forbidden draft is rejected; the rejected ones are rolled back after.
+                n_consumed = eng.grammar.mask_drafts(logits[r : r + n], m, drafts) if m is not None else 0
+                toks = verify(logits[r : r + n], drafts, c.seq.params, eng._gen(c.seq))
+                if m is not None:
+                    eng.grammar.settle(m, n_consumed, toks)
             new_tokens[id(c)] = toks
             c.seq.num_drafted += len(drafts)
             c.seq.num_accepted += len(toks) - 1

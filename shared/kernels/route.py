@@ -153,9 +153,9 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, *, correction_bias: to
           tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
     """Same contract as route_ref; CUDA tensors (or MOEMESH_KERNELS=triton) run the kernel.
     A hash layer passes tid2eid and token_ids (the kernel looks its experts up itself)."""
-    if tid2eid is not None and fixed_ids is None and not use_triton(logits):
-        fixed_ids = tid2eid[token_ids]
     if not use_triton(logits):
+        if tid2eid is not None and fixed_ids is None:
+            fixed_ids = tid2eid[token_ids]
         return route_ref(logits, top_k, scoring, correction_bias=correction_bias, choice_bias=choice_bias,
                          n_group=n_group, topk_group=topk_group, group_score=group_score, norm=norm, scale=scale,
                          scale_after_norm=scale_after_norm, fixed_ids=fixed_ids)

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moemesh.shared.kernels.dispatch import use_triton
 from moemesh.shared.kernels.fused_moe import fused_moe
 from moemesh.shared.kernels.route import route
 from moemesh.shared.model.config import ModelConfig
@@ -37,32 +36,13 @@ def select_experts(
     `choice_bias` only shifts which experts win, never the weights; it is how the skew
     mode bends routing on purpose without changing the model's arithmetic.
     """
-    T, E = logits.shape
-    scores = logits.sigmoid() if scoring_func == "sigmoid" else logits.softmax(dim=-1)
-    choice = scores if correction_bias is None else scores + correction_bias
-    if choice_bias is not None:
-        choice = choice + choice_bias
-    if topk_method in ("noaux_tc", "group_limited_greedy") and n_group > 1:
-        grouped = choice.view(T, n_group, E // n_group)
-        if topk_method == "noaux_tc":
-            group_scores = grouped.topk(min(2, E // n_group), dim=-1)[0].sum(dim=-1)
-        else:
-            group_scores = grouped.max(dim=-1).values
-        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-        keep = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E).bool()
-        choice = choice.masked_fill(~keep, float("-inf"))
-    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if scoring_func == "sigmoid":  # DeepSeek-V3: normalise, then always scale
-        if norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * routed_scaling_factor
-    elif top_k > 1 and norm_topk_prob:  # DeepSeek-V2: normalise or scale, not both
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    else:
-        weights = weights * routed_scaling_factor
-    return weights, ids
+    # One implementation for every model (shared/kernels/route.py): the kernel on CUDA
+    # tensors, its torch reference, which is this function's arithmetic, elsewhere.
+    grouped = topk_method in ("noaux_tc", "group_limited_greedy") and n_group > 1
+    return route(logits, top_k, scoring_func, correction_bias=correction_bias, choice_bias=choice_bias,
+                 n_group=n_group if grouped else 1, topk_group=topk_group,
+                 group_score="top2" if topk_method == "noaux_tc" else "max", norm=norm_topk_prob,
+                 scale=routed_scaling_factor, scale_after_norm=scoring_func == "sigmoid")
 
 
 class Router(nn.Module):
@@ -86,14 +66,6 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
-        if use_triton(x):  # one kernel for what select_experts does in 10-25 ops
-            kw = self._kw
-            grouped = kw["topk_method"] in ("noaux_tc", "group_limited_greedy") and kw["n_group"] > 1
-            return route(logits, kw["top_k"], kw["scoring_func"], correction_bias=self.e_score_correction_bias,
-                         choice_bias=self.choice_bias, n_group=kw["n_group"] if grouped else 1,
-                         topk_group=kw["topk_group"], group_score="top2" if kw["topk_method"] == "noaux_tc" else "max",
-                         norm=kw["norm_topk_prob"], scale=kw["routed_scaling_factor"],
-                         scale_after_norm=kw["scoring_func"] == "sigmoid")
         return select_experts(
             logits, correction_bias=self.e_score_correction_bias, choice_bias=self.choice_bias, **self._kw
         )

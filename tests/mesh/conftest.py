@@ -8,7 +8,7 @@ import json
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,7 @@ class RunningMesh:
     prefill_id: str = "prefill-t"
     decode_id: str = "decode-t"
     gateway_id: str = "gw-t"
+    process_of: dict = field(default_factory=dict)  # prefill worker id -> its process's name in group
 
 
 def _wait_ready(url: str, group: ProcessGroup, timeout: float = 120, min_decode: int = 1) -> None:
@@ -68,7 +69,8 @@ def start_mesh(tmp: Path, model: str, prefill_set=(), decode_set=(), gateway_set
     try:
         for i in range(num_prefill):
             wid = m.prefill_id if i == 0 else f"{m.prefill_id}{i}"
-            group.start(f"prefill{i or ''}", py + ["moemesh.services.prefill", *common, "--worker-id", wid, *sets(prefill_set)])
+            m.process_of[wid] = f"prefill{i or ''}"
+            group.start(m.process_of[wid], py + ["moemesh.services.prefill", *common, "--worker-id", wid, *sets(prefill_set)])
         if kv_store_set is not None:
             group.start("kv_store", py + ["moemesh.services.kv_store", "--nats-url", nats_url, "--worker-id", "kv-store-t",
                                           *sets(kv_store_set)])
@@ -100,6 +102,21 @@ def mesh(tiny_model, tmp_path_factory):
     m = start_mesh(tmp_path_factory.mktemp("mesh"), tiny_model)
     yield m
     m.group.stop()
+
+
+def kill_prefill(mesh, worker_id: str, timeout: float = 10.0) -> None:
+    """SIGKILL prefill worker `worker_id` and wait until the gateway counts one prefill
+    worker."""
+    import signal
+
+    import httpx
+
+    name = mesh.process_of[worker_id]
+    next(c for c in mesh.group.children if c.name == name).popen.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while httpx.get(mesh.url + "/health").json()["workers"]["prefill"] != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
 
 
 def wait_free(mesh, timeout: float = 15.0) -> None:

@@ -14,7 +14,7 @@ import pytest
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.llm import LLM
 from moemesh.shared.protocol.sampling import SamplingParams
-from tests.mesh.conftest import start_mesh, worker_stats
+from tests.mesh.conftest import kill_prefill, start_mesh, worker_stats
 
 TURNS = ["Plan a trip to the mesh of experts", "Add the tool output: rank 3 is hot",
          "Now the router says balance again", "Summarise what changed"]
@@ -82,12 +82,7 @@ def test_a_new_prefill_worker_pulls_the_context_from_the_store(kv_mesh, no_reuse
     time.sleep(1.0)  # the finished blocks reach the store in the background
     before = {w: _stats(kv_mesh, w) for w in ("prefill-t", "prefill-t1")}
     holder = max(before, key=lambda w: before[w].counters["prompt_tokens"])
-    victim = next(c for c in kv_mesh.group.children if c.name == ("prefill" if holder == "prefill-t" else "prefill1"))
-    victim.popen.send_signal(signal.SIGKILL)  # the worker holding the context is gone
-    t0 = time.monotonic()
-    while httpx.get(kv_mesh.url + "/health").json()["workers"]["prefill"] != 1:
-        assert time.monotonic() - t0 < 10
-        time.sleep(0.2)
+    kill_prefill(kv_mesh, holder)  # the worker holding the context is gone
     assert _chat(kv_mesh.url, turns)[1:] == want[1:] and got == want[:1]
     other = "prefill-t1" if holder == "prefill-t" else "prefill-t"
     assert _stats(kv_mesh, other).counters["kv_pulled_tokens"] > 0

@@ -9,7 +9,6 @@ gives."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 
 import httpx
@@ -19,7 +18,7 @@ from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.llm import LLM
 from moemesh.shared.protocol.sampling import SamplingParams
 from tests.checkpoint.hf_built import reference
-from tests.mesh.conftest import start_mesh, worker_stats
+from tests.mesh.conftest import kill_prefill, start_mesh, worker_stats
 
 SETTINGS = ["max_num_seqs=2", "heartbeat_interval_s=0.2"]
 PREFILL = ("prefill-t", "prefill-t1")
@@ -82,12 +81,7 @@ def test_a_new_prefill_worker_pulls_the_context_and_answers_as_one_engine(hf_mes
     while not ((c := _counters(hf_mesh, "kv-store-t"))["held_blocks"] > 0 and c["held_snapshots"] > 0):
         assert time.monotonic() < deadline, c
         time.sleep(0.1)
-    victim = next(c for c in hf_mesh.group.children if c.name == ("prefill" if holder == "prefill-t" else "prefill1"))
-    victim.popen.send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
-    while httpx.get(hf_mesh.url + "/health").json()["workers"]["prefill"] != 1:
-        assert time.monotonic() - t0 < 10
-        time.sleep(0.2)
+    kill_prefill(hf_mesh, holder)  # the worker holding the context is gone
     assert _complete(hf_mesh, p2, 20) == want2
     other = next(w for w in PREFILL if w != holder)
     assert _counters(hf_mesh, other)["kv_pulled_tokens"] > 0

@@ -76,21 +76,3 @@ class HybridMeta:
     keep: dict[int, torch.Tensor] = field(default_factory=dict)  # rows a region keeps: among its chunk's last s
     keep_ring: dict[int, torch.Tensor] = field(default_factory=dict)  # their ring
     keep_slot: dict[int, torch.Tensor] = field(default_factory=dict)  # and slot, write_pos % s
-
-    def to(self, device) -> "HybridMeta":
-        def mv(x):
-            if isinstance(x, torch.Tensor):
-                return x.to(device)
-            if isinstance(x, (Groups, Entries, Extend)):
-                for k, v in vars(x).items():
-                    setattr(x, k, mv(v))
-                return x
-            if isinstance(x, dict):
-                return {k: mv(v) for k, v in x.items()}
-            if isinstance(x, list):
-                return [mv(v) for v in x]
-            return x
-
-        for k, v in vars(self).items():
-            setattr(self, k, mv(v))
-        return self

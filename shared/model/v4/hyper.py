@@ -15,11 +15,7 @@ from torch import nn
 
 from moemesh.shared.kernels.dispatch import use_triton
 from moemesh.shared.kernels.hyper import hc_merge, hc_mix
-
-
-def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS normalisation without a weight."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+from moemesh.shared.kernels.v4_rope import unit_rms_ref as unit_rms
 
 
 class HyperConnection(nn.Module):

@@ -18,20 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moemesh.shared.kernels.dispatch import use_triton
 from moemesh.shared.kernels.fused_moe import fused_moe
 from moemesh.shared.kernels.route import route
 from moemesh.shared.kernels.swiglu import swiglu
 from moemesh.shared.model.moe import Experts
 from moemesh.shared.model.v4.config import V4Config
-
-
-def scores_of(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    if scoring_func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
-    if scoring_func == "sigmoid":
-        return logits.sigmoid()
-    return logits.softmax(dim=-1)
 
 
 class V4Router(nn.Module):
@@ -45,22 +36,10 @@ class V4Router(nn.Module):
         self.norm, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.choice_bias: torch.Tensor | None = None  # skew mode: bends the choice, never the weights
 
-    def choose(self, scores: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        choice = scores + self.e_score_correction_bias
-        if self.choice_bias is not None:
-            choice = choice + self.choice_bias
-        return choice.topk(self.top_k, dim=-1, sorted=False).indices
-
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (weights [T, K] fp32, expert ids [T, K] int64)."""
-        if use_triton(x):  # the GEMM and one kernel (shared/kernels/route.py)
-            return self._route(F.linear(x.float(), self.weight.float()), input_ids)
-        scores = scores_of(F.linear(x.float(), self.weight.float()), self.scoring_func)
-        ids = self.choose(scores, input_ids)
-        weights = scores.gather(1, ids)
-        if self.norm:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scale, ids
+        """Returns (weights [T, K] fp32, expert ids [T, K] int64): the GEMM, then one routing
+        kernel on CUDA or its torch reference (shared/kernels/route.py)."""
+        return self._route(F.linear(x.float(), self.weight.float()), input_ids)
 
     def _route(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(logits, self.top_k, self.scoring_func, correction_bias=self.e_score_correction_bias,
@@ -72,9 +51,6 @@ class HashRouter(V4Router):
         super().__init__(cfg)
         del self.e_score_correction_bias  # hash layers have none
         self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
-
-    def choose(self, scores: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.tid2eid[input_ids].long()
 
     def _route(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(logits, self.top_k, self.scoring_func, norm=self.norm, scale=self.scale, tid2eid=self.tid2eid,
