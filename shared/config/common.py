@@ -80,6 +80,7 @@ class WorkerConfig(ServiceConfig):
     token_retention_s: float = 30.0
     enable_prefix_caching: bool = True  # reuse KV of prefixes computed before (and share it)
     num_prefix_snapshots: int = -1  # DeepSeek-V4: boundary snapshots kept for reuse (-1: max_num_seqs; 0: none)
+    decode_graphs: str = "auto"  # decode steps as CUDA graphs: auto (on a GPU), on, eager (static path, no capture), off
     # Wide expert parallelism: this process is rank dp_rank of a DEP-dp_size instance.
     dp_size: int = 1
     dp_rank: int = 0
@@ -104,6 +105,8 @@ class WorkerConfig(ServiceConfig):
         super().__post_init__()
         if not self.model:
             raise ValueError("model is required (a Hugging Face layout directory)")
+        if self.decode_graphs not in ("auto", "on", "eager", "off"):
+            raise ValueError(f"decode_graphs must be auto, on, eager or off, got {self.decode_graphs!r}")
         if not 0 <= self.dp_rank < self.dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={self.dp_size})")
         if self.uses_ep and not self.dist_init:

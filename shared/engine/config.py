@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROLES = ("both", "prefill", "decode")
+GRAPH_MODES = ("auto", "on", "eager", "off")  # see decode_graphs.py
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class EngineConfig:
     num_threads: int | None = None
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes computed before
     num_prefix_snapshots: int | None = None  # DeepSeek-V4: boundary snapshots kept (None: max_num_seqs)
+    decode_graphs: str = "auto"  # decode_graphs.py: auto (CUDA graphs on a GPU), on, eager, off
 
     @classmethod
     def for_worker(cls, cfg: WorkerConfig, role: str) -> EngineConfig:
@@ -44,6 +46,7 @@ class EngineConfig:
             num_speculative_tokens=None if cfg.num_speculative_tokens < 0 else cfg.num_speculative_tokens,
             num_threads=cfg.num_threads or None, enable_prefix_caching=cfg.enable_prefix_caching,
             num_prefix_snapshots=None if cfg.num_prefix_snapshots < 0 else cfg.num_prefix_snapshots,
+            decode_graphs=cfg.decode_graphs,
         )
 
     def __post_init__(self):
@@ -61,6 +64,11 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.num_prefix_snapshots is not None and self.num_prefix_snapshots < 0:
             raise ValueError("num_prefix_snapshots must be >= 0")
+        if self.decode_graphs not in GRAPH_MODES:
+            raise ValueError(f"decode_graphs must be one of {GRAPH_MODES}, got {self.decode_graphs!r}")
+        if self.decode_graphs == "on" and not self.device.startswith("cuda"):
+            raise ValueError(f"decode_graphs = 'on' captures CUDA graphs and needs a CUDA device, not {self.device!r}"
+                             " ('eager' runs the same static path on any device)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

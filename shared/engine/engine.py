@@ -31,6 +31,7 @@ from moemesh.shared.grammar.compile import GrammarError
 from moemesh.shared.engine.admission import Admission
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.decode_graphs import DecodeGraphs
 from moemesh.shared.engine.drafter import Drafter
 from moemesh.shared.engine.errors import NoCapacity, RequestError
 from moemesh.shared.engine.fork import ring_copies, take_copy
@@ -109,6 +110,7 @@ class LLMEngine(Admission, KVHandoff):
         self._parent_of: dict[str, str] = {}  # child request id -> its parent's, until the fork
         self.eos_ids = set(mcfg.eos_token_ids)
         self._eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
+        self.graphs = self._decode_graphs()
         self.drafter = Drafter(self.model, self.kv.forward_arg, cfg.block_size, self.num_spec, self.max_model_len,
                                self.device, lockstep, self.draft_batcher)
         self.last_stats = StepStats()
@@ -120,6 +122,25 @@ class LLMEngine(Admission, KVHandoff):
         # case) means a step does no grammar work at all.
         self.grammar = GrammarRuntime(cfg.model, mcfg.vocab_size, self.eos_ids)
         self.constrained: dict[str, Sequence] = {}
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """The static decode path (decode_graphs.py), for the MLA models; None: off."""
+        mode = self.cfg.decode_graphs
+        capture = mode == "on" or (mode == "auto" and self.device.type == "cuda")
+        if mode == "off" or (mode == "auto" and not capture) or self.hybrid \
+                or not isinstance(self.model, DeepseekForCausalLM):
+            return None
+        graphs = DecodeGraphs(self.model, self.kv.forward_arg, self.cfg.block_size, self.kv.scratch_block,
+                              self.cfg.max_num_seqs, self.max_model_len, capture)
+        if capture:
+            try:
+                graphs.capture_all()
+            except Exception as e:  # noqa: BLE001 - a path that cannot be captured runs eagerly
+                if mode == "on":
+                    raise
+                log.warning("decode steps run without CUDA graphs: capture failed (%s)", e)
+                return None
+        return graphs
 
     @property
     def can_overlap(self) -> bool:
@@ -260,7 +281,7 @@ class LLMEngine(Admission, KVHandoff):
         """The device part (forward, logits, sampling). Safe on another thread while the
         host plans or lands other steps; call it under torch.inference_mode(), which the
         device thread enters once. before_wait: see planned_step.run."""
-        run(step, self.model, self.kv.forward_arg, before_wait)
+        run(step, self.model, self.kv.forward_arg, before_wait, self.graphs)
 
     @property
     def device_is_async(self) -> bool:

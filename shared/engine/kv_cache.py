@@ -1,7 +1,8 @@
 """The paged latent KV cache and its export/import as contiguous buffers.
 
-Layout: [num_cache_layers, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim].
-The MTP layer's cache is the last layer. A request's export is the same layout
+Layout: [num_cache_layers, num_blocks + 1, block_size, kv_lora_rank + qk_rope_head_dim].
+The MTP layer's cache is the last layer. The last block is scratch, owned by no
+sequence: the padding rows of a static decode batch write there (decode_graphs.py). A request's export is the same layout
 restricted to its blocks: [num_cache_layers, n, block_size, D], one contiguous buffer
 that a transport can move as raw bytes.
 """
@@ -20,8 +21,9 @@ class KVCache:
             raise ValueError(f"block_size must be a power of two for {cfg.model_type}, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.scratch_block = num_blocks
         self.tensor = torch.zeros(
-            cfg.num_cache_layers, num_blocks, block_size, cfg.kv_cache_dim, dtype=dtype, device=device
+            cfg.num_cache_layers, num_blocks + 1, block_size, cfg.kv_cache_dim, dtype=dtype, device=device
         )
 
     @property

@@ -27,23 +27,23 @@ class LoadTracker:
             moe.on_route = self._on_route
 
     def _on_route(self, layer_id: int, ids: torch.Tensor) -> None:
-        if ids.numel():
-            self._current[self._row[layer_id]] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.num_experts)
+        # Counted where the routing ran: reading ids to the host would stop the host at
+        # every MoE layer of every step until the device caught up.
+        flat = ids.reshape(-1)
+        if self._current.device != flat.device:  # once, at the first step
+            self._current, self._window = self._current.to(flat.device), self._window.to(flat.device)
+        self._current[self._row[layer_id]].index_add_(0, flat, torch.ones_like(flat))
 
     def end_step(self) -> None:
-        """Close the current step's counts into the window (call between steps)."""
+        """Close the current step's counts into the window (call between steps). Reads
+        nothing from the device."""
         self.total_steps += 1
-        if not int(self._current.sum()):
-            self._steps.append(None)
-        else:
-            self._steps.append(self._current)
-            self._window += self._current
-            self._current = torch.zeros_like(self._current)
+        self._steps.append(self._current)
+        self._window += self._current
+        self._current = torch.zeros_like(self._current)
         while len(self._steps) > self.window_steps:
-            old = self._steps.popleft()
-            if old is not None:
-                self._window -= old
+            self._window -= self._steps.popleft()
 
     def window(self) -> torch.Tensor:
-        """[L, E] tokens per layer and logical expert over the last window_steps steps."""
-        return self._window.clone()
+        """[L, E] tokens per layer and logical expert over the last window_steps steps, on the CPU."""
+        return self._window.to("cpu", copy=True)

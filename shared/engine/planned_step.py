@@ -78,12 +78,13 @@ class PlannedStep:
         return len(self.seqs)
 
 
-def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> None:
+def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None, forward=None) -> None:
     """The device part of a step. Runs on the engine's device thread, one step at a time.
     Touches only the step's own tensors and the cache slots its chunks own.
 
     before_wait() is called once the step's work is queued on the device, just before
-    the thread waits for it (a device that computes asynchronously; see DeviceThread)."""
+    the thread waits for it (a device that computes asynchronously; see DeviceThread).
+    forward: what runs the model's forward (DecodeGraphs), the model itself if None."""
     step.t_start = time.perf_counter()
     prev, step.prev = step.prev, None  # no chain of steps kept alive
     batch = step.batch
@@ -95,7 +96,7 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None) -> 
         kv_caches.copy_rings([r[:2] for r in step.restores])
     if step.copies:
         copy_blocks(kv_caches, step.copies)
-    hidden = model(batch, kv_caches)
+    hidden = (forward or model)(batch, kv_caches)
     if step.ring_copies:
         kv_caches.copy_rings(step.ring_copies)
     if step.snapshots:

@@ -33,6 +33,7 @@ class ForwardBenchConfig:
     device: str = "cpu"
     num_threads: int | None = None
     seed: int = 0
+    decode_graphs: str = "auto"  # EngineConfig.decode_graphs
 
 
 def fill_dummy(engine: LLMEngine, request_id: str, context_len: int, params: SamplingParams, rng: random.Random) -> None:
@@ -57,6 +58,7 @@ def run(cfg: ForwardBenchConfig) -> dict:
         max_num_seqs=max_b, max_num_batched_tokens=max(max_b, max_p),
         num_kv_blocks=max(max_b * per_seq, -(-max_p // bs) + 2), num_threads=cfg.num_threads,
         max_model_len=max(cfg.context_len + cfg.steps + cfg.warmup + 8, max_p + 2),
+        decode_graphs=cfg.decode_graphs,
     ))
     params = SamplingParams(max_tokens=cfg.steps + cfg.warmup + 2, temperature=0, ignore_eos=True)
     decode = []

@@ -23,6 +23,8 @@ def register(bsub) -> None:
     f.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1, as mesh workers run; 0 for torch's default)")
     f.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    f.add_argument("--decode-graphs", default="auto", choices=("auto", "on", "eager", "off"),
+                   help="decode steps as CUDA graphs (auto: on a GPU); eager: the static path uncaptured")
     f.add_argument("--out", default="bench-results/forward.json", help="JSON file for the results")
     f.set_defaults(func=run)
 
@@ -35,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = forward.ForwardBenchConfig(
         model=args.model, batch_sizes=args.batch_sizes, context_len=args.context_len,
         prefill_lens=args.prefill_lens, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
-        device=args.device, num_threads=args.threads or None, seed=args.seed)
+        device=args.device, num_threads=args.threads or None, seed=args.seed,
+        decode_graphs=args.decode_graphs)
     try:
         result = forward.run(cfg)
     except (CheckpointError, ValueError) as e:

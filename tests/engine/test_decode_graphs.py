@@ -1,0 +1,114 @@
+"""The static decode path (decode_graphs.py), run eagerly on a CPU: the same buffers,
+buckets and padding a CUDA graph replays, against the dynamic path it replaces."""
+
+import pytest
+import torch
+
+from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine.decode_graphs import DecodeGraphs, buckets
+from moemesh.shared.engine.load_tracker import LoadTracker
+from moemesh.shared.engine.runner import Chunk, build_batch
+from moemesh.shared.protocol.sampling import SamplingParams
+from tests.engine.test_planned_steps import run_overlapped
+
+
+def _requests(eng) -> None:
+    # Lengths that end at different steps, so the batch shrinks through 7, 5, 3 and 1
+    # rows and rows that were real are padding again. Two rows sample with a seed.
+    for i in range(7):
+        params = SamplingParams(max_tokens=3 + 4 * (i % 4), temperature=0.8 if i % 3 == 0 else 0.0,
+                                seed=11 + i if i % 3 == 0 else None, ignore_eos=True)
+        eng.add_request(f"r{i}", [(17 * i + j) % 200 + 1 for j in range(5 + 3 * i)], params)
+
+
+def _engine(factory, mode):
+    return factory(num_speculative_tokens=0, max_model_len=256, max_num_seqs=24, decode_graphs=mode)
+
+
+def _counted(monkeypatch) -> list[int]:
+    sizes: list[int] = []
+    forward = DecodeGraphs._forward
+
+    def spy(self, size):
+        sizes.append(size)
+        return forward(self, size)
+
+    monkeypatch.setattr(DecodeGraphs, "_forward", spy)
+    return sizes
+
+
+def test_static_path_equals_dynamic(tiny_engine_factory, monkeypatch):
+    sizes = _counted(monkeypatch)
+    outs, kv, loads = {}, {}, {}
+    for mode in ("off", "eager"):
+        eng = _engine(tiny_engine_factory, mode)
+        tracker = LoadTracker(eng.model, window_steps=1000)
+        try:
+            _requests(eng)
+            outs[mode] = run_overlapped(eng, {})
+            tracker.end_step()
+            kv[mode], loads[mode] = eng.kv.tensor.clone(), tracker.window()
+        finally:
+            for m in eng.model.moe_layers().values():
+                m.on_route = None
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    assert outs["eager"] == outs["off"]
+    assert len(outs["off"]) == 7
+    # Every decode step took the static path, at buckets 8, 4, 2 and 1 as the batch shrank.
+    assert sizes and set(sizes) <= {1, 2, 4, 8} and {8, 1} <= set(sizes)
+    # The caches agree on every block a sequence owns; padding wrote the scratch block only.
+    n = kv["off"].shape[1] - 1
+    torch.testing.assert_close(kv["eager"][:, :n], kv["off"][:, :n], rtol=1e-5, atol=1e-5)
+    assert not kv["off"][:, n].any() and kv["eager"][:, n].any()
+    # The load tracker counts the real rows, not the padding.
+    assert torch.equal(loads["eager"], loads["off"]) and loads["off"].sum() > 0
+
+
+def test_rows_that_were_real_are_padding_again(tiny_engine_factory):
+    eng = _engine(tiny_engine_factory, "eager")
+    g = eng.graphs
+    for i in range(5):
+        eng.add_request(f"s{i}", [3 + i, 4, 5], SamplingParams(max_tokens=4, temperature=0.0))
+    eng.step()  # the prompts
+    seqs = [eng.seqs[f"s{i}"] for i in range(5)]
+
+    def decode(k):
+        chunks = [Chunk(s, s.num_computed, [s.token_ids[s.num_computed]]) for s in seqs[:k]]
+        return build_batch(chunks, eng.cfg.block_size)
+
+    with torch.inference_mode():
+        g(decode(5), eng.kv.forward_arg)
+        assert (g._slots[:5] != g.scratch_slot).all()
+        hidden = g(decode(2), eng.kv.forward_arg)
+    assert hidden.shape[0] == 2
+    assert (g._slots[2:8] == g.scratch_slot).all() and (g._lens[2:8] == 1).all()
+    for s in seqs:
+        eng.abort(s.request_id)
+
+
+def test_batches_it_does_not_take_run_dynamically(tiny_engine_factory, monkeypatch):
+    sizes = _counted(monkeypatch)
+    eng = _engine(tiny_engine_factory, "eager")
+    eng.add_request("p", list(range(1, 40)), SamplingParams(max_tokens=2, temperature=0.0))
+    eng.step()  # a prompt chunk: dynamic
+    assert sizes == []
+    eng.step()  # one decode row: bucket 1
+    assert sizes == [1]
+    assert not eng.has_unfinished()
+
+
+def test_buckets_and_modes(tiny_engine_factory):
+    assert buckets(1) == (1,)
+    assert buckets(8) == (1, 2, 4, 8)
+    assert buckets(40) == (1, 2, 4, 8, 16, 32, 40)
+    assert buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert _engine(tiny_engine_factory, "auto").graphs is None  # a CPU: no capture, no static path
+    assert _engine(tiny_engine_factory, "off").graphs is None
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        EngineConfig(model="m", decode_graphs="on")
+    with pytest.raises(ValueError, match="decode_graphs must be one of"):
+        EngineConfig(model="m", decode_graphs="always")
+
+
+def test_v4_keeps_the_dynamic_path(tiny_v4_engine_factory):
+    assert tiny_v4_engine_factory(decode_graphs="eager").graphs is None
