@@ -48,6 +48,7 @@ class KVHandoff:
         """The MTP drafts proposed for a held request's first decode step, to hand off with
         its KV: they come from its last prompt position's hidden state, which only this
         engine has (empty without MTP)."""
+        self.drafter.resolve()
         return list(self.held[request_id].draft_ids)
 
     def release(self, request_id: str) -> bool:

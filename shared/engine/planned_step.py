@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moemesh.shared.engine import sampler
+from moemesh.shared.engine import host_copy, sampler
 from moemesh.shared.engine.fork import copy_blocks
 from moemesh.shared.engine.runner import Chunk
 from moemesh.shared.engine.sequence import Sequence
@@ -119,7 +119,7 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None, for
         if before_wait is not None:
             before_wait()
             before_wait = None
-        step.sampled = sampled.cpu()  # a CUDA device is waited for here
+        step.sampled, = host_copy.to_host(sampled)  # a CUDA device is waited for here
     if before_wait is not None:
         before_wait()
     sync = getattr(model, "synchronize", None)

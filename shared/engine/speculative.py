@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moemesh.shared.engine import sampler
+from moemesh.shared.engine import host_copy, sampler
 from moemesh.shared.engine.fork import copy_blocks, ring_copies, take_copy
 from moemesh.shared.engine.outputs import RequestOutput, StepStats
 from moemesh.shared.engine.runner import Chunk, build_batch
@@ -36,6 +36,7 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
         return []
     chunks = [eng._chunk(s) for s in sched.scheduled]
     batch = build_batch(chunks, eng.cfg.block_size, eng.device, eng.batcher)
+    eng.drafter.fill(chunks, batch)  # the drafts it verifies, still on the device
     st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
     st.scheduled = [c.seq.request_id for c in chunks]
     if eng._parent_of:  # a parent's chunk: to a worker, its children were scheduled
@@ -98,8 +99,17 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
         # Decode-only batches sample every row in order: a slice, not a gather.
         rows = hidden[: len(sample_rows)] if sample_rows[-1] == len(sample_rows) - 1 else hidden[sample_rows]
         t = time.perf_counter()
-        logits = eng.model.compute_logits(rows).cpu()
+        logits = eng.model.compute_logits(rows)
+        pending = eng.drafter.pending
+        # The step's one wait: the logits and the drafts it verifies, read together.
+        if pending is None:
+            logits, = host_copy.to_host(logits)
+        else:
+            logits, drafted = host_copy.to_host(logits, pending)
+            eng.drafter.resolve(drafted)
         st.logits_s = time.perf_counter() - t
+    else:
+        eng.drafter.resolve()
 
     # Plain (non-speculative) rows are sampled together; draft verification is per sequence.
     plain = [(c, r) for c, r, n in samplers if n == 1]
@@ -123,7 +133,8 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
     best = logits.argmax(dim=-1).tolist() if any(greedy) else None
     for c, r, n in samplers:
         if n > 1:
-            drafts = c.token_ids[c.q_len - (n - 1):]
+            drafts = c.seq.draft_ids[: n - 1]  # read by now (the chunk holds placeholders)
+            c.token_ids[c.q_len - (n - 1):] = drafts
             m = c.seq.matcher
             if best is not None and c.seq.params.greedy and m is None:
                 toks = accept_greedy(best[r : r + n], drafts)

@@ -37,6 +37,7 @@ def _offline(make, prompt, k):
     eng.add_request("r", prompt, GREEDY)
     while not eng.seqs["r"].num_output_tokens:
         eng.step()
+    eng.drafter.resolve()  # drafts stay on the device until the step that verifies them
     first, drafts = eng.seqs["r"].output_ids, list(eng.seqs["r"].draft_ids)
     return first, drafts, _steps(eng)
 

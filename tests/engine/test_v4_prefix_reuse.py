@@ -106,6 +106,7 @@ def _record_drafts(eng: LLMEngine) -> list[list[int]]:
 
     def wrapped(work, hidden):
         propose(work, hidden)
+        eng.drafter.resolve()  # read them now; the next step then verifies them as read
         seen.extend(list(c.seq.draft_ids) for c, _ in work if c.seq.draft_ids)
 
     eng.drafter.propose = wrapped

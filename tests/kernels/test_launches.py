@@ -10,7 +10,7 @@ from moemesh.tools.bench.launches import LaunchesBenchConfig, run, table
 
 
 def _run(model: str) -> dict:
-    return run(LaunchesBenchConfig(model=model, batch_sizes=(1, 4), context_len=64, prefill_len=16))
+    return run(LaunchesBenchConfig(model=model, batch_sizes=(1, 4), context_len=64, prefill_len=16, spec_tokens=2))
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,8 @@ def test_every_step_is_counted_by_scope(counts, arch):
         counted = sum(v["launches"] for k, v in scopes.items() if k != "land")
         assert counted == step["launches"] > 0
         assert step["triton_launches"] > 0  # the kernels ran, not the reference
-        assert ("read sampled ids", 1) in step["sync_ops"]
-    assert "decode B=4" in table(r) and "prefill 16" in table(r)
+        assert ("host read", 1) in step["sync_ops"]
+    assert "decode B=4" in table(r) and "prefill 16" in table(r) and "mtp B=4 k=2" in table(r)
 
 
 @pytest.mark.parametrize("arch", ["v3", "v4"])
@@ -56,3 +56,13 @@ def test_a_decode_step_stays_within_its_launch_budget_and_syncs_once(counts, arc
     b1, b4 = r["decode"]
     assert b1["launches"] == b4["launches"] <= per_layer * r["model"]["num_hidden_layers"] + extra
     assert b1["syncs"] == b4["syncs"] == 1 and r["prefill"]["syncs"] == 1
+
+
+@pytest.mark.parametrize("arch", ["v3", "v4"])
+def test_an_mtp_step_syncs_once(counts, arch):
+    # It verifies the drafts proposed the step before and drafts twice more: the drafts
+    # stay on the device, read with the target's logits in the step's one wait.
+    for step in counts[arch]["mtp"]:
+        assert step["drafted"] == 2 * step["batch"]
+        assert step["syncs"] == 1 and step["sync_ops"] == [("host read", 1)]
+        assert step["launches"] > counts[arch]["decode"][0]["launches"]  # the draft passes counted too

@@ -187,6 +187,7 @@ def test_mtp_head_matches_its_reference_and_drafts_its_argmax(v4_ref, monkeypatc
     want = mtp_reference_logits(v4_ref.model_dir, model, p + out[:1])
     assert ours.shape == want.shape
     assert (ours - want).abs().max().item() < 1e-4
+    eng.drafter.resolve()
     assert eng.seqs["r"].draft_ids == [int(want[-1].argmax())]
 
 

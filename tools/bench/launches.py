@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moemesh.shared.engine.config import EngineConfig
+from moemesh.shared.engine import host_copy
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.kernels.dispatch import ENV_VAR
 from moemesh.shared.model.config import ModelConfig
@@ -48,15 +49,16 @@ class LaunchesBenchConfig:
     kernels: str = "triton"  # the kernel path, or "torch" for the CPU reference path
     top: int = 12
     seed: int = 0
+    spec_tokens: int = 0  # > 0: also count an MTP step (verify that many drafts, draft as many)
 
 
-def _engine(cfg: LaunchesBenchConfig) -> LLMEngine:
+def _engine(cfg: LaunchesBenchConfig, spec_tokens: int = 0) -> LLMEngine:
     max_b = max(cfg.batch_sizes)
     bs = math.lcm(16, getattr(ModelConfig.from_dir(cfg.model), "block_multiple", 1))
     per_seq = -(-(cfg.context_len + 8) // bs) + 1
     return LLMEngine(EngineConfig(
-        model=cfg.model, num_speculative_tokens=0, max_num_seqs=max_b,
-        max_num_batched_tokens=max(max_b, cfg.prefill_len), num_threads=1,
+        model=cfg.model, num_speculative_tokens=spec_tokens, max_num_seqs=max_b,
+        max_num_batched_tokens=max(max_b * (1 + spec_tokens), cfg.prefill_len), num_threads=1,
         num_kv_blocks=max_b * per_seq + -(-cfg.prefill_len // bs) + 2,
         max_model_len=max(cfg.context_len, cfg.prefill_len) + 16, enable_prefix_caching=False,
     ))
@@ -76,7 +78,7 @@ def count_step(engine: LLMEngine, top: int) -> dict:
     counter = LaunchCounter()
     handles = _hooks(counter, engine.model)
     try:
-        with counting_triton(counter), counter, torch.inference_mode():
+        with counting_triton(counter), _counting_reads(counter), counter, torch.inference_mode():
             with counter.scoped("plan"):
                 step = engine.plan_step()
             with counter.scoped("model"):
@@ -89,18 +91,54 @@ def count_step(engine: LLMEngine, top: int) -> dict:
     if engine.device.type == "cpu":  # a GPU engine copies the batch's index tensors over, packed in one buffer
         counter.launches["plan"]["copy to device"] += 1
     land = {"ops": sum(counter.launches.pop("land", {}).values()), "host_reads": sum(counter.syncs.pop("land", {}).values())}
-    if step.seqs:
-        counter.syncs["model"]["read sampled ids"] += 1
+    return _summary(counter, top, step.batch.num_tokens, land)
+
+
+def count_mtp_step(engine: LLMEngine, top: int) -> dict:
+    """Counts one whole MTP step (verify the drafts in flight, sample, draft the next):
+    everything outside the layers is charged to `model`."""
+    counter = LaunchCounter()
+    handles = _hooks(counter, engine.model)
+    try:
+        with counting_triton(counter), _counting_reads(counter), counter, torch.inference_mode():
+            with counter.scoped("model"):
+                engine.step()
+    finally:
+        for h in handles:
+            h.remove()
+    st = engine.last_stats
+    if engine.device.type == "cpu":  # the target's batch and each draft pass's, one packed copy each
+        counter.launches["plan"]["copy to device"] += engine.num_spec + 1
+    return _summary(counter, top, st.num_tokens) | {"drafted": st.num_drafted, "accepted": st.num_accepted}
+
+
+@contextmanager
+def _counting_reads(counter: LaunchCounter):
+    """Each host_copy.to_host call is one wait for the device (invisible on a CPU)."""
+    orig = host_copy.to_host
+
+    def counted(*tensors):
+        counter.syncs[counter.scope]["host read"] += 1
+        return orig(*tensors)
+
+    host_copy.to_host = counted
+    try:
+        yield
+    finally:
+        host_copy.to_host = orig
+
+
+def _summary(counter: LaunchCounter, top: int, num_tokens: int, land: dict | None = None) -> dict:
     layers = sorted({s for s in counter.launches if s.startswith(("layer.", "mtp."))},
                     key=lambda s: (s.split(".")[0] == "mtp", int(s.split(".")[1])))
     return {
         "launches": counter.total(), "syncs": counter.total("syncs"),
         "by_scope": {s: {"launches": sum(counter.launches[s].values()), "syncs": sum(counter.syncs[s].values())}
-                     for s in ["plan", *layers, "model"]} | {"land": land},
+                     for s in ["plan", *layers, "model"]} | ({"land": land} if land is not None else {}),
         "per_layer": (sum(counter.total(prefix=s) for s in layers) / len(layers)) if layers else 0.0,
         "triton_launches": sum(n for c in counter.launches.values() for op, n in c.items() if op.startswith("triton.")),
         "top_ops": counter.top(top), "sync_ops": counter.top(top, "syncs"),
-        "num_tokens": step.batch.num_tokens,
+        "num_tokens": num_tokens,
     }
 
 
@@ -140,6 +178,7 @@ def _run(cfg: LaunchesBenchConfig) -> dict:
     engine.add_request("prefill", [rng.randrange(vocab) for _ in range(cfg.prefill_len)], params)
     prefill = {"prompt_len": cfg.prefill_len, **count_step(engine, cfg.top)}
     engine.abort("prefill")
+    mtp = _mtp_steps(cfg, rng) if cfg.spec_tokens else []
     return {
         "bench": "launches",
         "config": asdict(cfg),
@@ -148,7 +187,29 @@ def _run(cfg: LaunchesBenchConfig) -> dict:
         "env": environment("cpu") | {"kernels": cfg.kernels, "triton_interpret": os.environ.get("TRITON_INTERPRET")},
         "decode": decode,
         "prefill": prefill,
+        "mtp": mtp,
     }
+
+
+def _mtp_steps(cfg: LaunchesBenchConfig, rng: random.Random) -> list[dict]:
+    """For each batch size, the second step of B sequences with MTP on: the first drafts,
+    the second verifies those drafts and drafts again (a steady MTP step)."""
+    engine = _engine(cfg, cfg.spec_tokens)
+    if not engine.use_mtp:
+        raise ValueError(f"{cfg.model}: no MTP layer to draft with")
+    params = SamplingParams(max_tokens=4 + 2 * cfg.spec_tokens, temperature=0, ignore_eos=True)
+    out = []
+    for b in cfg.batch_sizes:
+        ids = [f"m{b}-{i}" for i in range(b)]
+        for rid in ids:
+            fill_dummy(engine, rid, cfg.context_len, params, rng)
+        with torch.inference_mode():
+            engine.step()
+        out.append({"batch": b, "context_len": cfg.context_len, "spec_tokens": cfg.spec_tokens,
+                    **count_mtp_step(engine, cfg.top)})
+        for rid in ids:
+            engine.abort(rid)
+    return out
 
 
 def table(result: dict) -> str:
@@ -159,6 +220,9 @@ def table(result: dict) -> str:
     for name, d in rows:
         lines.append(f"{name:>16} {d['launches']:>9} {d['per_layer']:>10.1f} {d['by_scope']['plan']['launches']:>6} "
                      f"{d['syncs']:>6}")
+    for d in result.get("mtp", []):
+        lines.append(f"{'mtp B=' + str(d['batch']) + ' k=' + str(d['spec_tokens']):>16} {d['launches']:>9} "
+                     f"{d['per_layer']:>10.1f} {d['by_scope']['plan']['launches']:>6} {d['syncs']:>6}")
     last = result["decode"][-1]
     lines.append(f"top ops at B={last['batch']}: " + ", ".join(f"{n} {c}" for n, c in last["top_ops"]))
     if last["sync_ops"]:

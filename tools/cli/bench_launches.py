@@ -17,6 +17,8 @@ def register(bsub) -> None:
     f.add_argument("--prefill-len", type=int, default=128, help="tokens of the prefill chunk")
     f.add_argument("--kernels", choices=["triton", "torch"], default="triton",
                    help="the kernel path (on a CPU under the Triton interpreter) or the torch reference path")
+    f.add_argument("--spec-tokens", type=int, default=0,
+                   help="also count a steady MTP step verifying and drafting this many tokens (0: off)")
     f.add_argument("--top", type=int, default=12, help="how many of the most frequent ops to list")
     f.add_argument("--out", default="bench-results/launches.json", help="JSON file for the results")
     f.set_defaults(func=run)
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from moemesh.tools.cli.bench_io import save
 
     cfg = launches.LaunchesBenchConfig(model=args.model, batch_sizes=args.batch_sizes, context_len=args.context_len,
-                                       prefill_len=args.prefill_len, kernels=args.kernels, top=args.top)
+                                       prefill_len=args.prefill_len, kernels=args.kernels, top=args.top,
+                                       spec_tokens=args.spec_tokens)
     try:
         result = launches.run(cfg)
     except (CheckpointError, ValueError) as e:

@@ -1,0 +1,30 @@
+"""Reading device values on the host, the one wait a decode step may have.
+
+Each read of a device tensor (`.cpu()`, `.tolist()`, `.item()`) stops the host until
+the device has caught up. A step that needs several values (the target's logits and
+the MTP drafts proposed the step before) reads them here together: the copies are
+queued without waiting, then the host waits once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors on the CPU (those already there as they are), after one wait. Callers
+    reach it as host_copy.to_host, so that the launch accounting can count the waits."""
+    dev = [t for t in tensors if t.device.type != "cpu"]
+    if not dev:
+        return list(tensors)
+    out = []
+    for t in tensors:
+        if t.device.type == "cpu":
+            out.append(t)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=t.is_cuda)
+        out.append(host)
+    if any(t.is_cuda for t in dev):
+        torch.cuda.current_stream(dev[0].device).synchronize()
+    return out
