@@ -74,7 +74,8 @@ class DecodeGraphs:
 
     def fits(self, batch: ForwardBatch) -> bool:
         b = batch.num_tokens
-        return (batch.hybrid is None and not batch.extends and batch.num_decode == b and 0 < b <= self.buckets[-1]
+        return (batch.hybrid is None and not batch.extends and batch.num_decode == batch.num_rowwise == b
+                and 0 < b <= self.buckets[-1]
                 and batch.decode_block_tables.shape[1] <= self.width
                 and all(m.runner is None for m in self._moes))
 
@@ -119,7 +120,7 @@ class DecodeGraphs:
 
     def _static_batch(self, size: int) -> ForwardBatch:
         return ForwardBatch(input_ids=self._ids[:size], positions=self._pos[:size], slot_mapping=self._slots[:size],
-                            num_decode=size, decode_block_tables=self._tables[:size],
+                            num_decode=size, num_rowwise=size, decode_block_tables=self._tables[:size],
                             decode_context_lens=self._lens[:size])
 
     def _forward(self, size: int) -> torch.Tensor:

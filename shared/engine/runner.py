@@ -1,8 +1,11 @@
 """Turns scheduled work into a ForwardBatch: token ids, positions, cache slots.
 
 A *chunk* is the slice of one sequence computed in one forward: `q_len` tokens placed
-at positions start .. start+q_len-1. Chunks with q_len == 1 go first in the packed
-batch (the batched decode path); longer ones follow (the extend path).
+at positions start .. start+q_len-1. Chunks of at most ROWWISE_MAX rows (a decode token,
+or one with its MTP drafts to verify) go first in the packed batch, each row attended on
+its own by the batched decode path, with its own position and context (its chunk's KV
+is in the cache before attention, so that is causal attention); longer chunks (prompts)
+follow, each on the extend path.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass, is_dataclass
 
 import torch
 
+from moemesh.shared.engine.hybrid_batch import ROWWISE_MAX
 from moemesh.shared.engine.sequence import Sequence
 from moemesh.shared.model.batch import ExtendSeq, ForwardBatch
 
@@ -30,7 +34,7 @@ class Chunk:
 
 def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str = "cpu",
                 hybrid=None) -> ForwardBatch:
-    """Orders chunks decode-first (in place) and packs them. Decode chunks are the bulk at
+    """Orders chunks rowwise-first (in place) and packs them. Those rows are the bulk at
     large batch sizes, so their slots and tables are computed in plain Python ints and
     turned into tensors once; extend chunks use tensor ops per chunk.
     hybrid: a V4 engine's HybridBatcher (called as hybrid(chunks, T)), None for MLA."""
@@ -47,6 +51,7 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
     ext_slots: list[torch.Tensor] = []
     extends: list[ExtendSeq] = []
     bs = block_size
+    num_decode = 0
     for c in chunks:
         c.row = len(ids)
         n = len(c.token_ids)
@@ -54,11 +59,20 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
         blocks = c.seq.block_ids
         p = c.start
         if n == 1:
+            num_decode += 1
             dec_pos.append(p)
             nb = p // bs + 1
             dec_slots.append(blocks[nb - 1] * bs + p % bs)
             decode_tables.append(blocks)
             table_lens.append(nb)
+            continue
+        if n <= ROWWISE_MAX:
+            for q in range(p, p + n):
+                nb = q // bs + 1
+                dec_pos.append(q)
+                dec_slots.append(blocks[nb - 1] * bs + q % bs)
+                decode_tables.append(blocks)
+                table_lens.append(nb)
             continue
         bt = torch.tensor(blocks, dtype=torch.long)
         ctx = torch.arange(p + n)
@@ -75,7 +89,8 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=positions,
         slot_mapping=slots,
-        num_decode=len(dec_pos),
+        num_decode=num_decode,
+        num_rowwise=len(dec_pos),
         extends=extends,
     )
     if dec_pos:
@@ -101,7 +116,7 @@ _NO_SLOTS = torch.zeros(0, dtype=torch.long)
 
 
 def _extends_last(c: Chunk) -> bool:
-    return len(c.token_ids) > 1
+    return len(c.token_ids) > ROWWISE_MAX
 
 
 def _block_table(tables: list[list[int]], lens: list[int]) -> torch.Tensor:

@@ -2,10 +2,12 @@
 
 Glossary:
 - token: one row of the packed input; a batch is [T] tokens from many sequences.
-- decode sequence: contributes exactly one token and attends to its whole cached context;
-  these come first in the batch and run the absorbed-weight MLA path, batched.
-- extend sequence: contributes q_len >= 1 tokens (a prefill chunk, or the last token plus
-  draft tokens to verify); these follow the decode tokens and run the expanded MLA path.
+- rowwise rows: the tokens of short chunks (a decode token, or one with the draft tokens
+  to verify: at most ROWWISE_MAX, engine/runner.py); they come first in the batch, each
+  attends to its own context (positions 0 .. its own) by the absorbed-weight MLA path,
+  batched.
+- extend sequence: a longer chunk (a prompt's); these follow and run the expanded MLA
+  path, a sequence at a time.
 - slot: a token's row in the paged cache, block_id * block_size + offset.
 """
 
@@ -33,9 +35,10 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] where each token's latent is written (V4: empty, see hybrid)
-    num_decode: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks]
-    decode_context_lens: torch.Tensor | None = None  # [Bd]
+    num_decode: int = 0  # one-token chunks (the step's decode sequences), for its stats
+    num_rowwise: int = 0  # MLA: rows attended one by one, first (decode rows and short chunks' rows)
+    decode_block_tables: torch.Tensor | None = None  # [num_rowwise, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # [num_rowwise]
     extends: list[ExtendSeq] = field(default_factory=list)
     queued_at: float = 0.0  # perf_counter time the step was queued for the device (0: when run)
     hybrid: "HybridMeta | None" = None  # DeepSeek-V4: window, compressor and entry addresses

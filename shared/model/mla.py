@@ -63,7 +63,7 @@ class MLAttention(nn.Module):
         flat_cache.index_copy_(0, batch.slot_mapping, torch.cat([latent, k_pe], dim=-1).to(kv_cache.dtype))
 
         out = x.new_empty(T, self.num_heads, self.v_dim)
-        nd = batch.num_decode
+        nd = batch.num_rowwise
         if nd:
             out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], batch, kv_cache)
         for ext in batch.extends:
