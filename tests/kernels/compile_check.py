@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 
 from moemesh.shared.kernels import (fused_moe, hyper, kv_pack, mla_decode, rmsnorm, rotary, route, swiglu, v4_attention,
-                                    v4_indexer, v4_rope)
+                                    v4_compress, v4_indexer, v4_rope)
 
 ARCH = 90
 BF16 = "bf16"  # the serving dtype; fp32 and fp16 only change the element type
@@ -111,6 +111,13 @@ def main() -> dict:
         v4_indexer._index_scores_kernel, {"q_ptr": "fp32", "w_ptr": "fp32", "table_ptr": "i64", "vis_ptr": "i64",
                                           "out_ptr": "fp32"},
         dict(PRECISION="tf32", BLOCK_H=64, BLOCK_W=128, BLOCK_E=64), floats=("scale",))
+    comp = dict.fromkeys(("pre_ring_ptr", "pre_slot_ptr", "idx_ptr", "pos_ptr", "blk_ptr", "slot_ptr"), "i64")
+    comp |= {"bias_ptr": "fp32", "inv_ptr": "fp32"}
+    for name, span, width, overlap in (("CSA", 8, 512, True), ("HCA", 128, 512, False), ("indexer", 8, 128, True)):
+        bs, bw = v4_compress.compress_tiles(span, width)
+        out[f"v4_compress {name}"] = _compile(v4_compress._compress_kernel, comp,
+                                              dict(OVERLAP=overlap, BIAS_F32=True, BLOCK_S=bs, BLOCK_W=bw),
+                                              floats=("eps", "factor"))
     out["swiglu clamp"] = _compile(swiglu._swiglu_kernel, {}, dict(CLAMP=True, BLOCK=1024), floats=("limit",))
     return out
 

@@ -44,7 +44,9 @@ from moemesh.tools.bench.launch_count import LaunchCounter, counting_triton
 class LaunchesBenchConfig:
     model: str
     batch_sizes: tuple[int, ...] = (1, 16)
-    context_len: int = 512
+    # The step computes position context_len: at 511 every V4 compressor (rates 4 .. 512)
+    # completes a group and pools, the most a step launches.
+    context_len: int = 511
     prefill_len: int = 128
     kernels: str = "triton"  # the kernel path, or "torch" for the CPU reference path
     top: int = 12

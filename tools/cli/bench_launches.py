@@ -13,7 +13,8 @@ def register(bsub) -> None:
     f = bsub.add_parser("launches", help="kernel launches and host syncs of one decode step and one prefill chunk")
     f.add_argument("--model", required=True, help="model directory")
     f.add_argument("--batch-sizes", type=ints, default=(1, 16), help="decode batch sizes, comma-separated")
-    f.add_argument("--context-len", type=int, default=512, help="cached tokens of each decode sequence")
+    f.add_argument("--context-len", type=int, default=511,
+                   help="cached tokens of each decode sequence (511: DeepSeek-V4's every compressor pools in the step)")
     f.add_argument("--prefill-len", type=int, default=128, help="tokens of the prefill chunk")
     f.add_argument("--kernels", choices=["triton", "torch"], default="triton",
                    help="the kernel path (on a CPU under the Triton interpreter) or the torch reference path")

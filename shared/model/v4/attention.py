@@ -140,9 +140,9 @@ class V4Attention(nn.Module):
         proj = comp.project(x)
         groups = st.meta.groups.get(self.layer_type)
         if groups is not None and groups.idx.shape[0]:
-            pre = _read(proj_region, st).to(proj.dtype)
-            pooled = comp.pool(torch.cat([proj, pre]), groups, st.ropes["compress"])
-            store[groups.blk, groups.slot] = pooled.to(store.dtype)
+            m = st.meta
+            comp.compress(proj, proj_region.view(st.rings), m.pre_ring, m.pre_slot[proj_region.count], groups,
+                          st.ropes["compress"], store)
         return proj
 
     def _entries_per_row(self, ent: Entries, entries, index_keys, q_res, x, cos, sin, visible):

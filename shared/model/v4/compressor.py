@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moemesh.shared.kernels.v4_compress import compress, pool_ref
 from moemesh.shared.kernels.v4_indexer import index_scores
 from moemesh.shared.model.layers import RMSNorm
 from moemesh.shared.model.v4.batch import Groups
@@ -44,21 +45,18 @@ class Compressor(nn.Module):
     def pool(self, ctx_proj: torch.Tensor, groups: Groups, rope: Rope) -> torch.Tensor:
         """ctx_proj: projections of the batch's rows then of its pre positions.
         Returns the groups' entries [G, width], normalised and rotated."""
-        m, w = self.rate, self.width
-        idx = groups.idx
-        kv, gate = ctx_proj[idx.clamp(min=0)].split(self.proj_width // 2, dim=-1)  # [G, span, series*w]
-        bias = self.position_bias
-        if self.overlap:  # slots [0, m): the previous group's Ca; [m, 2m): this group's Cb
-            kv = torch.cat([kv[:, :m, :w], kv[:, m:, w:]], dim=1)
-            gate = torch.cat([gate[:, :m, :w] + bias[:, :w], gate[:, m:, w:] + bias[:, w:]], dim=1)
-        else:
-            gate = gate + bias
-        empty = (idx < 0).unsqueeze(-1)
-        gate = gate.masked_fill(empty, float("-inf"))
-        kv = kv.masked_fill(empty, 0.0)
-        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+        pooled = pool_ref(ctx_proj, groups.idx, self.position_bias, self.rate, self.width, self.overlap)
         cos, sin = rope.angles(groups.pos)
         return rotate(self.kv_norm(pooled), cos, sin)
+
+    def compress(self, proj: torch.Tensor, ring: torch.Tensor, pre_ring: torch.Tensor, pre_slot: torch.Tensor,
+                 groups: Groups, rope: Rope, store: torch.Tensor) -> None:
+        """pool() from where the projections lie (the batch's rows `proj`, earlier ones in
+        `ring` at (pre_ring, pre_slot)) into store[blk, slot]: one kernel on the kernel
+        path (shared/kernels/v4_compress.py)."""
+        compress(proj, ring, pre_ring, pre_slot, groups.idx, groups.pos, groups.blk, groups.slot,
+                 self.position_bias, self.kv_norm.weight, self.kv_norm.eps, rope.inv_freq, rope.attention_factor,
+                 self.rate, self.overlap, store)
 
 
 class Scorer(nn.Module):
