@@ -43,12 +43,14 @@ from moemesh.shared.engine.kv_cache import KVCache
 from moemesh.shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
 from moemesh.shared.engine.planned_step import PlannedStep, run
 from moemesh.shared.protocol.prefix_hash import chain, kv_identity
-from moemesh.shared.engine.runner import Chunk, build_batch
+from moemesh.shared.engine.runner import Chunk, Padding, build_batch
 from moemesh.shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from moemesh.shared.engine.snapshots import SnapshotCache, boundary
 from moemesh.shared.engine.speculative import speculative_step
 from moemesh.shared.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SeqStatus
+from moemesh.shared.model.batch import ForwardBatch
 from moemesh.shared.model.deepseek import DeepseekForCausalLM
+from moemesh.shared.model.v4.model import DeepseekV4ForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -124,14 +126,19 @@ class LLMEngine(Admission, KVHandoff):
         self.constrained: dict[str, Sequence] = {}
 
     def _decode_graphs(self) -> DecodeGraphs | None:
-        """The static decode path (decode_graphs.py), for the MLA models; None: off."""
+        """The decode path of fixed shapes (decode_graphs.py); None: off."""
         mode = self.cfg.decode_graphs
         capture = mode == "on" or (mode == "auto" and self.device.type == "cuda")
-        if mode == "off" or (mode == "auto" and not capture) or self.hybrid \
-                or not isinstance(self.model, DeepseekForCausalLM):
+        if mode == "off" or (mode == "auto" and not capture) \
+                or not isinstance(self.model, (DeepseekForCausalLM, DeepseekV4ForCausalLM)):
             return None
-        graphs = DecodeGraphs(self.model, self.kv.forward_arg, self.cfg.block_size, self.kv.scratch_block,
-                              self.cfg.max_num_seqs, self.max_model_len, capture)
+        bs, device, batcher = self.cfg.block_size, self.device, self.batcher
+
+        def build(chunks: list[Chunk], pad: Padding) -> ForwardBatch:
+            return build_batch(chunks, bs, device, batcher, pad)
+
+        graphs = DecodeGraphs(self.model, self.kv.forward_arg, build, self.kv.scratch_block,
+                              getattr(self.kv, "scratch_ring", -1), self.cfg.max_num_seqs, self.max_model_len, capture)
         if capture:
             try:
                 graphs.capture_all()
@@ -217,7 +224,8 @@ class LLMEngine(Admission, KVHandoff):
             return None
         chunks = [self._chunk(s) for s in sched.scheduled]
         t1 = time.perf_counter()
-        batch = build_batch(chunks, self.cfg.block_size, self.device, self.batcher)
+        pad = self.graphs.padding(chunks) if self.graphs is not None else None
+        batch = build_batch(chunks, self.cfg.block_size, self.device, self.batcher, pad)
         step = PlannedStep(chunks, batch, [], [], [], None, None)
         step.stats = st
         sid = step.step_id
@@ -271,7 +279,8 @@ class LLMEngine(Admission, KVHandoff):
             step.grammar = self.grammar_rows(sid)
         step.prev = inflight
         step.register = register
-        st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
+        st.num_seqs, st.num_decode = len(chunks), batch.num_decode
+        st.num_tokens = batch.num_decode if batch.static else batch.num_tokens  # not the padding
         st.scheduled = [c.seq.request_id for c in chunks] + forked
         t2 = time.perf_counter()
         st.schedule_s, st.prepare_s = t1 - t0, t2 - t1

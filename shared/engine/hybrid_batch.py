@@ -62,17 +62,27 @@ class HybridBatcher:
         view.rates = {}
         return view
 
-    def __call__(self, chunks, T: int) -> HybridMeta:
+    def __call__(self, chunks, T: int, pad=None) -> HybridMeta:
+        """pad (runner.Padding): one-token chunks, padded to pad.rows rows whose every size
+        is its most (decode_graphs.py): a full look-back for every row, a group slot for
+        every row (one that completes no group writes the scratch block), and as many
+        entries as pad.max_len holds."""
         bs, W = self.bs, self.W
         rates = self.rates
-        C = len(chunks)
         lens = [c.q_len for c in chunks]
         p = np.array([c.start for c in chunks], dtype=_I)
-        n = np.array(lens, dtype=_I)
         ring = np.array([c.seq.ring for c in chunks], dtype=_I)
         row0 = np.array([c.row for c in chunks], dtype=_I)
+        if pad is not None:  # padding rows: position 0 of the scratch ring
+            extra = pad.rows - len(chunks)
+            lens += [1] * extra
+            p = np.concatenate([p, np.zeros(extra, dtype=_I)])
+            ring = np.concatenate([ring, np.full(extra, pad.ring, dtype=_I)])
+            row0 = np.concatenate([row0, np.arange(len(chunks), pad.rows, dtype=_I)])
+        C = len(lens)
+        n = np.array(lens, dtype=_I)
         end = p + n
-        look = np.minimum(p, self.lookback)
+        look = np.minimum(p, self.lookback) if pad is None else np.full(C, self.lookback, dtype=_I)
         pre_start = np.cumsum(look) - look  # each chunk's first pre row, counted from T
         prebase = T + pre_start - (p - look)
         ids = np.arange(C)
@@ -119,28 +129,40 @@ class HybridBatcher:
                 meta.groups[t] = Groups(torch.zeros(0, 2 * m if t == CSA else m, dtype=torch.long), *_none(3))
             return meta
         need = (end + bs - 1) // bs
-        table = np.zeros((C, int(need.max())), dtype=_I)  # [C, max blocks] block ids, zero-padded
+        width = int(need.max()) if pad is None else -(-pad.max_len // bs)
+        table = np.zeros((C, width), dtype=_I)  # [C, blocks] block ids, zero-padded
         for i, c in enumerate(chunks):
             table[i, : need[i]] = c.seq.block_ids[: need[i]]
+        if pad is not None:
+            table[len(chunks):, 0] = pad.block
         for t, m in rates.items():
-            first, count = p // m, end // m - p // m
-            grp_c = np.repeat(ids, count)
-            w = first[grp_c] + np.arange(len(grp_c)) - (np.cumsum(count) - count)[grp_c]
             span = np.arange(-m if t == CSA else 0, m)
-            meta.groups[t] = Groups(_t(ctx(w[:, None] * m + span[None, :], grp_c[:, None])), _t(w * m),
-                                    _t(table[grp_c, (w * m) // bs]), _t((w * m % bs) // m))
+            if pad is None:
+                first, count = p // m, end // m - p // m
+                grp_c = np.repeat(ids, count)
+                w = first[grp_c] + np.arange(len(grp_c)) - (np.cumsum(count) - count)[grp_c]
+                meta.groups[t] = Groups(_t(ctx(w[:, None] * m + span[None, :], grp_c[:, None])), _t(w * m),
+                                        _t(table[grp_c, (w * m) // bs]), _t((w * m % bs) // m))
+            else:  # a slot per row: the group its position completes, or one pooling row 0 into scratch
+                done = end % m == 0
+                w = np.where(done, p // m, 0)
+                idx = np.where(done[:, None], ctx(w[:, None] * m + span[None, :], ids[:, None]), 0)
+                meta.groups[t] = Groups(_t(idx), _t(w * m), _t(np.where(done, table[ids, (w * m) // bs], pad.block)),
+                                        _t(np.where(done, (w * m % bs) // m, 0)))
             if R:
-                meta.dec_entries[t] = _entries(table if one_row else table[rc], rpos + 1, m, bs, (rpos + 1) // m)
+                meta.dec_entries[t] = _entries(table if one_row else table[rc], rpos + 1, m, bs, (rpos + 1) // m,
+                                               None if pad is None else pad.max_len // m)
             for i, ext in enumerate(meta.extends, start=Bd):
                 ext.entries[t] = _entries(table[i : i + 1], end[i : i + 1], m, bs,
                                           (np.arange(p[i], end[i]) + 1) // m)
         return meta
 
 
-def _entries(table: np.ndarray, end: np.ndarray, m: int, bs: int, visible: np.ndarray) -> Entries:
-    """Each sequence's entries 0 .. end//m - 1, as its block table and the longest count;
-    the table is cut to the blocks those entries need."""
-    E = int((end // m).max()) if len(end) else 0
+def _entries(table: np.ndarray, end: np.ndarray, m: int, bs: int, visible: np.ndarray,
+             count: int | None = None) -> Entries:
+    """Each sequence's entries 0 .. end//m - 1, as its block table and the longest count
+    (or `count`); the table is cut to the blocks those entries need."""
+    E = count if count is not None else int((end // m).max()) if len(end) else 0
     return Entries(_t(table[:, : -(-E * m // bs)]), E, _t(visible))
 
 

@@ -35,8 +35,11 @@ class HybridKVCache:
         snapshots (shared/engine/snapshots.py)."""
         self.layout = V4Layout(cfg, block_size, num_spec)
         self.num_blocks, self.block_size, self.num_rings = num_blocks, block_size, num_rings
-        self.main = torch.zeros(num_blocks, self.layout.main_width, dtype=dtype, device=device)
-        self.rings = torch.zeros(num_rings + num_snapshots, self.layout.ring_width, dtype=dtype, device=device)
+        # The last block and ring are scratch, owned by no sequence: a static decode batch's
+        # padding rows write there (decode_graphs.py).
+        self.scratch_block, self.scratch_ring = num_blocks, num_rings + num_snapshots
+        self.main = torch.zeros(num_blocks + 1, self.layout.main_width, dtype=dtype, device=device)
+        self.rings = torch.zeros(num_rings + num_snapshots + 1, self.layout.ring_width, dtype=dtype, device=device)
 
     @property
     def forward_arg(self) -> "HybridKVCache":

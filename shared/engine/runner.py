@@ -32,15 +32,26 @@ class Chunk:
         return len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class Padding:
+    """How build_batch pads a decode batch to a bucket of fixed shapes (decode_graphs.py)."""
+
+    rows: int  # the bucket: rows in all, the padding after the batch's own
+    block: int  # the scratch block, which no sequence owns
+    ring: int  # DeepSeek-V4: the scratch ring; -1 for MLA
+    max_len: int  # max_model_len: the block tables' width (V4: the compressed entries too)
+
+
 def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str = "cpu",
-                hybrid=None) -> ForwardBatch:
+                hybrid=None, pad: Padding | None = None) -> ForwardBatch:
     """Orders chunks rowwise-first (in place) and packs them. Those rows are the bulk at
     large batch sizes, so their slots and tables are computed in plain Python ints and
     turned into tensors once; extend chunks use tensor ops per chunk.
-    hybrid: a V4 engine's HybridBatcher (called as hybrid(chunks, T)), None for MLA."""
+    hybrid: a V4 engine's HybridBatcher (called as hybrid(chunks, T, pad)), None for MLA.
+    pad: one-token chunks only, padded to pad.rows rows of fixed shapes."""
     if hybrid is not None:
         chunks.sort(key=hybrid.rowwise_order)
-        return _to(_hybrid_batch(chunks, hybrid), device)
+        return _to(_hybrid_batch(chunks, hybrid, pad), device)
     chunks.sort(key=_extends_last)
     ids: list[int] = []
     dec_pos: list[int] = []
@@ -80,6 +91,14 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
         ext_pos.append(ctx[p:])
         ext_slots.append(ctx_slots[p:])
         extends.append(ExtendSeq(c.row, n, p + n, ctx_slots))
+    num_real = len(ids)
+    if pad is not None:  # token 0 at position 0 of the scratch block, attending to itself
+        extra = pad.rows - num_real
+        ids += [0] * extra
+        dec_pos += [0] * extra
+        dec_slots += [pad.block * bs] * extra
+        decode_tables += [[pad.block]] * extra
+        table_lens += [1] * extra
     positions = torch.tensor(dec_pos, dtype=torch.long)
     slots = torch.tensor(dec_slots, dtype=torch.long)
     if ext_pos:
@@ -94,22 +113,26 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
         extends=extends,
     )
     if dec_pos:
-        batch.decode_block_tables = _block_table(decode_tables, table_lens)
+        width = -(-pad.max_len // bs) if pad is not None else max(table_lens)
+        batch.decode_block_tables = _block_table(decode_tables, table_lens, width)
         batch.decode_context_lens = torch.tensor(dec_pos) + 1
+    batch.static = pad is not None
     return _to(batch, device)
 
 
-def _hybrid_batch(chunks: list[Chunk], hybrid) -> ForwardBatch:
+def _hybrid_batch(chunks: list[Chunk], hybrid, pad: Padding | None) -> ForwardBatch:
     """DeepSeek-V4 reads its cache through the batch's HybridMeta alone: no latent slots
     or block tables, and each row's position is the one its ring write uses."""
     ids: list[int] = []
     for c in chunks:
         c.row = len(ids)
         ids += c.token_ids
-    meta = hybrid(chunks, len(ids))
     num_decode = sum(1 for c in chunks if len(c.token_ids) == 1)  # decode rows, for the step's stats
+    if pad is not None:
+        ids += [0] * (pad.rows - len(ids))
+    meta = hybrid(chunks, len(ids), pad)
     return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long), positions=meta.write_pos,
-                        slot_mapping=_NO_SLOTS, num_decode=num_decode, hybrid=meta)
+                        slot_mapping=_NO_SLOTS, num_decode=num_decode, hybrid=meta, static=pad is not None)
 
 
 _NO_SLOTS = torch.zeros(0, dtype=torch.long)
@@ -119,10 +142,9 @@ def _extends_last(c: Chunk) -> bool:
     return len(c.token_ids) > ROWWISE_MAX
 
 
-def _block_table(tables: list[list[int]], lens: list[int]) -> torch.Tensor:
-    """[rows, max(lens)]: each row's first lens[r] block ids, zero-padded. Built in one
+def _block_table(tables: list[list[int]], lens: list[int], width: int) -> torch.Tensor:
+    """[rows, width]: each row's first lens[r] block ids, zero-padded. Built in one
     flat int64 buffer: a tensor made from nested lists costs 4x as much at batch 256."""
-    width = max(lens)
     pad = [0] * width
     flat = array("q")
     for blocks, n in zip(tables, lens):
@@ -148,7 +170,7 @@ def index_tensors(batch: ForwardBatch) -> list[tuple[object, object]]:
             elif is_dataclass(v) and not isinstance(v, type):
                 walk(v, vars(v).items())
 
-    walk(batch, vars(batch).items())
+    walk(batch, ((k, v) for k, v in vars(batch).items() if k != "packed"))
     return out
 
 
@@ -166,7 +188,7 @@ def pack(batch: ForwardBatch, move) -> ForwardBatch:
     if not slots:
         return batch
     parts = [_get(h, k) for h, k in slots]
-    dev = move(torch.cat([t.reshape(-1) for t in parts]))
+    dev = batch.packed = move(torch.cat([t.reshape(-1) for t in parts]))
     offset = 0
     for (h, k), t in zip(slots, parts):
         _set(h, k, dev[offset : offset + t.numel()].view(t.shape))

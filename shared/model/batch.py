@@ -42,6 +42,8 @@ class ForwardBatch:
     extends: list[ExtendSeq] = field(default_factory=list)
     queued_at: float = 0.0  # perf_counter time the step was queued for the device (0: when run)
     hybrid: "HybridMeta | None" = None  # DeepSeek-V4: window, compressor and entry addresses
+    static: bool = False  # padded to a bucket of fixed shapes (engine/decode_graphs.py); num_decode: the real rows
+    packed: torch.Tensor | None = None  # the one device buffer its int64 tensors are views of (runner.pack)
 
     @property
     def num_tokens(self) -> int:

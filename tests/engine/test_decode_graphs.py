@@ -7,7 +7,7 @@ import torch
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.decode_graphs import DecodeGraphs, buckets
 from moemesh.shared.engine.load_tracker import LoadTracker
-from moemesh.shared.engine.runner import Chunk, build_batch
+from moemesh.shared.engine.runner import Chunk, _get, build_batch, index_tensors
 from moemesh.shared.protocol.sampling import SamplingParams
 from tests.engine.test_planned_steps import run_overlapped
 
@@ -64,24 +64,26 @@ def test_static_path_equals_dynamic(tiny_engine_factory, monkeypatch):
     assert torch.equal(loads["eager"], loads["off"]) and loads["off"].sum() > 0
 
 
-def test_rows_that_were_real_are_padding_again(tiny_engine_factory):
-    eng = _engine(tiny_engine_factory, "eager")
-    g = eng.graphs
+@pytest.mark.parametrize("arch", ["v3", "v4"])
+def test_a_bucket_has_one_set_of_shapes_whatever_its_rows(tiny_engine_factory, tiny_v4_engine_factory, arch):
+    """What a graph needs: every batch padded to a bucket has its template's shapes, at
+    any number of real rows and any positions (V4: rows that complete a group or not)."""
+    factory = tiny_engine_factory if arch == "v3" else tiny_v4_engine_factory
+    eng = _engine(factory, "eager")
     for i in range(5):
-        eng.add_request(f"s{i}", [3 + i, 4, 5], SamplingParams(max_tokens=4, temperature=0.0))
-    eng.step()  # the prompts
-    seqs = [eng.seqs[f"s{i}"] for i in range(5)]
-
-    def decode(k):
+        eng.add_request(f"s{i}", [3 + i] * (3 + 5 * i), SamplingParams(max_tokens=8, temperature=0.0))
+    while any(not s.num_output_tokens for s in eng.seqs.values()):
+        eng.step()  # the prompts
+    seqs = list(eng.seqs.values())
+    g = eng.graphs
+    for k in (1, 3, 5):
         chunks = [Chunk(s, s.num_computed, [s.token_ids[s.num_computed]]) for s in seqs[:k]]
-        return build_batch(chunks, eng.cfg.block_size)
-
-    with torch.inference_mode():
-        g(decode(5), eng.kv.forward_arg)
-        assert (g._slots[:5] != g.scratch_slot).all()
-        hidden = g(decode(2), eng.kv.forward_arg)
-    assert hidden.shape[0] == 2
-    assert (g._slots[2:8] == g.scratch_slot).all() and (g._lens[2:8] == 1).all()
+        pad = g.padding(chunks)
+        batch = build_batch(chunks, eng.cfg.block_size, hybrid=eng.batcher, pad=pad)
+        template = g._template(pad.rows)
+        assert batch.static and batch.num_decode == k and batch.num_tokens == pad.rows == (8 if k > 4 else 4 if k > 2 else 1)
+        got = [tuple(_get(*x).shape) for x in index_tensors(batch)]
+        assert got == [tuple(_get(*x).shape) for x in index_tensors(template)]
     for s in seqs:
         eng.abort(s.request_id)
 
@@ -104,11 +106,26 @@ def test_buckets_and_modes(tiny_engine_factory):
     assert buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
     assert _engine(tiny_engine_factory, "auto").graphs is None  # a CPU: no capture, no static path
     assert _engine(tiny_engine_factory, "off").graphs is None
+    assert _engine(tiny_engine_factory, "eager").graphs.buckets == (1, 2, 4, 8, 16, 24)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         EngineConfig(model="m", decode_graphs="on")
     with pytest.raises(ValueError, match="decode_graphs must be one of"):
         EngineConfig(model="m", decode_graphs="always")
 
 
-def test_v4_keeps_the_dynamic_path(tiny_v4_engine_factory):
-    assert tiny_v4_engine_factory(decode_graphs="eager").graphs is None
+def test_v4_static_path_equals_dynamic(tiny_v4_engine_factory, monkeypatch):
+    sizes = _counted(monkeypatch)
+    outs, main, rings = {}, {}, {}
+    for mode in ("off", "eager"):
+        eng = _engine(tiny_v4_engine_factory, mode)
+        _requests(eng)
+        outs[mode] = run_overlapped(eng, {})
+        main[mode], rings[mode] = eng.kv.main.clone(), eng.kv.rings.clone()
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    assert outs["eager"] == outs["off"] and len(outs["off"]) == 7
+    assert sizes and set(sizes) <= {1, 2, 4, 8} and {8, 1} <= set(sizes)
+    # Blocks and rings that sequences own agree; padding wrote the scratch block and ring only.
+    nb, nr = eng.kv.scratch_block, eng.kv.scratch_ring
+    torch.testing.assert_close(main["eager"][:nb], main["off"][:nb], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rings["eager"][:nr], rings["off"][:nr], rtol=1e-5, atol=1e-5)
+    assert not rings["off"][nr].any() and rings["eager"][nr].any()
