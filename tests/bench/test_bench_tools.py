@@ -29,6 +29,7 @@ def test_kv_transfer(tmp_path, tiny_model):
     assert res["machine_copy_GBps"] > 0 and "min_ratio_at_1MiB_plus" in res
 
 
+@pytest.mark.slow  # a whole mesh for a bench tool's smoke run: -m slow
 def test_kv_transfer_per_request_sizes(tmp_path):
     res, out = bench(tmp_path, None, "kv-transfer", "--context-lens", "128", "--iters", "1", "--repeats", "1")
     per = {r["cache"]: r for r in res["per_request"]}
@@ -39,6 +40,7 @@ def test_kv_transfer_per_request_sizes(tmp_path):
     assert "V4-Flash, 128" in out
 
 
+@pytest.mark.slow  # a whole mesh for a bench tool's smoke run: -m slow
 def test_decode_and_prefill_phases(tmp_path, tiny_model):
     res, out = bench(tmp_path, tiny_model, "decode", "--model", tiny_model, "--isl", "32", "--osl", "8",
                      "--batch", "2", "--requests", "2")
@@ -51,6 +53,7 @@ def test_decode_and_prefill_phases(tmp_path, tiny_model):
     assert [p["prompt_len"] for p in pts] == [16, 64] and all(p["ttft_ms_p50"] > 0 for p in pts)
 
 
+@pytest.mark.slow  # a whole mesh for a bench tool's smoke run: -m slow
 def test_decode_on_deepseek_v4(tmp_path, tiny_v4_model):
     # Both halves fabricate a V4 state buffer: the forward-only pass and the decode worker's bench jobs.
     res, out = bench(tmp_path, tiny_v4_model, "decode", "--model", tiny_v4_model, "--isl", "40", "--osl", "6",
@@ -92,6 +95,7 @@ def test_decode_on_the_mock_engine(tmp_path, tiny_model):
     _check_overhead_point(p, 4, 8 - 1, 5.0, {"gateway", "decode", "nats"})
 
 
+@pytest.mark.slow  # a whole mesh for a bench tool's smoke run: -m slow
 def test_idle_measures_every_process_in_both_states(tmp_path, tiny_model):
     res, out = bench(tmp_path, tiny_model, "idle", "--model", tiny_model, "--mock-step-ms", "0", "--seconds", "0.5",
                      "--settle-seconds", "0.2")
@@ -102,6 +106,7 @@ def test_idle_measures_every_process_in_both_states(tmp_path, tiny_model):
     assert "transfer pending" in out
 
 
+@pytest.mark.slow  # a whole mesh for a bench tool's smoke run: -m slow
 def test_eplb_on_a_live_dep2_instance(tmp_path, tiny_model):
     res, out = bench(tmp_path, tiny_model, "eplb", "--model", tiny_model, "--warmup-s", "5", "--window-s", "3",
                      "--rebalances", "1", "--concurrency", "4", "--max-tokens", "16")
@@ -115,6 +120,7 @@ def test_eplb_on_a_live_dep2_instance(tmp_path, tiny_model):
     assert sum(map(sum, loads["target"])) > 0
 
 
+@pytest.mark.slow  # a whole mesh for a bench tool's smoke run: -m slow
 def test_plan_check_predicts_each_run(tmp_path, tiny_model):
     res, out = bench(tmp_path, tiny_model, "plan-check", "--model", tiny_model, "--deps", "1,2", "--batch", "4",
                      "--isl", "32", "--osl", "8", "--mock-step-ms", "5", "--mock-batches", "4",
@@ -137,6 +143,7 @@ def test_plan_check_predicts_each_run(tmp_path, tiny_model):
     assert two["a2a_s"] > 2 * 4 * res["collectives"]["2"]["all_to_all_ms"] / 1e3
 
 
+@pytest.mark.slow  # a whole mesh for a bench tool's smoke run: -m slow
 def test_kv_reuse(tmp_path, tiny_model):
     res, out = bench(tmp_path, tiny_model, "kv-reuse", "--model", tiny_model, "--sessions", "2", "--turns", "2",
                      "--context-tokens", "200", "--tool-tokens", "40", "--osl", "4", "--concurrency", "2")

@@ -122,6 +122,7 @@ def _bench(tmp_path, model, *args, timeout=300):
     return json.loads(out.read_text()), r.stdout
 
 
+@pytest.mark.slow  # the chaos tool's whole run; tests/services/test_migration.py holds the fault itself
 def test_a_decode_worker_killed_mid_stream_costs_no_stream(tmp_path, tiny_model):
     # 8 streams of 100 tokens (2 s at a 20 ms step); the busier of two decode workers is
     # SIGKILLed once every stream has 10 tokens. Its streams move to the other one.
