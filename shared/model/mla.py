@@ -57,10 +57,9 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_pe, k_pe = rope(batch.positions, q_pe, k_pe)  # [T, H, R], [T, R]
-
         flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
-        flat_cache.index_copy_(0, batch.slot_mapping, torch.cat([latent, k_pe], dim=-1).to(kv_cache.dtype))
+        # q and k rotated, [latent | rotated k] into each token's cache slot: one kernel.
+        q_pe = rope.with_cache(batch.positions, q_pe, latent, k_pe, batch.slot_mapping, flat_cache)  # [T, H, R]
 
         out = x.new_empty(T, self.num_heads, self.v_dim)
         nd = batch.num_rowwise

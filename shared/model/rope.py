@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from moemesh.shared.kernels.rotary import rotary
+from moemesh.shared.kernels.rotary import rope_cache, rotary
 from moemesh.shared.model.config import ModelConfig, RopeConfig
 
 
@@ -75,3 +75,9 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x of shape [T, ..., dim] by the angles of `positions` [T]."""
         return tuple(rotary(x, self.cos, self.sin, positions, self.interleave) for x in xs)
+
+    def with_cache(self, positions: torch.Tensor, q: torch.Tensor, latent: torch.Tensor, k: torch.Tensor,
+                   slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """Rotates q [T, H, dim] and k [T, dim], writes [latent | rotated k] into cache rows
+        `slots`; returns the rotated q (shared/kernels/rotary.py: rope_cache)."""
+        return rope_cache(q, latent, k, self.cos, self.sin, positions, slots, cache, self.interleave)

@@ -18,13 +18,14 @@ from moemesh.shared.checkpoint.loader import load_model
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.protocol.sampling import SamplingParams
-from moemesh.shared.kernels import fused_moe, hyper, kv_pack, mla_decode, rmsnorm, rotary, route, swiglu, v4_attention, v4_indexer, v4_rope
+from moemesh.shared.kernels import (fused_moe, hyper, kv_pack, mla_decode, rmsnorm, rotary, route, swiglu, v4_attention,
+                                    v4_compress, v4_indexer, v4_rope)
 
 NEW_TOKENS = 6  # the interpreter is slow; a few steps of each path are enough
 PROMPT_LENS = [1, 7, 33]  # one token, one partial block, three blocks (block_size 16)
 KERNELS = {
     "rms_norm": rmsnorm._rms_norm_kernel,
-    "rotary": rotary._rotary_kernel,
+    "rope_cache": rotary._rope_cache_kernel,
     "mla_decode": mla_decode._mla_decode_kernel,
     "fused_moe": fused_moe._fused_moe_kernel,
     "kv_pack": kv_pack._kv_pack_kernel,
@@ -34,9 +35,10 @@ KERNELS = {
     "v4_rope": v4_rope._v4_rope_kernel,
     "v4_decode_attention": v4_attention._v4_decode_attn_kernel,
     "v4_index_scores": v4_indexer._index_scores_kernel,
+    "v4_compress": v4_compress._compress_kernel,
     "swiglu": swiglu._swiglu_kernel,
 }
-V4_ONLY = ("hc_mix", "hc_merge", "v4_rope", "v4_decode_attention", "v4_index_scores")
+V4_ONLY = ("hc_mix", "hc_merge", "v4_rope", "v4_decode_attention", "v4_index_scores", "v4_compress")
 
 
 def _prompts(vocab: int) -> list[list[int]]:

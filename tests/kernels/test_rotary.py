@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moemesh.shared.kernels.rotary import _rotary_kernel, rotary, rotary_ref
+from moemesh.shared.kernels.rotary import _rope_cache_kernel, _rotary_kernel, rope_cache, rope_cache_ref, rotary, rotary_ref
 from tests.kernels.cases import DEVICE_DTYPES, check, launches, randn
 
 TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
@@ -44,3 +44,26 @@ def test_rejects_a_table_of_the_wrong_width(force_triton):
     cos = torch.ones(4, 3)
     with pytest.raises(ValueError, match="tables"):
         rotary(torch.ones(2, 1, 8), cos, cos, torch.zeros(2, dtype=torch.long), True)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("T,H,C,R", [(1, 1, 8, 2), (7, 3, 24, 6), (40, 17, 64, 8)])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_and_cache_write_match_reference(force_triton, device, dtype, T, H, C, R, interleave):
+    """MLA's rope of q and k and the write of [latent | rotated k] into the cache, as they
+    arrive: q the rope slice of [T, H, N + R], latent and k the two parts of one projection."""
+    force_triton(device)
+    q = randn(T, H, 5 + R, dtype=dtype, device=device, seed=T)[..., 5:]
+    kv = randn(T, C + R, dtype=dtype, device=device, seed=T + 1)
+    latent, k = (kv[:, :C] * 2).contiguous(), kv[:, C:]
+    cos, sin = _tables(300, R // 2, device)
+    g = torch.Generator().manual_seed(2)
+    pos = torch.randint(0, 300, (T,), generator=g).to(device)
+    slots = torch.randperm(3 * T, generator=g)[:T].to(device)
+    cache = randn(3 * T, C + R, dtype=dtype, device=device, seed=5)
+    want_cache = cache.clone()
+    want = rope_cache_ref(q, latent, k, cos, sin, pos, slots, want_cache, interleave)
+    with launches(_rope_cache_kernel):
+        got = rope_cache(q, latent, k, cos, sin, pos, slots, cache, interleave)
+    check(got, want, TOL)
+    check(cache, want_cache, TOL)
