@@ -17,6 +17,7 @@ OPS = {"rms_norm+residual", "rotary", "kv_gather", "kv_scatter", "mla_decode", "
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow  # the GPU harness end to end under the interpreter; tests/kernels checks every kernel
 def test_smoke_run_covers_every_kernel_and_the_forward_sweep(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "bench.json"

@@ -3,6 +3,7 @@ N is in flight, N landed after N+1 has run) give exactly what whole steps give, 
 leave no block behind: with stops the plan could not foresee, aborts while a step is in
 flight, requests that join mid-flight, and a cache small enough to force preemption."""
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -141,13 +142,15 @@ def _reference_and_prefilled(factory, prompts: list[list[int]], p: SamplingParam
     return ref, pre, firsts
 
 
-def test_overlapped_decode_on_the_real_model_matches_and_imports_mid_flight(tiny_engine_factory):
+@pytest.mark.parametrize("graphs", ["off", "eager"])
+def test_overlapped_decode_on_the_real_model_matches_and_imports_mid_flight(tiny_engine_factory, graphs):
     """The real forward, greedy: a prefill engine hands prompts to a decode engine that
-    takes them while its own steps are in flight."""
+    takes them while its own steps are in flight; also on the padded decode path that a
+    GPU captures (decode_graphs.py), the batch growing as the imports land."""
     prompts = [[0, 5, 6, 7] * (i + 2) for i in range(5)]
     p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     ref, pre, firsts = _reference_and_prefilled(tiny_engine_factory, prompts, p)
-    dec = tiny_engine_factory(role="decode", num_speculative_tokens=0)
+    dec = tiny_engine_factory(role="decode", num_speculative_tokens=0, decode_graphs=graphs, max_model_len=256)
 
     def hand_over(i):
         def act(e):

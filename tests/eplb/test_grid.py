@@ -10,6 +10,7 @@ from moemesh.shared.eplb.policy import build_placement
 SMALL = GridConfig(num_layers=6, num_pairs=2, seed=3)
 
 
+@pytest.mark.slow  # all 252 scenarios, a benchmark's run (moemesh eplb compare --grid); the policy has its own tests
 def test_ours_against_deepseek_on_every_scenario():
     result = run_grid(SMALL)
     rows = result["rows"]
