@@ -21,7 +21,7 @@ from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.kernels import (fused_moe, hyper, kv_pack, mla_decode, rmsnorm, rotary, route, swiglu, v4_attention,
                                     v4_compress, v4_indexer, v4_rope)
 
-NEW_TOKENS = 6  # the interpreter is slow; a few steps of each path are enough
+NEW_TOKENS = 4  # the interpreter is slow; a few steps of each path are enough (V4: groups complete at 3, 7, 35)
 PROMPT_LENS = [1, 7, 33]  # one token, one partial block, three blocks (block_size 16)
 KERNELS = {
     "rms_norm": rmsnorm._rms_norm_kernel,
