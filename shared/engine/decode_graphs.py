@@ -125,7 +125,6 @@ class DecodeGraphs:
         # Warm up on a side stream first (Triton compiles, the allocator settles), as
         # capture may not compile or allocate outside the graph's pool. Whatever the
         # template holds, it writes only what its rows write again at replay.
-        self._template(size)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

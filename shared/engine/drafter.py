@@ -61,6 +61,7 @@ class Drafter:
         h = self.model.mtp_forward(batch, prev, self.kv)
         want = [ch for ch in chunks if ch.seq.status in _DRAFTING and ch.seq.in_decode and self.num_spec]
         parts: list[torch.Tensor] = []
+        offset = 0  # drafts proposed so far: where this pass's go in pending
         for step in range(self.num_spec):
             live = [ch for ch in want if len(ch.seq.draft_ids) == step and self.budget(ch.seq) > step]
             if not live and not self.lockstep:
@@ -68,13 +69,13 @@ class Drafter:
             last = torch.tensor([ch.row + ch.q_len - 1 for ch in live], dtype=torch.long)
             if live:
                 drafts = self.model.mtp_logits(h[last]).argmax(dim=-1)  # stays on the device
-                offset = sum(p.numel() for p in parts)
                 parts.append(drafts)
                 for i, ch in enumerate(live):
                     seq = ch.seq
                     owner = self._owners.setdefault(id(seq), (seq, seq.draft_ids, []))
                     owner[2].append(offset + i)
                     seq.draft_ids.append(PLACEHOLDER)
+                offset += len(live)
             if step + 1 == self.num_spec:
                 break
             nxt = [Chunk(ch.seq, ch.seq.num_tokens - 1 + step, [PLACEHOLDER]) for ch in live]

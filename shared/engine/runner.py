@@ -91,9 +91,8 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
         ext_pos.append(ctx[p:])
         ext_slots.append(ctx_slots[p:])
         extends.append(ExtendSeq(c.row, n, p + n, ctx_slots))
-    num_real = len(ids)
     if pad is not None:  # token 0 at position 0 of the scratch block, attending to itself
-        extra = pad.rows - num_real
+        extra = pad.rows - len(ids)
         ids += [0] * extra
         dec_pos += [0] * extra
         dec_slots += [pad.block * bs] * extra

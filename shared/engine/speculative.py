@@ -134,7 +134,6 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
     for c, r, n in samplers:
         if n > 1:
             drafts = c.seq.draft_ids[: n - 1]  # read by now (the chunk holds placeholders)
-            c.token_ids[c.q_len - (n - 1):] = drafts
             m = c.seq.matcher
             if best is not None and c.seq.params.greedy and m is None:
                 toks = accept_greedy(best[r : r + n], drafts)

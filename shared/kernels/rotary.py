@@ -39,85 +39,14 @@ def rotary_ref(
 
 @jit
 def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr,
-    H, HALF, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
-    INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, BLOCK_HALF)
-    mask = (heads[:, None] < H) & (cols[None, :] < HALF)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    # The tables are rounded to x's dtype first, as the reference rounds them.
-    cos = tl.load(cos_ptr + pos * stride_ct + cols, mask=cols < HALF, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_ct + cols, mask=cols < HALF, other=0.0)
-    row = x_ptr + t * stride_xt + heads[:, None] * stride_xh
-    if INTERLEAVE:
-        a = tl.load(row + 2 * cols[None, :], mask=mask, other=0.0)
-        b = tl.load(row + 2 * cols[None, :] + 1, mask=mask, other=0.0)
-    else:
-        a = tl.load(row + cols[None, :], mask=mask, other=0.0)
-        b = tl.load(row + HALF + cols[None, :], mask=mask, other=0.0)
-    cos = cos.to(a.dtype).to(tl.float32)[None, :]
-    sin = sin.to(a.dtype).to(tl.float32)[None, :]
-    af, bf = a.to(tl.float32), b.to(tl.float32)
-    dst = out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
-    tl.store(dst, (af * cos - bf * sin).to(a.dtype), mask=mask)
-    tl.store(dst + HALF, (bf * cos + af * sin).to(a.dtype), mask=mask)
-
-
-def rotary(
-    x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, interleave: bool
-) -> torch.Tensor:
-    """Same contract as rotary_ref; returns a new contiguous tensor shaped like x."""
-    if not use_triton(x):
-        return rotary_ref(x, cos_table, sin_table, positions, interleave)
-    if x.dim() not in (2, 3) or x.shape[-1] % 2:
-        raise ValueError(f"x must be [T, R] or [T, H, R] with R even, got {tuple(x.shape)}")
-    T, R = x.shape[0], x.shape[-1]
-    half = R // 2
-    if cos_table.shape != sin_table.shape or cos_table.dim() != 2 or cos_table.shape[1] != half:
-        raise ValueError(f"cos/sin tables must both be [P, {half}], "
-                         f"got {tuple(cos_table.shape)}, {tuple(sin_table.shape)}")
-    if positions.shape != (T,):
-        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected ({T},)")
-    x3 = x if x.dim() == 3 else x.unsqueeze(1)
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
-    cos_t, sin_t = cos_table.contiguous(), sin_table.contiguous()
-    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
-    H = x3.shape[1]
-    if T:
-        block_h = min(16, next_pow2(H))
-        grid = (T, -(-H // block_h))
-        _rotary_kernel[grid](
-            x3, cos_t, sin_t, positions, out,
-            H, half, x3.stride(0), x3.stride(1), cos_t.stride(0), out.stride(0), out.stride(1),
-            INTERLEAVE=interleave, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half), num_warps=1,
-        )
-    return out.view(x.shape)
-
-
-def rope_cache_ref(q: torch.Tensor, latent: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
-                   sin_table: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
-                   interleave: bool) -> torch.Tensor:
-    """MLA's rope and cache write: q [T, H, R] and k [T, R] rotated; [latent | rotated k]
-    written into cache rows `slots` (cache [rows, C + R]). Returns the rotated q."""
-    q_rot = rotary_ref(q, cos_table, sin_table, positions, interleave)
-    k_rot = rotary_ref(k, cos_table, sin_table, positions, interleave)
-    cache.index_copy_(0, slots, torch.cat([latent, k_rot], dim=-1).to(cache.dtype))
-    return q_rot
-
-
-@jit
-def _rope_cache_kernel(
     q_ptr, k_ptr, lat_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, out_ptr, cache_ptr,
     H, HALF, C, head_blocks, stride_qt, stride_qh, stride_kt, stride_lt, stride_ct, stride_ot, stride_oh,
     stride_cache,
     INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Programs (t, 0 .. head_blocks-1) rotate q's heads; program (t, head_blocks) rotates
-    k and writes the token's cache row."""
+    """Programs (t, 0 .. head_blocks-1) rotate q's heads into out; with a cache (MLA,
+    rope_cache), program (t, head_blocks) rotates k and writes the token's cache row
+    [latent | rotated k]. rotary() launches the heads' programs alone."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     cols = tl.arange(0, BLOCK_HALF)
@@ -153,6 +82,51 @@ def _rope_cache_kernel(
     tl.store(dst + HALF, (bf * cf + af * sf).to(a.dtype), mask=mask)
 
 
+def rotary(
+    x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, interleave: bool
+) -> torch.Tensor:
+    """Same contract as rotary_ref; returns a new contiguous tensor shaped like x."""
+    if not use_triton(x):
+        return rotary_ref(x, cos_table, sin_table, positions, interleave)
+    if x.dim() not in (2, 3) or x.shape[-1] % 2:
+        raise ValueError(f"x must be [T, R] or [T, H, R] with R even, got {tuple(x.shape)}")
+    T, R = x.shape[0], x.shape[-1]
+    half = R // 2
+    if cos_table.shape != sin_table.shape or cos_table.dim() != 2 or cos_table.shape[1] != half:
+        raise ValueError(f"cos/sin tables must both be [P, {half}], "
+                         f"got {tuple(cos_table.shape)}, {tuple(sin_table.shape)}")
+    if positions.shape != (T,):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected ({T},)")
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    cos_t, sin_t = cos_table.contiguous(), sin_table.contiguous()
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    H = x3.shape[1]
+    if T:
+        block_h = min(16, next_pow2(H))
+        head_blocks = -(-H // block_h)
+        # The heads' programs only: the cache row's program (and its arguments) is not launched.
+        _rotary_kernel[(T, head_blocks)](
+            x3, x3, x3, cos_t, sin_t, positions, positions, out, out,
+            H, half, 0, head_blocks, x3.stride(0), x3.stride(1), 0, 0, cos_t.stride(0), out.stride(0),
+            out.stride(1), 0,
+            INTERLEAVE=interleave, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half), BLOCK_C=1, num_warps=1,
+        )
+    return out.view(x.shape)
+
+
+def rope_cache_ref(q: torch.Tensor, latent: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+                   sin_table: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
+                   interleave: bool) -> torch.Tensor:
+    """MLA's rope and cache write: q [T, H, R] and k [T, R] rotated; [latent | rotated k]
+    written into cache rows `slots` (cache [rows, C + R]). Returns the rotated q."""
+    q_rot = rotary_ref(q, cos_table, sin_table, positions, interleave)
+    k_rot = rotary_ref(k, cos_table, sin_table, positions, interleave)
+    cache.index_copy_(0, slots, torch.cat([latent, k_rot], dim=-1).to(cache.dtype))
+    return q_rot
+
+
 def rope_cache(q: torch.Tensor, latent: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
                sin_table: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
                interleave: bool) -> torch.Tensor:
@@ -174,7 +148,7 @@ def rope_cache(q: torch.Tensor, latent: torch.Tensor, k: torch.Tensor, cos_table
         cos_t, sin_t = cos_table.contiguous(), sin_table.contiguous()
         block_h = min(16, next_pow2(H))
         head_blocks = -(-H // block_h)
-        _rope_cache_kernel[(T, head_blocks + 1)](
+        _rotary_kernel[(T, head_blocks + 1)](
             q, k, latent, cos_t, sin_t, positions, slots, out, cache,
             H, half, C, head_blocks, q.stride(0), q.stride(1), k.stride(0), latent.stride(0), cos_t.stride(0),
             out.stride(0), out.stride(1), cache.stride(0),

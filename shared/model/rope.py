@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from moemesh.shared.kernels.rotary import rope_cache, rotary
+from moemesh.shared.kernels.rotary import rope_cache
 from moemesh.shared.model.config import ModelConfig, RopeConfig
 
 
@@ -71,10 +71,6 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = pos[:, None] * inv_freq[None, :]  # [P, dim/2]
         self.register_buffer("cos", freqs.cos() * attn_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attn_factor, persistent=False)
-
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotate each x of shape [T, ..., dim] by the angles of `positions` [T]."""
-        return tuple(rotary(x, self.cos, self.sin, positions, self.interleave) for x in xs)
 
     def with_cache(self, positions: torch.Tensor, q: torch.Tensor, latent: torch.Tensor, k: torch.Tensor,
                    slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

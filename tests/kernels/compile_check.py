@@ -61,7 +61,8 @@ def main() -> dict:
                                                     num_warps=16, floats=("eps",))
     for il in (False, True):
         out[f"rotary interleave={il}"] = _compile(rotary._rotary_kernel, {"cos_ptr": "fp32", "sin_ptr": "fp32",
-                                                  "pos_ptr": "i64"}, dict(INTERLEAVE=il, BLOCK_H=16, BLOCK_HALF=R // 2),
+                                                  "pos_ptr": "i64", "slot_ptr": "i64"},
+                                                  dict(INTERLEAVE=il, BLOCK_H=16, BLOCK_HALF=R // 2, BLOCK_C=1),
                                                   num_warps=1)
     for sc in (False, True):
         out[f"kv_pack scatter={sc}"] = _compile(kv_pack._kv_pack_kernel, {"ids_ptr": "i64"},
@@ -118,7 +119,7 @@ def main() -> dict:
         out[f"v4_compress {name}"] = _compile(v4_compress._compress_kernel, comp,
                                               dict(OVERLAP=overlap, BIAS_F32=True, BLOCK_S=bs, BLOCK_W=bw),
                                               floats=("eps", "factor"))
-    out["rope_cache"] = _compile(rotary._rope_cache_kernel, {"cos_ptr": "fp32", "sin_ptr": "fp32", "pos_ptr": "i64",
+    out["rope_cache"] = _compile(rotary._rotary_kernel, {"cos_ptr": "fp32", "sin_ptr": "fp32", "pos_ptr": "i64",
                                                              "slot_ptr": "i64"},
                                  dict(INTERLEAVE=True, BLOCK_H=16, BLOCK_HALF=32, BLOCK_C=512), num_warps=1)
     out["swiglu clamp"] = _compile(swiglu._swiglu_kernel, {}, dict(CLAMP=True, BLOCK=1024), floats=("limit",))

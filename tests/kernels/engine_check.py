@@ -25,7 +25,7 @@ NEW_TOKENS = 4  # the interpreter is slow; a few steps of each path are enough (
 PROMPT_LENS = [1, 7, 33]  # one token, one partial block, three blocks (block_size 16)
 KERNELS = {
     "rms_norm": rmsnorm._rms_norm_kernel,
-    "rope_cache": rotary._rope_cache_kernel,
+    "rope_cache": rotary._rotary_kernel,
     "mla_decode": mla_decode._mla_decode_kernel,
     "fused_moe": fused_moe._fused_moe_kernel,
     "kv_pack": kv_pack._kv_pack_kernel,

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moemesh.shared.kernels.rotary import _rope_cache_kernel, _rotary_kernel, rope_cache, rope_cache_ref, rotary, rotary_ref
+from moemesh.shared.kernels.rotary import _rotary_kernel, rope_cache, rope_cache_ref, rotary, rotary_ref
 from tests.kernels.cases import DEVICE_DTYPES, check, launches, randn
 
 TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
@@ -63,7 +63,7 @@ def test_rope_and_cache_write_match_reference(force_triton, device, dtype, T, H,
     cache = randn(3 * T, C + R, dtype=dtype, device=device, seed=5)
     want_cache = cache.clone()
     want = rope_cache_ref(q, latent, k, cos, sin, pos, slots, want_cache, interleave)
-    with launches(_rope_cache_kernel):
+    with launches(_rotary_kernel):
         got = rope_cache(q, latent, k, cos, sin, pos, slots, cache, interleave)
     check(got, want, TOL)
     check(cache, want_cache, TOL)
