@@ -43,6 +43,7 @@ from moemesh.shared.engine.kv_cache import KVCache
 from moemesh.shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
 from moemesh.shared.engine.planned_step import PlannedStep, run
 from moemesh.shared.protocol.prefix_hash import chain, kv_identity
+from moemesh.shared.engine.block_table import BlockTables
 from moemesh.shared.engine.runner import Chunk, Padding, build_batch
 from moemesh.shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from moemesh.shared.engine.snapshots import SnapshotCache, boundary
@@ -104,6 +105,10 @@ class LLMEngine(Admission, KVHandoff):
             self.kv = KVCache(mcfg, num_blocks, cfg.block_size, cfg.torch_dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                                    num_rings=num_rings)
+        # Each running sequence's block ids, as a row the step's batch gathers (block_table.py).
+        # Rows widen as sequences grow; a long max_model_len does not preallocate its width.
+        width = min(self.blocks.blocks_for(self.max_model_len + self.num_spec + 1), 512)
+        self.tables = BlockTables(cfg.max_num_seqs, width)
         self.kv_identity = kv_identity(mcfg.identity(), cfg.block_size, cfg.dtype)
         sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_spec)
         self.scheduler = Scheduler(sched_cfg, self.blocks, self.snapshots)
@@ -114,7 +119,7 @@ class LLMEngine(Admission, KVHandoff):
         self._eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.graphs = self._decode_graphs()
         self.drafter = Drafter(self.model, self.kv.forward_arg, cfg.block_size, self.num_spec, self.max_model_len,
-                               self.device, lockstep, self.draft_batcher)
+                               self.device, lockstep, self.draft_batcher, self.tables)
         self.last_stats = StepStats()
         self.num_drafted_total = 0
         self.num_accepted_total = 0
@@ -132,10 +137,10 @@ class LLMEngine(Admission, KVHandoff):
         if mode == "off" or (mode == "auto" and not capture) \
                 or not isinstance(self.model, (DeepseekForCausalLM, DeepseekV4ForCausalLM)):
             return None
-        bs, device, batcher = self.cfg.block_size, self.device, self.batcher
+        bs, device, batcher, tables = self.cfg.block_size, self.device, self.batcher, self.tables
 
         def build(chunks: list[Chunk], pad: Padding) -> ForwardBatch:
-            return build_batch(chunks, bs, device, batcher, pad)
+            return build_batch(chunks, bs, device, batcher, pad, tables)
 
         graphs = DecodeGraphs(self.model, self.kv.forward_arg, build, self.kv.scratch_block,
                               getattr(self.kv, "scratch_ring", -1), self.cfg.max_num_seqs, self.max_model_len, capture)
@@ -225,7 +230,7 @@ class LLMEngine(Admission, KVHandoff):
         chunks = [self._chunk(s) for s in sched.scheduled]
         t1 = time.perf_counter()
         pad = self.graphs.padding(chunks) if self.graphs is not None else None
-        batch = build_batch(chunks, self.cfg.block_size, self.device, self.batcher, pad)
+        batch = build_batch(chunks, self.cfg.block_size, self.device, self.batcher, pad, self.tables)
         step = PlannedStep(chunks, batch, [], [], [], None, None)
         step.stats = st
         sid = step.step_id

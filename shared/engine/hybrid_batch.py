@@ -15,7 +15,8 @@ For each chunk of `n` positions p .. p+n-1 of one sequence:
 Everything per row, group or decode sequence is computed for the whole batch at once:
 a fixed number of array ops on the host (numpy: a tenth of a torch op's overhead, and
 the results become tensors without a copy), whatever the batch size. Only the chunks'
-scalars and block tables are read one chunk at a time (as for V2/V3). Extend chunks
+scalars are read one chunk at a time; block tables are rows the engine keeps for its
+sequences (block_table.py), gathered with one op. Extend chunks
 (prefill, draft verification) still get their own key lists and entries.
 tests/engine/hybrid_batch_ref.py keeps the chunk-at-a-time version as the reference.
 """
@@ -27,6 +28,7 @@ import copy
 import numpy as np
 import torch
 
+from moemesh.shared.engine.block_table import BlockTables
 from moemesh.shared.model.v4.batch import Entries, Extend, Groups, HybridMeta
 from moemesh.shared.model.v4.config import CSA, SLIDING, V4Config
 
@@ -56,23 +58,24 @@ class HybridBatcher:
         """build_batch's sort key: the chunks attended row by row go first."""
         return len(chunk.token_ids) > self.rowwise_max
 
-    def sliding(self) -> "HybridBatcher":
+    def sliding(self) -> HybridBatcher:
         """The MTP layer's batcher: it attends over the window only (no entries, no groups)."""
         view = copy.copy(self)
         view.rates = {}
         return view
 
-    def __call__(self, chunks, T: int, pad=None) -> HybridMeta:
-        """pad (runner.Padding): one-token chunks, padded to pad.rows rows whose every size
+    def __call__(self, chunks, T: int, pad=None, tables: BlockTables | None = None) -> HybridMeta:
+        """tables: the engine's BlockTables (None: a throwaway one for these chunks).
+        pad (runner.Padding): one-token chunks, padded to pad.rows rows whose every size
         is its most (decode_graphs.py): a full look-back for every row, a group slot for
         every row (one that completes no group writes the scratch block), and as many
         entries as pad.max_len holds."""
         bs, W = self.bs, self.W
         rates = self.rates
-        lens = [c.q_len for c in chunks]
-        p = np.array([c.start for c in chunks], dtype=_I)
-        ring = np.array([c.seq.ring for c in chunks], dtype=_I)
-        row0 = np.array([c.row for c in chunks], dtype=_I)
+        lens = [len(c.token_ids) for c in chunks]
+        p = np.fromiter((c.start for c in chunks), dtype=_I, count=len(chunks))
+        ring = np.fromiter((c.seq.ring for c in chunks), dtype=_I, count=len(chunks))
+        row0 = np.fromiter((c.row for c in chunks), dtype=_I, count=len(chunks))
         if pad is not None:  # padding rows: position 0 of the scratch ring
             extra = pad.rows - len(chunks)
             lens += [1] * extra
@@ -107,7 +110,8 @@ class HybridBatcher:
             write_end, w_ring = end[row_c], ring[row_c]
         # build_batch puts the short chunks first (rowwise_order); their rows are attended one
         # by one, each with its own window and entries, as decode rows are.
-        Bd = next((i for i, q in enumerate(lens) if q > self.rowwise_max), C)
+        long = n > self.rowwise_max
+        Bd = int(long.argmax()) if long.any() else C
         R = int(row0[Bd]) if Bd < C else T  # rows of the first Bd chunks
         rc, rpos = row_c[:R], write_pos[:R]
         pre_pos = p[pre_c] - look[pre_c] + np.arange(len(pre_c)) - pre_start[pre_c]
@@ -130,11 +134,14 @@ class HybridBatcher:
             return meta
         need = (end + bs - 1) // bs
         width = int(need.max()) if pad is None else -(-pad.max_len // bs)
-        table = np.zeros((C, width), dtype=_I)  # [C, blocks] block ids, zero-padded
-        for i, c in enumerate(chunks):
-            table[i, : need[i]] = c.seq.block_ids[: need[i]]
+        if tables is None:
+            tables = BlockTables.for_seqs([c.seq for c in chunks])
+        trow = tables.rows([c.seq for c in chunks])
         if pad is not None:
-            table[len(chunks):, 0] = pad.block
+            tables.widen(width)
+            trow = np.concatenate([trow, np.full(pad.rows - len(chunks), tables.set_pad(pad.block), dtype=_I)])
+        # [C, blocks] block ids, zero past the blocks each chunk reaches
+        table = np.where(np.arange(width)[None, :] < need[:, None], tables.ids[trow, :width], 0)
         for t, m in rates.items():
             span = np.arange(-m if t == CSA else 0, m)
             if pad is None:

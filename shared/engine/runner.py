@@ -10,11 +10,12 @@ follow, each on the extend path.
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, is_dataclass
 
+import numpy as np
 import torch
 
+from moemesh.shared.engine.block_table import BlockTables
 from moemesh.shared.engine.hybrid_batch import ROWWISE_MAX
 from moemesh.shared.engine.sequence import Sequence
 from moemesh.shared.model.batch import ExtendSeq, ForwardBatch
@@ -43,114 +44,89 @@ class Padding:
 
 
 def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str = "cpu",
-                hybrid=None, pad: Padding | None = None) -> ForwardBatch:
-    """Orders chunks rowwise-first (in place) and packs them. Those rows are the bulk at
-    large batch sizes, so their slots and tables are computed in plain Python ints and
-    turned into tensors once; extend chunks use tensor ops per chunk.
-    hybrid: a V4 engine's HybridBatcher (called as hybrid(chunks, T, pad)), None for MLA.
-    pad: one-token chunks only, padded to pad.rows rows of fixed shapes."""
-    if hybrid is not None:
-        chunks.sort(key=hybrid.rowwise_order)
-        return _to(_hybrid_batch(chunks, hybrid, pad), device)
-    chunks.sort(key=_extends_last)
+                hybrid=None, pad: Padding | None = None, tables: BlockTables | None = None) -> ForwardBatch:
+    """Orders chunks rowwise-first (in place, stable) and packs them. One pass reads each
+    chunk's tokens; positions, slots and tables are then a fixed number of array ops over
+    the whole batch, on the rows `tables` keeps for its sequences.
+    hybrid: a V4 engine's HybridBatcher, None for MLA.
+    pad: one-token chunks only, padded to pad.rows rows of fixed shapes.
+    tables: the engine's BlockTables (None: a throwaway one for these chunks)."""
+    rmax = hybrid.rowwise_max if hybrid is not None else ROWWISE_MAX
+    lens = [len(c.token_ids) for c in chunks]
+    if lens and max(lens) > rmax:  # prompts after the rows attended one by one
+        order = sorted(range(len(chunks)), key=lambda i: lens[i] > rmax)
+        chunks[:] = [chunks[i] for i in order]
+        lens = [lens[i] for i in order]
     ids: list[int] = []
-    dec_pos: list[int] = []
-    dec_slots: list[int] = []
-    decode_tables: list[list[int]] = []
-    table_lens: list[int] = []
-    ext_pos: list[torch.Tensor] = []
-    ext_slots: list[torch.Tensor] = []
-    extends: list[ExtendSeq] = []
-    bs = block_size
-    num_decode = 0
     for c in chunks:
         c.row = len(ids)
-        n = len(c.token_ids)
         ids += c.token_ids
-        blocks = c.seq.block_ids
-        p = c.start
-        if n == 1:
-            num_decode += 1
-            dec_pos.append(p)
-            nb = p // bs + 1
-            dec_slots.append(blocks[nb - 1] * bs + p % bs)
-            decode_tables.append(blocks)
-            table_lens.append(nb)
-            continue
-        if n <= ROWWISE_MAX:
-            for q in range(p, p + n):
-                nb = q // bs + 1
-                dec_pos.append(q)
-                dec_slots.append(blocks[nb - 1] * bs + q % bs)
-                decode_tables.append(blocks)
-                table_lens.append(nb)
-            continue
-        bt = torch.tensor(blocks, dtype=torch.long)
-        ctx = torch.arange(p + n)
-        ctx_slots = bt[ctx // bs] * bs + ctx % bs
-        ext_pos.append(ctx[p:])
-        ext_slots.append(ctx_slots[p:])
-        extends.append(ExtendSeq(c.row, n, p + n, ctx_slots))
+    seqs = [c.seq for c in chunks]
+    if tables is None:
+        tables = BlockTables.for_seqs(seqs)
+    T = len(ids)
     if pad is not None:  # token 0 at position 0 of the scratch block, attending to itself
-        extra = pad.rows - len(ids)
-        ids += [0] * extra
-        dec_pos += [0] * extra
-        dec_slots += [pad.block * bs] * extra
-        decode_tables += [[pad.block]] * extra
-        table_lens += [1] * extra
-    positions = torch.tensor(dec_pos, dtype=torch.long)
-    slots = torch.tensor(dec_slots, dtype=torch.long)
-    if ext_pos:
-        positions = torch.cat([positions, *ext_pos])
-        slots = torch.cat([slots, *ext_slots])
+        ids += [0] * (pad.rows - T)
+        tables.widen(-(-pad.max_len // block_size))
+        tables.set_pad(pad.block)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    num_decode = lens.count(1)  # decode rows, for the step's stats
+    if hybrid is not None:  # V4 reads its cache through the batch's HybridMeta alone
+        meta = hybrid(chunks, len(ids), pad, tables)
+        return _to(ForwardBatch(input_ids=input_ids, positions=meta.write_pos, slot_mapping=_NO_SLOTS,
+                                num_decode=num_decode, hybrid=meta, static=pad is not None), device)
+
+    bs, C = block_size, len(chunks)
+    n = np.array(lens, dtype=_I)
+    start = np.fromiter((c.start for c in chunks), dtype=_I, count=C)
+    row0 = np.cumsum(n) - n
+    trows = tables.rows(seqs)
+    Bd = int(np.searchsorted(n > rmax, True))  # chunks attended row by row, first
+    R = int(row0[Bd]) if Bd < C else T
+    if R == Bd:  # one row each (a plain decode step)
+        rc, pos = np.arange(Bd), start[:Bd]
+    else:
+        rc = np.repeat(np.arange(Bd), n[:Bd])
+        pos = start[rc] + np.arange(R) - row0[rc]
+    trow = trows[rc]
+    if pad is not None:
+        pos = np.concatenate([pos, np.zeros(pad.rows - T, dtype=_I)])
+        trow = np.concatenate([trow, np.full(pad.rows - T, tables.pad_row, dtype=_I)])
+    table = tables.ids
+    positions, slots = pos, table[trow, pos // bs] * bs + pos % bs
+    extends: list[ExtendSeq] = []
+    if Bd < C:  # each prompt chunk's whole context, all of them at once
+        ends = start[Bd:] + n[Bd:]
+        off = np.cumsum(ends) - ends
+        ec = np.repeat(np.arange(C - Bd), ends)
+        ctx = np.arange(int(ends.sum())) - off[ec]
+        ctx_slots = table[trows[Bd:][ec], ctx // bs] * bs + ctx % bs
+        own = ctx >= start[Bd:][ec]  # the chunk's own positions (the rest is its cached context)
+        positions = np.concatenate([positions, ctx[own]])
+        slots = np.concatenate([slots, ctx_slots[own]])
+        cs = torch.from_numpy(ctx_slots)
+        extends = [ExtendSeq(int(row0[i]), lens[i], int(ends[i - Bd]), cs[o : o + e])
+                   for i, o, e in zip(range(Bd, C), off.tolist(), ends.tolist())]
     batch = ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=positions,
-        slot_mapping=slots,
+        input_ids=input_ids,
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
         num_decode=num_decode,
-        num_rowwise=len(dec_pos),
+        num_rowwise=len(pos),
         extends=extends,
+        static=pad is not None,
     )
-    if dec_pos:
-        width = -(-pad.max_len // bs) if pad is not None else max(table_lens)
-        batch.decode_block_tables = _block_table(decode_tables, table_lens, width)
-        batch.decode_context_lens = torch.tensor(dec_pos) + 1
-    batch.static = pad is not None
+    if len(pos):
+        nb = pos // bs + 1  # blocks each row sees
+        width = -(-pad.max_len // bs) if pad is not None else int(nb.max())
+        cols = np.arange(width)
+        batch.decode_block_tables = torch.from_numpy(np.where(cols[None, :] < nb[:, None], table[trow, :width], 0))
+        batch.decode_context_lens = torch.from_numpy(pos + 1)
     return _to(batch, device)
 
 
-def _hybrid_batch(chunks: list[Chunk], hybrid, pad: Padding | None) -> ForwardBatch:
-    """DeepSeek-V4 reads its cache through the batch's HybridMeta alone: no latent slots
-    or block tables, and each row's position is the one its ring write uses."""
-    ids: list[int] = []
-    for c in chunks:
-        c.row = len(ids)
-        ids += c.token_ids
-    num_decode = sum(1 for c in chunks if len(c.token_ids) == 1)  # decode rows, for the step's stats
-    if pad is not None:
-        ids += [0] * (pad.rows - len(ids))
-    meta = hybrid(chunks, len(ids), pad)
-    return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long), positions=meta.write_pos,
-                        slot_mapping=_NO_SLOTS, num_decode=num_decode, hybrid=meta, static=pad is not None)
-
-
 _NO_SLOTS = torch.zeros(0, dtype=torch.long)
-
-
-def _extends_last(c: Chunk) -> bool:
-    return len(c.token_ids) > ROWWISE_MAX
-
-
-def _block_table(tables: list[list[int]], lens: list[int], width: int) -> torch.Tensor:
-    """[rows, width]: each row's first lens[r] block ids, zero-padded. Built in one
-    flat int64 buffer: a tensor made from nested lists costs 4x as much at batch 256."""
-    pad = [0] * width
-    flat = array("q")
-    for blocks, n in zip(tables, lens):
-        flat.extend(blocks if len(blocks) == n else blocks[:n])
-        if n < width:
-            flat.extend(pad[: width - n])
-    return torch.frombuffer(flat, dtype=torch.int64).view(len(lens), width)
+_I = np.int64
 
 
 def index_tensors(batch: ForwardBatch) -> list[tuple[object, object]]:

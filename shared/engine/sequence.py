@@ -45,6 +45,7 @@ class Sequence:
     num_computed: int = 0  # positions whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
     ring: int = -1  # DeepSeek-V4: the ring of recent positions, held with the blocks
+    table_row: int = -1  # its row in the engine's BlockTables (block_table.py), -1: none yet
     # DeepSeek-V4 prefix reuse (engine/snapshots.py): the pinned snapshot to copy into the
     # ring before the first step, the boundaries to snapshot during prefill, and the hash of
     # the newest boundary snapshot taken during decode.

@@ -35,7 +35,7 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
         eng.last_stats = st
         return []
     chunks = [eng._chunk(s) for s in sched.scheduled]
-    batch = build_batch(chunks, eng.cfg.block_size, eng.device, eng.batcher)
+    batch = build_batch(chunks, eng.cfg.block_size, eng.device, eng.batcher, tables=eng.tables)
     eng.drafter.fill(chunks, batch)  # the drafts it verifies, still on the device
     st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
     st.scheduled = [c.seq.request_id for c in chunks]

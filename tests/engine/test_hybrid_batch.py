@@ -24,6 +24,7 @@ SPANS = tuple(r.count for r in V4Layout(CFG, BS, 1).rings)
 class _Seq:
     ring: int
     block_ids: list[int]
+    table_row: int = -1
 
 
 @st.composite
