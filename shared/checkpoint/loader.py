@@ -114,6 +114,7 @@ def build_empty(cfg, dtype: torch.dtype, device: str | torch.device, num_slots: 
     with torch.device("meta"), _default_dtype(dtype), _no_init():
         model = DeepseekV4ForCausalLM(cfg, num_slots) if v4 else DeepseekForCausalLM(cfg, num_slots)
     model.to_empty(device=device)
+    model.fuse_projections()  # the checkpoint loads into the fused weights
     if v4:  # rotary tables are computed, not loaded
         model.ropes["main"] = Rope(cfg.rope_main, cfg.qk_rope_head_dim).to(device)
         model.ropes["compress"] = Rope(cfg.rope_compress, cfg.qk_rope_head_dim).to(device)
@@ -198,6 +199,7 @@ def load_model(
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{model_dir}: missing tensors {', '.join(missing[:5])}{more}")
     model.eval().requires_grad_(False)
+    model.unfuse_moved()
     return model
 
 

@@ -76,6 +76,19 @@ class DeepseekForCausalLM(nn.Module):
             MTPLayer(cfg, cfg.num_hidden_layers + j, num_slots) for j in range(cfg.num_nextn_predict_layers))
         self.rope = RotaryEmbedding(cfg)
 
+    def fuse_projections(self) -> None:
+        """Each MLP's (dense, shared expert) gate and up as one GEMM. Call before the
+        weights load: they load into the fused tensors through the views."""
+        for m in self.modules():
+            if isinstance(m, MLP):
+                m.fuse()
+
+    def unfuse_moved(self) -> None:
+        """Drop the fusion of any MLP whose linears no longer read its rows."""
+        for m in self.modules():
+            if isinstance(m, MLP) and m.gate_up is not None and not m.gate_up.intact:
+                m.gate_up = None
+
     def moe_layers(self) -> dict[int, MoE]:
         """MoE modules by layer id; the MTP layer's id is num_hidden_layers."""
         out = {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)}

@@ -22,6 +22,37 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
+class FusedLinears:
+    """Linears that read the same input, as one GEMM: their weights become rows of one
+    [sum of outputs, in] tensor, each linear's weight a view of its rows, so that the
+    checkpoint loads into it through the linears' own names. One launch where there
+    were as many as linears (and a cat where their outputs were joined)."""
+
+    def __init__(self, *linears: nn.Linear):
+        self.linears = linears
+        self.weight = torch.cat([lin.weight.detach() for lin in linears])
+        self.sizes = [lin.out_features for lin in linears]
+        o = 0
+        for lin, n in zip(linears, self.sizes):
+            lin.weight = nn.Parameter(self.weight[o : o + n], requires_grad=False)
+            o += n
+
+    @property
+    def intact(self) -> bool:
+        """Whether each linear still reads its rows (nothing moved or replaced them)."""
+        ptr, step = self.weight.data_ptr(), self.weight.stride(0) * self.weight.element_size()
+        o = 0
+        for lin, n in zip(self.linears, self.sizes):
+            if lin.weight.data_ptr() != ptr + o * step:
+                return False
+            o += n
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., in] -> [..., sum of outputs]: each linear's output a column slice."""
+        return torch.nn.functional.linear(x, self.weight)
+
+
 class MLP(nn.Module):
     """SwiGLU FFN, used for dense layers and shared experts (Hugging Face names)."""
 
@@ -31,5 +62,19 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+        self.gate_up: FusedLinears | None = None  # fuse(): gate and up in one GEMM
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(*gate_up(self, x)))
+
+
+def gate_up(mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MLP's gate and up projections of x: halves of one GEMM's output when fused."""
+    if mlp.gate_up is None:
+        return mlp.gate_proj(x), mlp.up_proj(x)
+    y = mlp.gate_up(x)
+    n = mlp.gate_proj.out_features
+    return y[..., :n], y[..., n:]

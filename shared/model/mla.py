@@ -61,8 +61,10 @@ class MLAttention(nn.Module):
         # q and k rotated, [latent | rotated k] into each token's cache slot: one kernel.
         q_pe = rope.with_cache(batch.positions, q_pe, latent, k_pe, batch.slot_mapping, flat_cache)  # [T, H, R]
 
-        out = x.new_empty(T, self.num_heads, self.v_dim)
         nd = batch.num_rowwise
+        if nd and nd == T:  # a decode step: every row attended one by one, that output is the layer's
+            return self.o_proj(self._decode(q_nope, q_pe, batch, kv_cache).reshape(T, self.num_heads * self.v_dim))
+        out = x.new_empty(T, self.num_heads, self.v_dim)
         if nd:
             out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], batch, kv_cache)
         for ext in batch.extends:

@@ -28,7 +28,7 @@ class _Seq:
 _op = st.tuples(st.sampled_from(["grow", "replace", "clear", "batch"]), st.integers(0, 7), st.integers(0, 9))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.lists(_op, max_size=60), st.integers(1, 4))
 def test_rows_mirror_the_lists_through_growth_replacement_and_eviction(ops, num_rows):
     """Rows are handed on when their sequence is not in the batch, and the table grows when
@@ -108,7 +108,7 @@ _chunk = st.tuples(st.integers(0, 5), st.integers(0, 40), st.sampled_from([1, 1,
                    st.booleans(), st.integers(0, 2))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(_chunk, max_size=6), min_size=1, max_size=4), st.integers(1, 3))
 def test_the_batch_equals_one_chunk_at_a_time_on_kept_tables(steps, num_rows):
     """A few batches over one pool of sequences, whose lists grow in place or are replaced

@@ -70,3 +70,50 @@ def test_a_prefilled_buffer_of_the_wrong_size_is_refused_and_nothing_leaks(tiny_
     assert eng.blocks.num_free_rings == eng.blocks.num_rings
     eng.add_prefilled("r", [0, 1, 2, 3, 4, 9], 5, SamplingParams(max_tokens=2), good)
     assert eng.blocks.num_free_rings == eng.blocks.num_rings - 1
+
+
+def test_fused_linears_load_through_their_views_and_compute_what_each_would():
+    from torch import nn
+
+    from moemesh.shared.model.layers import FusedLinears
+
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 3, bias=False), nn.Linear(8, 5, bias=False)
+    fused = FusedLinears(a, b)
+    with torch.no_grad():  # what the loader does: copy into each linear's weight
+        b.weight.copy_(torch.randn(5, 8))
+    x = torch.randn(4, 8)
+    y = fused(x)
+    torch.testing.assert_close(y[:, :3], a(x))
+    torch.testing.assert_close(y[:, 3:], b(x))
+    assert fused.intact
+    b.weight = nn.Parameter(b.weight.detach().clone())  # replaced: no longer the fused rows
+    assert not fused.intact
+
+
+def test_the_fused_projections_generate_what_the_linears_one_by_one_do(tiny_v4_model):
+    """A loaded V4 model projects each layer's input in one GEMM (V4Attention.fuse); with
+    the fusion dropped, each linear runs on its own: the same tokens, through prefill
+    chunks, decode rows and groups the compressors pool. (The kernel path runs fused in
+    tests/kernels/test_engine_with_kernels.py.)"""
+    from moemesh.shared.checkpoint.loader import load_model
+
+    prompts = [[0] + [5 + (i * 7 + j) % 50 for j in range(n)] for i, n in enumerate((3, 20, 37))]
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = []
+    for fused in (True, False):
+        model = load_model(tiny_v4_model)
+        attns = [m for m in model.modules() if hasattr(m, "x_proj")]
+        assert attns and all(m.x_proj is not None and m.x_proj.intact for m in attns)
+        if not fused:
+            for m in attns:
+                m.x_proj = None
+        eng = LLMEngine(EngineConfig(model=tiny_v4_model, num_kv_blocks=32, num_speculative_tokens=0), model=model)
+        for i, ids in enumerate(prompts):
+            eng.add_request(f"r{i}", ids, p)
+        got: dict[str, list[int]] = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        outs.append(got)
+    assert outs[0] == outs[1] and sorted(outs[0]) == ["r0", "r1", "r2"] and all(len(v) == 6 for v in outs[0].values())

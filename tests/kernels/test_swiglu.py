@@ -19,3 +19,16 @@ def test_matches_reference(force_triton, device, dtype, shape, limit):
     with launches(_swiglu_kernel):
         got = swiglu(gate, up, limit)
     check(got, swiglu_ref(gate, up, limit), TOL)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 1), (5, 96), (33, 257)])
+def test_gate_and_up_as_the_halves_of_one_projection(force_triton, device, dtype, rows, cols):
+    """A fused gate|up GEMM's output: two column slices with its row stride, read in place."""
+    force_triton(device)
+    both = randn(rows, 2 * cols, dtype=dtype, device=device, seed=2, scale=2.0)
+    gate, up = both[:, :cols], both[:, cols:]
+    with launches(_swiglu_kernel):
+        got = swiglu(gate, up, 0.7)
+    assert got.is_contiguous()
+    check(got, swiglu_ref(gate, up, 0.7), TOL)

@@ -73,29 +73,30 @@ class Indexer(Compressor):
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.scorer = Scorer(hidden, n_heads)
 
-    def scores(self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               keys: torch.Tensor) -> torch.Tensor:
+    def scores(self, q_res: torch.Tensor, x: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor, wts: torch.Tensor | None = None) -> torch.Tensor:
         """Rows' queries against index keys: keys [R, E, d] (one set per row) or [E, d]
-        (shared by all rows). Returns [R, E] in fp32."""
-        R = x.shape[0]
+        (shared by all rows). Returns [R, E] in fp32. wts: the rows' head weights, where
+        the caller projected them with others (V4Attention.fuse); else from x."""
+        R = q_res.shape[0]
         q = rotate(self.q_b_proj(q_res).view(R, self.n_heads, self.width), cos, sin).float()
         if keys.dim() == 3:
             s = torch.einsum("rhd,red->rhe", q, keys.float())
         else:
             s = torch.einsum("rhd,ed->rhe", q, keys.float())
         s = torch.relu(s) * self.width**-0.5
-        w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
+        w = (self.scorer.weights_proj(x) if wts is None else wts).float() * self.n_heads**-0.5
         return (s * w.unsqueeze(-1)).sum(dim=1)
 
-    def pick(self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-             entries) -> torch.Tensor:
+    def pick(self, q_res: torch.Tensor, x: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+             keys: torch.Tensor, entries, wts: torch.Tensor | None = None) -> torch.Tensor:
         """Decode rows on the kernel path: each row's top-k entry ids, scored against the
         index keys where they lie (`keys` [blocks, per_block, d], `entries` the rows'
         Entries); the ids past a row's visible entries are picked last, and masked by
         whoever reads them."""
-        R = x.shape[0]
+        R = q_res.shape[0]
         q = rotate(self.q_b_proj(q_res).view(R, self.n_heads, self.width), cos, sin)
-        wts = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
+        wts = (self.scorer.weights_proj(x) if wts is None else wts).float() * self.n_heads**-0.5
         scores = index_scores(q, wts, keys, entries.table, entries.visible, entries.count)
         return scores.topk(min(self.topk, entries.count), dim=-1).indices
 

@@ -21,7 +21,7 @@ from moemesh.shared.model.v4.attention import V4Attention, V4Step
 from moemesh.shared.model.v4.config import V4Config
 from moemesh.shared.model.v4.hyper import HyperConnection, HyperHead, merge
 from moemesh.shared.model.v4.layout import V4Layout
-from moemesh.shared.model.v4.moe import V4MoE
+from moemesh.shared.model.v4.moe import ClippedMLP, V4MoE
 from moemesh.shared.model.v4.rope import Rope
 
 
@@ -79,6 +79,23 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.ropes = nn.ModuleDict({"main": Rope(cfg.rope_main, cfg.qk_rope_head_dim),
                                     "compress": Rope(cfg.rope_compress, cfg.qk_rope_head_dim)})
         self.layout: V4Layout | None = None  # set with the cache (it depends on the block size)
+
+    def fuse_projections(self) -> None:
+        """Each attention's projections of its input as one GEMM (V4Attention.fuse), and
+        each shared expert's gate and up. Call before the weights load: they load into
+        the fused tensors through the views."""
+        for m in self.modules():
+            if isinstance(m, (V4Attention, ClippedMLP)):
+                m.fuse()
+
+    def unfuse_moved(self) -> None:
+        """Drop the fusion of any attention whose linears no longer read its rows (a
+        weight replaced after fuse_projections): they run one by one, as they are."""
+        for m in self.modules():
+            if isinstance(m, V4Attention) and m.x_proj is not None and not m.x_proj.intact:
+                m.x_proj = None
+            if isinstance(m, ClippedMLP) and m.gate_up is not None and not m.gate_up.intact:
+                m.gate_up = None
 
     def moe_layers(self) -> dict[int, V4MoE]:
         out = {i: layer.mlp for i, layer in enumerate(self.model.layers)}

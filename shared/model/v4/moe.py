@@ -21,6 +21,7 @@ from torch import nn
 from moemesh.shared.kernels.fused_moe import fused_moe
 from moemesh.shared.kernels.route import route
 from moemesh.shared.kernels.swiglu import swiglu
+from moemesh.shared.model.layers import FusedLinears, gate_up
 from moemesh.shared.model.moe import Experts
 from moemesh.shared.model.v4.config import V4Config
 
@@ -66,9 +67,13 @@ class ClippedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.limit = limit
+        self.gate_up: FusedLinears | None = None  # fuse(): gate and up in one GEMM
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(swiglu(*gate_up(self, x), self.limit))
 
 
 class V4MoE(nn.Module):
