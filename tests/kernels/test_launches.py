@@ -56,6 +56,8 @@ def test_a_decode_step_stays_within_its_launch_budget_and_syncs_once(counts, arc
     per_layer, extra = BUDGET[arch]
     b1, b4 = r["decode"]
     assert b1["launches"] == b4["launches"] <= per_layer * r["model"]["num_hidden_layers"] + extra
+    # and per layer on its own: a model of 43 or 61 layers stays within the budget too
+    assert b1["per_layer"] <= per_layer and b1["launches"] - b1["per_layer"] * r["model"]["num_hidden_layers"] <= extra
     assert b1["syncs"] == b4["syncs"] == 1 and r["prefill"]["syncs"] == 1
 
 
