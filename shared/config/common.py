@@ -100,6 +100,9 @@ class WorkerConfig(ServiceConfig):
     # "mock": no model compute, a fixed step time (infrastructure benchmarks only).
     engine: str = "model"
     mock_step_ms: float = 10.0
+    # The mock's draft head: < 0, none; else each of its num_speculative_tokens drafts a
+    # step is accepted with this probability (a hash of request and position decides).
+    mock_accept_rate: float = -1.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -111,6 +114,8 @@ class WorkerConfig(ServiceConfig):
             raise ValueError(f"dp_rank must be in [0, dp_size={self.dp_size})")
         if self.uses_ep and not self.dist_init:
             raise ValueError("dist_init (tcp://host:port shared by the ranks) is required with expert parallelism")
+        if self.mock_accept_rate > 1:
+            raise ValueError(f"mock_accept_rate must be at most 1 (or < 0: no draft head), got {self.mock_accept_rate}")
         if self.eplb_redundant < 0:
             raise ValueError("eplb_redundant must be >= 0")
         if self.engine not in ("model", "mock"):

@@ -34,10 +34,13 @@ class Drafter:
     hold PLACEHOLDER, one per draft: their number is all the scheduler needs."""
 
     def __init__(self, model: DeepseekForCausalLM, kv, block_size: int, num_spec: int,
-                 max_model_len: int, device, lockstep: bool = False, batcher=None, tables=None):
+                 max_model_len: int, device, lockstep: bool = False, batcher=None, tables=None,
+                 row_keys: bool = False):
         """kv: the model's cache argument; batcher: a V4 engine's window-only HybridBatcher;
-        tables: the engine's BlockTables (its sequences' rows)."""
+        tables: the engine's BlockTables (its sequences' rows); row_keys: batches carry
+        their rows' sequence keys (the mock's draft head decides by them)."""
         self.model, self.kv, self.block_size, self.batcher, self.tables = model, kv, block_size, batcher, tables
+        self.row_keys = row_keys
         self.num_spec, self.max_model_len, self.device, self.lockstep = num_spec, max_model_len, device, lockstep
         self.pending: torch.Tensor | None = None  # [drafts] the last pass's ids, on the device
         # id(sequence) -> (the sequence, its draft_ids list then, where its drafts are in pending)
@@ -56,7 +59,8 @@ class Drafter:
             prev_rows[id(c.seq)] = range(c.row, c.row + n_valid)
         if not chunks and not self.lockstep:
             return
-        batch = build_batch(chunks, self.block_size, self.device, self.batcher, tables=self.tables)  # may reorder the chunks
+        batch = build_batch(chunks, self.block_size, self.device, self.batcher, tables=self.tables,
+                            row_keys=self.row_keys)  # may reorder the chunks
         rows = [r for ch in chunks for r in prev_rows[id(ch.seq)]]  # one index tensor, not one per sequence
         prev = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)] if rows else hidden[:0]
         h = self.model.mtp_forward(batch, prev, self.kv)
@@ -81,7 +85,8 @@ class Drafter:
                 break
             nxt = [Chunk(ch.seq, ch.seq.num_tokens - 1 + step, [PLACEHOLDER]) for ch in live]
             prev_h = h[last]
-            batch = build_batch(nxt, self.block_size, self.device, self.batcher, tables=self.tables)  # all q_len 1: order kept
+            batch = build_batch(nxt, self.block_size, self.device, self.batcher, tables=self.tables,
+                                row_keys=self.row_keys)  # all q_len 1: order kept
             if live:
                 batch.input_ids = drafts
             h = self.model.mtp_forward(batch, prev_h, self.kv)

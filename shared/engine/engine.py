@@ -109,6 +109,7 @@ class LLMEngine(Admission, KVHandoff):
         # Rows widen as sequences grow; a long max_model_len does not preallocate its width.
         width = min(self.blocks.blocks_for(self.max_model_len + self.num_spec + 1), 512)
         self.tables = BlockTables(cfg.max_num_seqs, width)
+        self.row_keys = bool(getattr(self.model, "wants_row_keys", False))  # the mock's draft head asks
         self.kv_identity = kv_identity(mcfg.identity(), cfg.block_size, cfg.dtype)
         sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_spec)
         self.scheduler = Scheduler(sched_cfg, self.blocks, self.snapshots)
@@ -119,7 +120,7 @@ class LLMEngine(Admission, KVHandoff):
         self._eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.graphs = self._decode_graphs()
         self.drafter = Drafter(self.model, self.kv.forward_arg, cfg.block_size, self.num_spec, self.max_model_len,
-                               self.device, lockstep, self.draft_batcher, self.tables)
+                               self.device, lockstep, self.draft_batcher, self.tables, self.row_keys)
         self.last_stats = StepStats()
         self.num_drafted_total = 0
         self.num_accepted_total = 0
@@ -137,10 +138,10 @@ class LLMEngine(Admission, KVHandoff):
         if mode == "off" or (mode == "auto" and not capture) \
                 or not isinstance(self.model, (DeepseekForCausalLM, DeepseekV4ForCausalLM)):
             return None
-        bs, device, batcher, tables = self.cfg.block_size, self.device, self.batcher, self.tables
+        bs, device, batcher, tables, keys = self.cfg.block_size, self.device, self.batcher, self.tables, self.row_keys
 
         def build(chunks: list[Chunk], pad: Padding) -> ForwardBatch:
-            return build_batch(chunks, bs, device, batcher, pad, tables)
+            return build_batch(chunks, bs, device, batcher, pad, tables, keys)
 
         graphs = DecodeGraphs(self.model, self.kv.forward_arg, build, self.kv.scratch_block,
                               getattr(self.kv, "scratch_ring", -1), self.cfg.max_num_seqs, self.max_model_len, capture)
@@ -230,7 +231,7 @@ class LLMEngine(Admission, KVHandoff):
         chunks = [self._chunk(s) for s in sched.scheduled]
         t1 = time.perf_counter()
         pad = self.graphs.padding(chunks) if self.graphs is not None else None
-        batch = build_batch(chunks, self.cfg.block_size, self.device, self.batcher, pad, self.tables)
+        batch = build_batch(chunks, self.cfg.block_size, self.device, self.batcher, pad, self.tables, self.row_keys)
         step = PlannedStep(chunks, batch, [], [], [], None, None)
         step.stats = st
         sid = step.step_id

@@ -30,11 +30,14 @@ from moemesh.shared.model.config import ModelConfig
 
 
 class MockModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, step_time_s: float):
-        """cfg: any model's config (V2/V3 or V4); only its sizes and tokens are used."""
+    def __init__(self, cfg: ModelConfig, step_time_s: float, accept_rate: float | None = None):
+        """cfg: any model's config (V2/V3 or V4); only its sizes and tokens are used.
+        accept_rate: None, no draft head (one token per sequence a step); else it has one,
+        whose every draft the target accepts with this probability (see mtp_logits)."""
         super().__init__()
-        # No MTP: the mock has no draft head, so every step emits one token per sequence.
-        self.cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+        self.cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0 if accept_rate is None else 1)
+        self.accept_rate = accept_rate
+        self.wants_row_keys = accept_rate is not None  # drafts are decided per (request, position)
         self.step_time_s = step_time_s
         self._started = 0.0
         self._late = 0.0  # how late the sleep's wake-up has been, on average
@@ -49,7 +52,7 @@ class MockModel(nn.Module):
         queued = batch.queued_at or now
         self._started = min(now, max(queued, self._free_at))
         self._free_at = self._started + self.step_time_s
-        return batch.positions.to(torch.float32)[:, None]  # [T, 1]: the "hidden state" is the position
+        return self._hidden(batch, 0)
 
     def synchronize(self) -> None:
         """Wait for the step's device time to be up. The sleep releases the GIL, as a
@@ -75,9 +78,47 @@ class MockModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        pos = hidden[:, 0].to(torch.long)
-        # 4 + a multiplicative hash of the position: skips the special tokens, stays in vocab.
-        tok = 4 + (pos * 2654435761 + 12345) % (self.cfg.vocab_size - 4)
-        logits = torch.zeros(hidden.shape[0], self.cfg.vocab_size)
+        return self._logits(self._token(hidden[:, 0].to(torch.long)))
+
+    # ---- the draft head (accept_rate set) ------------------------------------------------
+    @torch.inference_mode()
+    def mtp_forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, kv_caches) -> torch.Tensor:
+        """A row at position p drafts the token the target emits from position p + 1:
+        its "hidden state" is that position. Device time: inside the step's."""
+        return self._hidden(batch, 1)
+
+    @torch.inference_mode()
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's token, or for a rejected draft the next one: the draft for position
+        p of request r is right when a hash of (r, p), as a fraction, is below accept_rate.
+        The engine's verification decides what is accepted, as for a real draft head; a
+        step's drafts are accepted in order, so a sequence gains A + A^2 + ... + A^K."""
+        pos, key = hidden[:, 0].to(torch.long), hidden[:, 1].to(torch.long)
+        tok = self._token(pos)
+        u = _unit_hash(key, pos)
+        wrong = 4 + (tok - 4 + 1) % (self.cfg.vocab_size - 4)
+        return self._logits(torch.where(u < self.accept_rate, tok, wrong))
+
+    def _hidden(self, batch: ForwardBatch, ahead: int) -> torch.Tensor:
+        """[T, 2]: (position + ahead, the row's request key): all the mock computes from."""
+        keys = batch.row_keys if batch.row_keys is not None else torch.zeros_like(batch.positions)
+        return torch.stack([batch.positions + ahead, keys], dim=1).to(torch.float64)
+
+    def _token(self, pos: torch.Tensor) -> torch.Tensor:
+        """4 + a multiplicative hash of the position: skips the special tokens, stays in vocab."""
+        return 4 + (pos * 2654435761 + 12345) % (self.cfg.vocab_size - 4)
+
+    def _logits(self, tok: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(tok.shape[0], self.cfg.vocab_size)
         logits.scatter_(1, tok[:, None], 10.0)
         return logits
+
+
+def _unit_hash(key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """A fraction in [0, 1) per (key, position), mixed so that neighbouring positions are
+    unrelated: each draft's fate is its own, whichever positions a sequence's earlier
+    acceptances make it draft at."""
+    x = (key & 0xFFFFFFFF) * 0x9E3779B1 + pos * 0x632BE5AB + 0x1B873593
+    for shift, mul in ((16, 0x45D9F3B), (16, 0x45D9F3B), (16, 1)):
+        x = ((x ^ (x >> shift)) * mul) & 0xFFFFFFFF
+    return x.to(torch.float64) / 2**32

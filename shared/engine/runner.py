@@ -44,13 +44,15 @@ class Padding:
 
 
 def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str = "cpu",
-                hybrid=None, pad: Padding | None = None, tables: BlockTables | None = None) -> ForwardBatch:
+                hybrid=None, pad: Padding | None = None, tables: BlockTables | None = None,
+                row_keys: bool = False) -> ForwardBatch:
     """Orders chunks rowwise-first (in place, stable) and packs them. One pass reads each
     chunk's tokens; positions, slots and tables are then a fixed number of array ops over
     the whole batch, on the rows `tables` keeps for its sequences.
     hybrid: a V4 engine's HybridBatcher, None for MLA.
     pad: one-token chunks only, padded to pad.rows rows of fixed shapes.
-    tables: the engine's BlockTables (None: a throwaway one for these chunks)."""
+    tables: the engine's BlockTables (None: a throwaway one for these chunks).
+    row_keys: give each row its sequence's key (batch.row_keys), for a model that asks."""
     rmax = hybrid.rowwise_max if hybrid is not None else ROWWISE_MAX
     lens = [len(c.token_ids) for c in chunks]
     if lens and max(lens) > rmax:  # prompts after the rows attended one by one
@@ -71,10 +73,11 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
         tables.set_pad(pad.block)
     input_ids = torch.tensor(ids, dtype=torch.long)
     num_decode = lens.count(1)  # decode rows, for the step's stats
+    keys = _row_keys(chunks, lens, len(ids)) if row_keys else None
     if hybrid is not None:  # V4 reads its cache through the batch's HybridMeta alone
         meta = hybrid(chunks, len(ids), pad, tables)
         return _to(ForwardBatch(input_ids=input_ids, positions=meta.write_pos, slot_mapping=_NO_SLOTS,
-                                num_decode=num_decode, hybrid=meta, static=pad is not None), device)
+                                num_decode=num_decode, hybrid=meta, static=pad is not None, row_keys=keys), device)
 
     bs, C = block_size, len(chunks)
     n = np.array(lens, dtype=_I)
@@ -115,6 +118,7 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
         num_rowwise=len(pos),
         extends=extends,
         static=pad is not None,
+        row_keys=keys,
     )
     if len(pos):
         nb = pos // bs + 1  # blocks each row sees
@@ -127,6 +131,13 @@ def build_batch(chunks: list[Chunk], block_size: int, device: torch.device | str
 
 _NO_SLOTS = torch.zeros(0, dtype=torch.long)
 _I = np.int64
+
+
+def _row_keys(chunks: list[Chunk], lens: list[int], rows: int) -> torch.Tensor:
+    """[rows] each row's sequence key; padding rows 0."""
+    keys = np.zeros(rows, dtype=_I)
+    keys[: sum(lens)] = np.repeat(np.fromiter((c.seq.key for c in chunks), dtype=_I, count=len(chunks)), lens)
+    return torch.from_numpy(keys)
 
 
 def index_tensors(batch: ForwardBatch) -> list[tuple[object, object]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     ring: int = -1  # DeepSeek-V4: the ring of recent positions, held with the blocks
     table_row: int = -1  # its row in the engine's BlockTables (block_table.py), -1: none yet
+    key: int = field(init=False, default=0)  # crc32 of the request id (set in __post_init__)
     # DeepSeek-V4 prefix reuse (engine/snapshots.py): the pinned snapshot to copy into the
     # ring before the first step, the boundaries to snapshot during prefill, and the hash of
     # the newest boundary snapshot taken during decode.
@@ -80,6 +82,9 @@ class Sequence:
     matcher: object = None  # structured output: its grammar state (engine/grammar.py), None when free
 
     def __post_init__(self):
+        # A stable number per request (not Python's salted hash): what a model that asks for
+        # row keys (the mock's draft head) is given, the same on every run.
+        self.key = zlib.crc32(self.request_id.encode())
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
         if self.params.seed is not None and self.generator is None:

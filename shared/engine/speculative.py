@@ -35,7 +35,7 @@ def speculative_step(eng: "LLMEngine") -> list[RequestOutput]:
         eng.last_stats = st
         return []
     chunks = [eng._chunk(s) for s in sched.scheduled]
-    batch = build_batch(chunks, eng.cfg.block_size, eng.device, eng.batcher, tables=eng.tables)
+    batch = build_batch(chunks, eng.cfg.block_size, eng.device, eng.batcher, tables=eng.tables, row_keys=eng.row_keys)
     eng.drafter.fill(chunks, batch)  # the drafts it verifies, still on the device
     st.num_seqs, st.num_tokens, st.num_decode = len(chunks), batch.num_tokens, batch.num_decode
     st.scheduled = [c.seq.request_id for c in chunks]
@@ -107,9 +107,11 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
         else:
             logits, drafted = host_copy.to_host(logits, pending)
             eng.drafter.resolve(drafted)
+        _wait_device(eng.model)
         st.logits_s = time.perf_counter() - t
     else:
         eng.drafter.resolve()
+        _wait_device(eng.model)
 
     # Plain (non-speculative) rows are sampled together; draft verification is per sequence.
     plain = [(c, r) for c, r, n in samplers if n == 1]
@@ -211,3 +213,11 @@ def _append(eng: "LLMEngine", seq: Sequence, toks: list[int]) -> list[int]:
             eng.scheduler.finish(seq, FinishReason.LENGTH)
             break
     return emitted
+
+
+def _wait_device(model) -> None:
+    """A device with a clock of its own (the mock) is done with the step's forward here,
+    where a GPU's host would wait on it: the step's one wait."""
+    sync = getattr(model, "synchronize", None)
+    if sync is not None:
+        sync()

@@ -44,6 +44,7 @@ class ForwardBatch:
     hybrid: "HybridMeta | None" = None  # DeepSeek-V4: window, compressor and entry addresses
     static: bool = False  # padded to a bucket of fixed shapes (engine/decode_graphs.py); num_decode: the real rows
     packed: torch.Tensor | None = None  # the one device buffer its int64 tensors are views of (runner.pack)
+    row_keys: torch.Tensor | None = None  # [T] each row's sequence key (Sequence.key), for models that ask
 
     @property
     def num_tokens(self) -> int:

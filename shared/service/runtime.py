@@ -143,7 +143,8 @@ class WorkerRuntime:
         if cfg.engine == "mock":
             log.warning("MOCK ENGINE: %s runs no model; tokens are fabricated every %.1f ms. For infrastructure "
                         "benchmarks only.", self.worker_id, cfg.mock_step_ms)
-            mock = MockModel(ModelConfig.from_dir(cfg.model), cfg.mock_step_ms / 1e3)
+            accept = cfg.mock_accept_rate if cfg.mock_accept_rate >= 0 else None
+            mock = MockModel(ModelConfig.from_dir(cfg.model), cfg.mock_step_ms / 1e3, accept)
             return LLMEngine(EngineConfig.for_worker(cfg, self.role), model=mock)
         if cfg.uses_ep:
             return await asyncio.to_thread(self.dep.build_engine, self.role)

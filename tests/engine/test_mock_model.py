@@ -1,4 +1,4 @@
-"""The mock engine's step clock (shared/engine/mock_model.py)."""
+"""The mock engine's step clock and draft head (shared/engine/mock_model.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from moemesh.shared.model.config import ModelConfig
 class _Batch:
     queued_at = 0.0
     positions = torch.zeros(1, dtype=torch.long)
+    row_keys = None
 
 
 def _step(model: MockModel, host_s: float = 0.0) -> float:
@@ -37,3 +38,46 @@ def test_a_stalled_wake_up_does_not_shorten_the_steps_after_it(tiny_model, monke
     # correction these took the host's 12 ms, not the set 20.
     took = [_step(model, host_s=0.012) for _ in range(10)]
     assert min(took) > 0.7 * step_s, took
+
+
+def _run(tiny_model, k: int | None, accept: float | None, n: int = 24, max_tokens: int = 40):
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.engine import LLMEngine
+    from moemesh.shared.protocol.sampling import SamplingParams
+
+    mock = MockModel(ModelConfig.from_dir(tiny_model), 0.0, accept)
+    eng = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=512, max_num_seqs=n, num_speculative_tokens=k),
+                    model=mock)
+    for i in range(n):  # prompts of different lengths: the streams sit at different positions
+        eng.add_request(f"req-{i}", [0] + [5 + j for j in range(1 + i % 7)],
+                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished() and steps < 10_000:
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        steps += 1
+    return out, eng, steps
+
+
+def test_the_mock_drafts_and_the_engine_verifies_them_at_the_set_rate(tiny_model):
+    """With a draft head the mock's drafts go through the engine's real verification: the
+    output is what the mock emits without drafts, and the share of drafts accepted is the
+    set rate (deterministic: a hash of request and position decides each)."""
+    want, _, plain_steps = _run(tiny_model, 0, None)
+    for k, rate in ((1, 0.7), (2, 0.7), (1, 0.0), (2, 1.0)):
+        got, eng, steps = _run(tiny_model, k, rate)
+        assert got == want, (k, rate)
+        assert eng.use_mtp and eng.num_drafted_total > 0
+        share = eng.num_accepted_total / eng.num_drafted_total
+        want_share = sum(rate**j for j in range(1, k + 1)) / k  # in order: draft j needs the j-1 before it
+        assert abs(share - want_share) < 0.05 if 0 < rate < 1 else share == rate, (k, rate, share)
+        if rate > 0:
+            assert steps < plain_steps  # accepted drafts: more than one token a step
+        else:
+            assert steps >= plain_steps
+
+
+def test_a_mock_without_a_draft_head_drafts_nothing(tiny_model):
+    _, eng, _ = _run(tiny_model, 2, None, n=2, max_tokens=4)
+    assert not eng.use_mtp and eng.num_drafted_total == 0
