@@ -173,3 +173,21 @@ def test_gateway_start_without_torch(tmp_path, tiny_model):
     # Both are timed, in separate processes: that a start outlasts an import holds on
     # average, not for one run of each on a busy machine (seen: 0.35 s against 0.32).
     assert res["import_s"] > 0 and res["start_s"] > 0 and res["rss_mib"] > 0
+
+
+def test_stream_with_mock_drafts_sets_the_draft_head_and_raises_the_ideal():
+    from moemesh.tools.bench import overhead, stream
+
+    cfg = stream.StreamBenchConfig(streams=(64,), spec_tokens=2, accept_rate=0.5)
+    assert cfg.tokens_per_step == 1.75  # 1 + A + A^2
+    sets = stream.worker_settings(64, 256, 20.0, cfg.spec_tokens, cfg.accept_rate)
+    assert "num_speculative_tokens=2" in sets and "mock_accept_rate=0.5" in sets
+    assert not any(s.startswith(("num_speculative_tokens", "mock_accept_rate"))
+                   for s in stream.worker_settings(64, 256, 20.0))
+    res = {"tokens": 5600, "cpu_s": {}, "streams": 64, "wall_s": 1.0, "requests": 64, "errors": 0, "error_kinds": {},
+           "tokens_per_s": 5600.0, "ttft_ms_p50": 1.0, "ttft_ms_p99": 2.0, "client_cpu_s": 0.1,
+           "started_at": 0.0, "ended_at": 1.0}
+    row = overhead.point_row(res, 20.0, overhead.MESH_ROLES, [], cfg.tokens_per_step)
+    assert row["ideal_tokens_per_s"] == 64 * 1.75 * 50 and row["share_of_ideal"] == 1.0
+    with pytest.raises(ValueError):
+        stream.StreamBenchConfig(spec_tokens=9)

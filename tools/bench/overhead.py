@@ -91,8 +91,10 @@ def step_figures(steps: list[list[float]], t0: float, t1: float) -> dict:
     return out
 
 
-def point_row(res: dict, step_ms: float, roles: tuple[str, ...], steps: list[list[float]]) -> dict:
-    """One point of a host-overhead bench from the client's result and the decode steps."""
+def point_row(res: dict, step_ms: float, roles: tuple[str, ...], steps: list[list[float]],
+              tokens_per_step: float = 1.0) -> dict:
+    """One point of a host-overhead bench from the client's result and the decode steps.
+    tokens_per_step: what a sequence gains a step (1; with mock drafts, 1 + A + ... + A^K)."""
     tokens = res["tokens"]
     cpu = {r: 0.0 for r in roles}
     for name, s in res["cpu_s"].items():
@@ -100,10 +102,11 @@ def point_row(res: dict, step_ms: float, roles: tuple[str, ...], steps: list[lis
             cpu[role_of(name)] += s
     per_tok = {r: (s / tokens * 1e6 if tokens else None) for r, s in cpu.items()}
     per_tok["mesh"] = sum(cpu.values()) / tokens * 1e6 if tokens else None
-    ideal = res["streams"] * 1e3 / step_ms
+    ideal = res["streams"] * tokens_per_step * 1e3 / step_ms
     return {"streams": res["streams"], "wall_s": res["wall_s"], "tokens": tokens, "requests": res["requests"],
             "errors": res["errors"], "error_kinds": res["error_kinds"], "tokens_per_s": res["tokens_per_s"],
             "ideal_tokens_per_s": ideal, "share_of_ideal": res["tokens_per_s"] / ideal,
+            "tokens_per_step": tokens_per_step,
             "ttft_ms_p50": res["ttft_ms_p50"], "ttft_ms_p99": res["ttft_ms_p99"], "cpu_s": cpu,
             "cpu_us_per_token": per_tok,
             "client_cpu_us_per_token": res["client_cpu_s"] / tokens * 1e6 if tokens else None,

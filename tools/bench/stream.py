@@ -4,7 +4,8 @@ decode) on the mock engine, measured the same way every time.
 Run: one local mesh with `engine = "mock"` (a fixed step of `mock_step_ms`, one token per
 sequence per step) -> a short warm-up -> for each stream count S, the load client
 (`moemesh.tools.bench.sse_client`) in its own process: S streamed chat requests back to back for
-`seconds` -> per point, tokens/s against the ideal S × 1000 / mock_step_ms, CPU µs per
+`seconds` -> per point, tokens/s against the ideal S × G × 1000 / mock_step_ms (G = 1, or
+with --spec-tokens K at --accept-rate A, 1 + A + ... + A^K), CPU µs per
 output token of each mesh process and of the mesh as a whole (gateway + prefill + decode
 + nats; the client apart), and the decode worker's step figures over the load window.
 
@@ -36,21 +37,34 @@ class StreamBenchConfig:
     osl: int = 256
     mock_step_ms: float = 20.0
     warmup_s: float = 2.0
+    spec_tokens: int = 0  # the mock's drafts a step (0: no draft head)
+    accept_rate: float = 0.7  # each draft's chance, with spec_tokens
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1:
             raise ValueError("--streams needs one or more counts >= 1")
         if self.mock_step_ms <= 0 or self.osl < 1 or self.seconds < 0:
             raise ValueError("--mock-step-ms must be > 0, --osl >= 1, --seconds >= 0")
+        if not 0 <= self.spec_tokens <= 8 or not 0 <= self.accept_rate <= 1:
+            raise ValueError("--spec-tokens must be in [0, 8] and --accept-rate in [0, 1]")
+
+    @property
+    def tokens_per_step(self) -> float:
+        """What a sequence gains a step: 1 + A + ... + A^K (drafts accepted in order)."""
+        return sum(self.accept_rate**j for j in range(self.spec_tokens + 1))
 
 
-def worker_settings(max_streams: int, osl: int, step_ms: float) -> tuple[str, ...]:
+def worker_settings(max_streams: int, osl: int, step_ms: float, spec_tokens: int = 0,
+                    accept_rate: float = 0.7) -> tuple[str, ...]:
     """Mock worker settings under which no admission or memory limit caps the run: every
-    stream runs at once, and a whole wave of prompts is one prefill step."""
-    blocks_per_seq = -(-(PROMPT_TOKENS_MAX + osl) // BLOCK_SIZE)
+    stream runs at once, and a whole wave of prompts is one prefill step. spec_tokens > 0:
+    the mock drafts that many tokens a step, each accepted with accept_rate."""
+    blocks_per_seq = -(-(PROMPT_TOKENS_MAX + osl + spec_tokens) // BLOCK_SIZE)
+    drafts = (f"num_speculative_tokens={spec_tokens}", f"mock_accept_rate={accept_rate}") if spec_tokens else ()
     return ("engine=mock", f"mock_step_ms={step_ms}", f"block_size={BLOCK_SIZE}",
-            f"max_num_seqs={max(max_streams, 64)}", f"max_num_batched_tokens={max(16384, max_streams * 64)}",
-            f"num_kv_blocks={max(16384, 2 * max_streams * blocks_per_seq)}")
+            f"max_num_seqs={max(max_streams, 64)}",
+            f"max_num_batched_tokens={max(16384, max_streams * (64 + spec_tokens))}",
+            f"num_kv_blocks={max(16384, 2 * max_streams * blocks_per_seq)}", *drafts)
 
 
 def goal_check(row: dict, step_ms: float) -> str:
@@ -76,7 +90,8 @@ def goal_check(row: dict, step_ms: float) -> str:
 
 def run(cfg: StreamBenchConfig) -> dict:
     top = max(cfg.streams)
-    up = UpConfig(model=cfg.model, port=0, service_args=worker_settings(top, cfg.osl, cfg.mock_step_ms),
+    up = UpConfig(model=cfg.model, port=0,
+                  service_args=worker_settings(top, cfg.osl, cfg.mock_step_ms, cfg.spec_tokens, cfg.accept_rate),
                   gateway_args=(f"max_inflight={top * 2}",), balancer=False)
     with Mesh(up) as mesh:
         model, pids = Path(mesh.model).name, overhead.mesh_pids(mesh)
@@ -88,7 +103,8 @@ def run(cfg: StreamBenchConfig) -> dict:
         for streams in cfg.streams:
             res = overhead.run_client(mesh.url, model, streams, cfg.seconds, cfg.osl, cfg.mock_step_ms, chat=True,
                                       pids=pids)
-            row = overhead.point_row(res, cfg.mock_step_ms, overhead.MESH_ROLES, overhead.decode_steps(mesh))
+            row = overhead.point_row(res, cfg.mock_step_ms, overhead.MESH_ROLES, overhead.decode_steps(mesh),
+                                     cfg.tokens_per_step)
             row["goal"] = goal_check(row, cfg.mock_step_ms)
             rows.append(row)
     return {"bench": "stream", "config": asdict(cfg), "env": environment(), "goal": GOALS,
@@ -97,6 +113,8 @@ def run(cfg: StreamBenchConfig) -> dict:
 
 def table(r: dict) -> str:
     c = r["config"]
-    head = (f"mock step {c['mock_step_ms']} ms, osl {c['osl']}, {c['seconds']:g} s per point; "
+    drafts = c.get("spec_tokens", 0)
+    mtp = f", {drafts} drafts a step at accept rate {c['accept_rate']:g}" if drafts else ""
+    head = (f"mock step {c['mock_step_ms']} ms{mtp}, osl {c['osl']}, {c['seconds']:g} s per point; "
             f"CPU us per output token of each process (gw+pre+dec+nats = mesh), client apart")
     return head + "\n" + overhead.table(r["points"], overhead.MESH_ROLES, "streams", extra="goal")

@@ -17,6 +17,8 @@ def register(bsub) -> None:
     b.add_argument("--osl", type=int, default=256, help="output tokens per request")
     b.add_argument("--mock-step-ms", type=float, default=20.0, help="the mock engine's step time")
     b.add_argument("--warmup-seconds", type=float, default=2.0, help="warm-up load before the first point (0: none)")
+    b.add_argument("--spec-tokens", type=int, default=0, help="the mock drafts K tokens a step (0: no draft head)")
+    b.add_argument("--accept-rate", type=float, default=0.7, help="each mock draft's chance of being accepted")
     b.add_argument("--out", default="bench-results/stream.json", help="JSON file for the results")
     b.set_defaults(func=run)
 
@@ -27,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = stream.StreamBenchConfig(model=args.model, streams=args.streams, seconds=args.seconds, osl=args.osl,
-                                       mock_step_ms=args.mock_step_ms, warmup_s=args.warmup_seconds)
+                                       mock_step_ms=args.mock_step_ms, warmup_s=args.warmup_seconds,
+                                       spec_tokens=args.spec_tokens, accept_rate=args.accept_rate)
     except ValueError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
