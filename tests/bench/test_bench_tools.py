@@ -191,3 +191,14 @@ def test_stream_with_mock_drafts_sets_the_draft_head_and_raises_the_ideal():
     assert row["ideal_tokens_per_s"] == 64 * 1.75 * 50 and row["share_of_ideal"] == 1.0
     with pytest.raises(ValueError):
         stream.StreamBenchConfig(spec_tokens=9)
+
+
+def test_decode_on_the_mock_with_drafts_sets_the_draft_head_only_when_asked(tiny_model):
+    from moemesh.tools.bench import decode_mock
+
+    plain = decode_mock._mesh(decode_mock.MockDecodeConfig(model=tiny_model, batches=(4,))).cfg.decode_args
+    assert "num_speculative_tokens=0" in plain and not any(a.startswith("mock_accept_rate") for a in plain)
+    cfg = decode_mock.MockDecodeConfig(model=tiny_model, batches=(4,), spec_tokens=1, accept_rate=0.7)
+    assert cfg.tokens_per_step == 1.7
+    args = decode_mock._mesh(cfg).cfg.decode_args
+    assert "num_speculative_tokens=1" in args and "mock_accept_rate=0.7" in args

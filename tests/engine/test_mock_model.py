@@ -81,3 +81,12 @@ def test_the_mock_drafts_and_the_engine_verifies_them_at_the_set_rate(tiny_model
 def test_a_mock_without_a_draft_head_drafts_nothing(tiny_model):
     _, eng, _ = _run(tiny_model, 2, None, n=2, max_tokens=4)
     assert not eng.use_mtp and eng.num_drafted_total == 0
+
+
+def test_the_mock_drafts_on_a_deepseek_v4_config_through_its_hybrid_cache(tiny_v4_model):
+    """engine = "mock" on a V4 config: rings and compressed entries are the engine's own,
+    the draft head verified as on V2/V3; every block and ring comes back."""
+    want, _, _ = _run(tiny_v4_model, 0, None, n=6, max_tokens=20)
+    got, eng, _ = _run(tiny_v4_model, 1, 0.7, n=6, max_tokens=20)
+    assert got == want and eng.hybrid and 0 < eng.num_accepted_total < eng.num_drafted_total
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks and eng.blocks.num_free_rings == eng.blocks.num_rings

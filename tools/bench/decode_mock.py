@@ -2,8 +2,9 @@
 
 The mesh is `bench decode`'s (decode workers with bench_dummy_kv, a gateway in
 decode_only_bench mode, no prefill worker) with `engine = "mock"`: every step takes X ms
-and gives each running sequence one token, so with B streams the ideal is B × 1000 / X
-tokens/s and anything short of it is host overhead. There is no forward-only run.
+and gives each running sequence one token (with --spec-tokens K at --accept-rate A, the mock
+drafts too: 1 + A + ... + A^K tokens a step), so with B streams the ideal is
+B × that × 1000 / X tokens/s and anything short of it is host overhead. There is no forward-only run.
 
 Run: the mesh -> a short warm-up -> for each batch B, the load client
 (`moemesh.tools.bench.sse_client`) in its own process with B streams of completions (a prompt
@@ -36,24 +37,35 @@ class MockDecodeConfig:
     seconds: float = 10.0
     warmup_s: float = 2.0
     threads: int = 1
+    spec_tokens: int = 0  # the mock's drafts a step (0: no draft head)
+    accept_rate: float = 0.7  # each draft's chance, with spec_tokens
 
     def __post_init__(self) -> None:
         if self.mock_step_ms <= 0 or not self.batches or min(self.batches) < 1:
             raise ValueError("--mock-step-ms must be > 0 and --batch values >= 1")
         if self.isl < 1 or self.osl < 1 or self.seconds < 0:
             raise ValueError("--isl and --osl must be >= 1, --seconds >= 0")
+        if not 0 <= self.spec_tokens <= 8 or not 0 <= self.accept_rate <= 1:
+            raise ValueError("--spec-tokens must be in [0, 8] and --accept-rate in [0, 1]")
+
+    @property
+    def tokens_per_step(self) -> float:
+        """What a sequence gains a step: 1 + A + ... + A^K (drafts accepted in order)."""
+        return sum(self.accept_rate**j for j in range(self.spec_tokens + 1))
 
 
 def _mesh(cfg: MockDecodeConfig) -> Mesh:
     top = max(cfg.batches)
-    blocks_per_seq = -(-(cfg.isl + cfg.osl) // BLOCK_SIZE)
+    blocks_per_seq = -(-(cfg.isl + cfg.osl + cfg.spec_tokens) // BLOCK_SIZE)
     worker = ("engine=mock", f"mock_step_ms={cfg.mock_step_ms}", f"num_threads={cfg.threads}",
               f"block_size={BLOCK_SIZE}", f"max_num_seqs={max(top, 64)}",
-              f"max_num_batched_tokens={max(16384, top * 64)}",
+              f"max_num_batched_tokens={max(16384, top * (64 + cfg.spec_tokens))}",
               f"num_kv_blocks={max(16384, 2 * top * blocks_per_seq)}")
+    drafts = (f"num_speculative_tokens={cfg.spec_tokens}",) + (
+        (f"mock_accept_rate={cfg.accept_rate}",) if cfg.spec_tokens else ())
     model = cfg.model or str(ensure_tiny_model(default_home()))
     return Mesh(UpConfig(model=model, port=0, num_prefill=0, service_args=worker,
-                         decode_args=("bench_dummy_kv=true", "num_speculative_tokens=0"),
+                         decode_args=("bench_dummy_kv=true", *drafts),
                          gateway_args=("decode_only_bench=true", f"max_inflight={top * 2}"), balancer=False))
 
 
@@ -68,7 +80,7 @@ def run(cfg: MockDecodeConfig) -> dict:
         for b in cfg.batches:
             res = overhead.run_client(mesh.url, model, b, cfg.seconds, cfg.osl, cfg.mock_step_ms,
                                       prompt_tokens=cfg.isl, pids=pids)
-            row = overhead.point_row(res, cfg.mock_step_ms, ROLES, overhead.decode_steps(mesh))
+            row = overhead.point_row(res, cfg.mock_step_ms, ROLES, overhead.decode_steps(mesh), cfg.tokens_per_step)
             rows.append({"batch": b, **row})
     return {"bench": "decode", "mode": "mock", "config": asdict(cfg), "env": environment(), "warmup": warmup,
             "runs": [{"label": "mock", "skew": "", "points": rows}]}
@@ -76,6 +88,8 @@ def run(cfg: MockDecodeConfig) -> dict:
 
 def table(r: dict) -> str:
     c = r["config"]
-    head = (f"decode only, mock step {c['mock_step_ms']} ms, isl {c['isl']}, osl {c['osl']}, {c['seconds']:g} s per "
+    drafts = c.get("spec_tokens", 0)
+    mtp = f", {drafts} drafts a step at accept rate {c['accept_rate']:g}" if drafts else ""
+    head = (f"decode only, mock step {c['mock_step_ms']} ms{mtp}, isl {c['isl']}, osl {c['osl']}, {c['seconds']:g} s per "
             f"point; CPU us per output token of each process (gw+dec+nats = mesh), client apart")
     return head + "\n" + overhead.table(r["runs"][0]["points"], ROLES, "batch")

@@ -21,6 +21,10 @@ def register(bsub) -> None:
                            help="host overhead on the mock engine with this step time instead of the model "
                                 "(no forward-only run)")
             b.add_argument("--seconds", type=float, default=10.0, help="with --mock-step-ms: load per point")
+            b.add_argument("--spec-tokens", type=int, default=0,
+                           help="with --mock-step-ms: the mock drafts K tokens a step (0: no draft head)")
+            b.add_argument("--accept-rate", type=float, default=0.7,
+                           help="with --mock-step-ms: each mock draft's chance of being accepted")
         else:
             b.add_argument("--prompt-lens", type=ints, default=(128, 512, 2048), help="prompt lengths, comma-separated")
         b.add_argument("--requests", type=int, default=0,
@@ -40,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.phase == "decode" and args.mock_step_ms:
         return _run_mock(args)
+    if getattr(args, "spec_tokens", 0):
+        print("moemesh: error: --spec-tokens and --accept-rate drive the mock's draft head: they need --mock-step-ms",
+              file=sys.stderr)
+        return 2
     if args.compare_skew and not args.skew:
         args.skew = "zipf:1.2"
     kw = {"isl": args.isl, "osl": args.osl, "batches": args.batch} if args.phase == "decode" else \
@@ -66,7 +74,8 @@ def _run_mock(args: argparse.Namespace) -> int:
                              "--dep, --skew, --compare-skew and --requests do not apply")
         cfg = decode_mock.MockDecodeConfig(model=args.model, mock_step_ms=args.mock_step_ms, isl=args.isl,
                                            osl=args.osl, batches=args.batch, seconds=args.seconds,
-                                           threads=args.threads)
+                                           threads=args.threads, spec_tokens=args.spec_tokens,
+                                           accept_rate=args.accept_rate)
     except ValueError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
