@@ -40,15 +40,11 @@ OutputSink = Callable[[StepOutputs, StepStats], Awaitable[None]]
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_outputs: OutputSink, idle_poll_s: float = 0.5, lockstep=None,
-                 publish_beside: bool = False):
-        """publish_beside: whole steps (MTP drafts) publish a step's outputs while the next
-        step runs, for an output handler that does not touch the engine (decode's)."""
+    def __init__(self, engine: LLMEngine, on_outputs: OutputSink, idle_poll_s: float = 0.5, lockstep=None):
         """lockstep: a Lockstep when this engine is one rank of a DEP instance."""
         self.engine = engine
         self.lockstep = lockstep
         self._on_outputs = on_outputs
-        self.publish_beside = publish_beside
         self._ops: list[tuple[Op, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._stopping = False
@@ -193,18 +189,10 @@ class EngineLoop:
             device.close()
 
     async def _finish_step(self, outputs: StepOutputs, st: StepStats) -> None:
-        self._step_hooks()
-        await self._publish(outputs, st)
-
-    def _step_hooks(self) -> None:
-        """What reads the engine after a step (its accounting, KV events, loads): with no
-        step running."""
         for fn in self.after_step:
             fn()
         if self.after_ops is not None:
             self.after_ops(False)
-
-    async def _publish(self, outputs: StepOutputs, st: StepStats) -> None:
         t = time.perf_counter()
         try:
             await self._on_outputs(outputs, st)
@@ -219,38 +207,12 @@ class EngineLoop:
     # ---- whole steps (MTP drafts) -------------------------------------------------------
     async def _run_whole_steps(self) -> None:
         loop = asyncio.get_running_loop()
-        held: tuple[StepOutputs, StepStats] | None = None  # publish_beside: the step before's outputs
-        try:
-            while not self._stopping:
-                self._apply_ops()
-                if not self.engine.has_unfinished():
-                    if held is not None:
-                        held, out = None, held
-                        await self._publish(*out)
-                        continue
-                    await self._idle(self._idle_poll_s)
-                    continue
-                if self.publish_beside:
-                    held = await self._step_beside(loop, held)
-                else:
-                    await self._step(loop)
-        finally:
-            if held is not None:
-                await self._publish(*held)
-
-    async def _step_beside(self, loop, held: tuple | None) -> tuple[StepOutputs, StepStats]:
-        """Start the step, then publish the one before while it runs (its device wait frees
-        the GIL): a whole step's host work is its own, the publishing no longer adds to it."""
-        start = time.perf_counter()
-        self.last_gap_s = start - self._step_end if self._step_end is not None else 0.0
-        fut = loop.run_in_executor(self._pool, self.engine.step)
-        if held is not None:
-            await self._publish(*held)
-        outs = await fut
-        st = self.engine.last_stats
-        self._step_hooks()
-        self._step_end = time.perf_counter()
-        return step_outputs(outs), st
+        while not self._stopping:
+            self._apply_ops()
+            if not self.engine.has_unfinished():
+                await self._idle(self._idle_poll_s)
+                continue
+            await self._step(loop)
 
     async def _step(self, loop) -> None:
         start = time.perf_counter()

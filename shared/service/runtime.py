@@ -115,9 +115,7 @@ class WorkerRuntime:
         stack.callback(self.dep.close)  # after the tasks stop, before NATS goes (a no-op the second time)
         await stack.enter_async_context(self.tasks)
         self.tokens = TokenPublisher(self.nc, self.subjects, self.worker_id, cfg.token_retention_s)
-        # Decode's output handler publishes and touches no engine state: it may run beside a step.
-        self.loop = loop = EngineLoop(self.engine, self._on_outputs, lockstep=self.dep.lockstep,
-                                      publish_beside=self.role == "decode")
+        self.loop = loop = EngineLoop(self.engine, self._on_outputs, lockstep=self.dep.lockstep)
         self.steps = StepAccounting(self.engine, self.metrics, lambda: loop.last_gap_s, self.dep.comm_s,
                                     self.dep.agree_s)
         loop.after_ops = self.steps.refresh_load
