@@ -62,7 +62,7 @@ class StepAccounting:
             self._seen_drafted, self._seen_accepted = e.num_drafted_total, e.num_accepted_total
         if a.num_seqs:  # empty lockstep steps are waiting, not serving
             self.recent_steps.append([time.time(), a.total_s, a.forward_s, a.host_s, a.rank_wait_s,
-                                      gap, a.num_seqs, a.exposed_s])
+                                      gap, a.num_seqs, a.exposed_s, e.last_stats.num_accepted])
         for phase, v in (("forward", a.forward_s), ("host", a.host_s), ("host_exposed", a.exposed_s),
                          ("rank_wait", a.rank_wait_s), ("total", a.total_s)):
             self.h_phase.labels(phase).observe(v)

@@ -32,3 +32,17 @@ def test_without_lockstep_the_whole_gap_is_the_loop_s():
     acc = StepAccounting(_engine(stats), Metrics(), gap_s=lambda: 1e-3, comm_s=lambda: 0.0, agree_s=lambda: 0.0)
     acc.on_step()
     assert acc.recent_steps[-1][5] == pytest.approx(1e-3) and acc.last_account.host_s == pytest.approx(5e-3)
+
+
+def test_a_step_row_carries_its_accepted_drafts_and_the_bench_reads_the_gain():
+    from moemesh.tools.bench.overhead import step_figures
+
+    acc = StepAccounting(_engine(StepStats(num_seqs=4, num_tokens=8, forward_s=6e-3, total_s=10e-3, num_drafted=4,
+                                           num_accepted=3)), Metrics(), gap_s=lambda: 0.0, comm_s=lambda: 0.0,
+                         agree_s=lambda: 0.0)
+    acc.on_step()
+    row = acc.recent_steps[-1]
+    assert row[8] == 3
+    fig = step_figures([row, [*row[:6], 4, row[7], 1]], row[0] - 1, row[0] + 1)
+    assert fig["tokens_per_seq_step"] == pytest.approx((8 + 4) / 8)  # 8 sequence-steps gained 4 drafts
+    assert step_figures([row[:8]], row[0] - 1, row[0] + 1)["tokens_per_seq_step"] is None  # an older worker's row

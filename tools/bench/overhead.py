@@ -73,8 +73,10 @@ def step_figures(steps: list[list[float]], t0: float, t1: float) -> dict:
     """Medians over the steps that ended in [t0, t1] (wall clock), and the hidden share of host.
 
     A row is [time, total_s, forward_s, host_s, rank_wait_s, loop_gap_s, num_seqs,
-    host_exposed_s]; older workers leave out host_exposed_s, and then exposed and hidden
-    are None. The worker keeps its last 4096 steps only: at short steps, the window's end.
+    host_exposed_s, drafts_accepted]; older workers leave out the last ones, and then
+    their figures are None. The worker keeps its last 4096 steps only: at short steps,
+    the window's end. tokens_per_seq_step: what a running sequence gained a step (1, and
+    with drafts the accepted ones on top).
     """
     sel = [s for s in steps if t0 <= s[0] <= t1]
     if not sel:
@@ -83,11 +85,14 @@ def step_figures(steps: list[list[float]], t0: float, t1: float) -> dict:
            "forward_ms_p50": percentile([s[2] for s in sel], 50) * 1e3,
            "host_ms_p50": percentile([s[3] for s in sel], 50) * 1e3,
            "num_seqs_p50": percentile([s[6] for s in sel], 50) if len(sel[0]) > 6 else None,
-           "host_exposed_ms_p50": None, "host_hidden_share": None}
+           "host_exposed_ms_p50": None, "host_hidden_share": None, "tokens_per_seq_step": None}
     if all(len(s) > 7 for s in sel):
         host, exposed = sum(s[3] for s in sel), sum(s[7] for s in sel)
         out["host_exposed_ms_p50"] = percentile([s[7] for s in sel], 50) * 1e3
         out["host_hidden_share"] = 1 - exposed / host if host > 0 else None
+    if all(len(s) > 8 for s in sel):
+        seqs = sum(s[6] for s in sel)
+        out["tokens_per_seq_step"] = (seqs + sum(s[8] for s in sel)) / seqs if seqs else None
     return out
 
 
@@ -118,7 +123,7 @@ def table(rows: list[dict], roles: tuple[str, ...], label: str = "streams", extr
     short = {"gateway": "gw", "prefill": "pre", "decode": "dec", "nats": "nats"}
     cpu_head = "/".join(short[r] for r in roles) + "/mesh"
     lines = [f"{label:>7} {'tok/s':>8} {'ideal':>8} {'share':>6} {'TTFT p50':>9}  {'CPU us/tok ' + cpu_head:>30} "
-             f"{'client':>7}  {'step/host/exposed ms':>21} {'hidden':>6} {'errors':>6}"
+             f"{'client':>7}  {'step/host/exposed ms':>21} {'hidden':>6} {'tok/seq/step':>12} {'errors':>6}"
              + (f"  {extra}" if extra else "")]
     for p in rows:
         us = p["cpu_us_per_token"]
@@ -126,9 +131,10 @@ def table(rows: list[dict], roles: tuple[str, ...], label: str = "streams", extr
         st = p["decode_steps"]
         steps = "/".join(_f(st.get(k), ".2f") for k in ("step_ms_p50", "host_ms_p50", "host_exposed_ms_p50"))
         hidden = "-" if st.get("host_hidden_share") is None else f"{st['host_hidden_share']:.0%}"
+        gain = _f(st.get("tokens_per_seq_step"), ".2f")
         lines.append(f"{p['streams']:>7} {p['tokens_per_s']:>8.0f} {p['ideal_tokens_per_s']:>8.0f} "
                      f"{p['share_of_ideal']:>6.3f} {_f(p['ttft_ms_p50']):>9}  {cpu:>30} "
-                     f"{_f(p['client_cpu_us_per_token']):>7}  {steps:>21} {hidden:>6} {p['errors']:>6}"
+                     f"{_f(p['client_cpu_us_per_token']):>7}  {steps:>21} {hidden:>6} {gain:>12} {p['errors']:>6}"
                      + (f"  {p.get(extra, '')}" if extra else ""))
     return "\n".join(lines)
 
