@@ -21,7 +21,9 @@ class DPGroup:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
-        self.ctrl_group = dist.new_group(backend="gloo") if backend != "gloo" else None
+        # The agreement's own connections: it runs beside a step's all-to-alls (engine_loop),
+        # and two collectives at once on one group would interleave their messages.
+        self.ctrl_group = dist.new_group(backend="gloo")
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """All-gather a short int vector; returns every rank's values, by rank."""

@@ -222,20 +222,39 @@ class EngineLoop:
         self._step_end = time.perf_counter()
 
     async def _run_lockstep(self) -> None:
+        """A DEP rank. The agreement for the boundary after a step runs beside that step, on
+        a thread of its own (its collective has a process group of its own, apart from the
+        step's all-to-alls), from this rank's state as the step starts: a rank whose last
+        request ends in the step runs one empty step more, and nothing else changes: every
+        rank acts on the same decisions at the same boundaries (a placement switch too).
+        Only the part of the agreement the step did not cover is rank wait."""
         loop = asyncio.get_running_loop()
         ls = self.lockstep
-        while True:
-            self._apply_ops()
-            d = await loop.run_in_executor(self._pool, ls.agree, self.engine.has_unfinished())
-            if d.commit:
-                ls.switch()  # every rank does this at this same boundary
-            if d.stop:
-                return
-            if d.run:
+        ctrl = ThreadPoolExecutor(1, thread_name_prefix="engine-agree")
+        d = None  # the decision for this boundary, when agreed beside the step before it
+        try:
+            while True:
+                self._apply_ops()
+                if d is None:
+                    t = time.perf_counter()
+                    d = await loop.run_in_executor(ctrl, ls.agree, self.engine.has_unfinished())
+                    ls.last_agree_s = time.perf_counter() - t
+                if d.commit:
+                    ls.switch()  # every rank does this at this same boundary
+                if d.stop:
+                    return
+                if not d.run:
+                    d = None
+                    await self._idle(ls.idle_s)
+                    continue
                 ls.step += 1
+                nxt = loop.run_in_executor(ctrl, ls.agree, self.engine.has_unfinished())
                 await self._step(loop)
-                continue
-            await self._idle(ls.idle_s)
+                t = time.perf_counter()
+                d = await nxt
+                ls.last_agree_s = time.perf_counter() - t
+        finally:
+            ctrl.shutdown(wait=False)
 
     def _apply_ops(self) -> None:
         if not self._ops and not self.pending_retry:

@@ -1,6 +1,7 @@
 """The per-step agreement of a DEP instance's ranks, for the engine loop.
 
-Before every step all ranks exchange (has work, draining, ready move id). From the
+For every step boundary all ranks exchange (has work, draining, ready move id); the
+engine loop runs the exchange for the next boundary beside the step before it. From the
 same exchanged values every rank reaches the same decision: run a step (ranks with no
 work run an empty one, so the MoE collectives always match), switch to a staged
 expert placement (only when every rank is ready for the same move), or stop (every
@@ -9,7 +10,6 @@ rank draining and none with work).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,14 +39,11 @@ class Lockstep:
         self.idle_s = idle_s
         self.draining = False
         self.step = 0
-        self.last_agree_s = 0.0
+        self.last_agree_s = 0.0  # the agreement's exposed part before the last step (the engine loop sets it)
 
     def agree(self, has_work: bool) -> Decision:
-        """Blocking collective; call from the engine's thread."""
-        t0 = time.perf_counter()
-        d = decide(self.dp.exchange([int(has_work), int(self.draining), self._ready()]))
-        self.last_agree_s = time.perf_counter() - t0
-        return d
+        """Blocking collective on the control group; call from one thread, in step order."""
+        return decide(self.dp.exchange([int(has_work), int(self.draining), self._ready()]))
 
     def switch(self) -> None:
         self._switch()
