@@ -76,3 +76,11 @@ def test_host_from_a_decode_result():
         host_from_decode({"runs": []})
     with pytest.raises(ValueError, match="bench forward"):
         this_host({"bench": "decode"}, DIMS)
+
+
+def test_the_lockstep_and_mtp_presets_give_back_the_runs_they_were_fit_to():
+    """Host per step as a DEP rank and an MTP step run now, none of it hidden."""
+    lock, mtp = HOSTS["lockstep"], HOSTS["mtp"]
+    assert lock.hidden_share == mtp.hidden_share == 0.0
+    assert lock.host_s(8) == pytest.approx(0.7e-3) and lock.host_s(32) == pytest.approx(1.0e-3)
+    assert mtp.host_s(64) == pytest.approx(7.2e-3, rel=0.05) and mtp.host_s(256) == pytest.approx(19.5e-3, rel=0.05)

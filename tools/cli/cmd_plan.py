@@ -27,7 +27,7 @@ def register(sub) -> None:
                         "a `bench eplb` result)")
     p.add_argument("--draft-skew", default="hot:4:0.42", help="the MTP draft head's skew (ratios only); '' for none")
     p.add_argument("--host", default="after-9",
-                   help="host time per step: after-9, before-9, none, or a `bench decode` result file")
+                   help="host time per step: after-9, before-9, lockstep, mtp, none, or a `bench decode` result file")
     p.add_argument("--host-overhead-ms", type=float, default=None,
                    help="host time per step in ms, not overlapped (overrides --host)")
     p.add_argument("--forward", default="", help="`bench forward` result of --model (for --hardware this-host), or "
