@@ -17,7 +17,7 @@ from moemesh.shared.engine.fork import copy_blocks, ring_copies, take_copy
 from moemesh.shared.engine.outputs import RequestOutput, StepStats
 from moemesh.shared.engine.runner import Chunk, build_batch
 from moemesh.shared.engine.sequence import FinishReason, Sequence
-from moemesh.shared.engine.spec_decode import accept_greedy, verify
+from moemesh.shared.engine.spec_decode import accept_greedy, verify, verify_many
 
 if TYPE_CHECKING:
     from moemesh.shared.engine.engine import LLMEngine
@@ -133,23 +133,34 @@ def _update(eng: "LLMEngine", chunks: list[Chunk], hidden: torch.Tensor, st: Ste
     # Greedy, unconstrained verification needs only each row's argmax: one op for all of them.
     greedy = [c.seq.params.greedy and c.seq.matcher is None for c, _, n in samplers if n > 1]
     best = logits.argmax(dim=-1).tolist() if any(greedy) else None
+    sampled: list[tuple[Chunk, int, list[int]]] = []  # sampled, unconstrained: verified together below
     for c, r, n in samplers:
         if n > 1:
             drafts = c.seq.draft_ids[: n - 1]  # read by now (the chunk holds placeholders)
             m = c.seq.matcher
             if best is not None and c.seq.params.greedy and m is None:
                 toks = accept_greedy(best[r : r + n], drafts)
+            elif m is None:
+                sampled.append((c, r, drafts))
+                continue
             else:
                 # Constrained: each row is masked with the grammar's state after the drafts
                 # before it, so a forbidden draft is rejected; the rejected ones are rolled back after.
-                n_consumed = eng.grammar.mask_drafts(logits[r : r + n], m, drafts) if m is not None else 0
+                n_consumed = eng.grammar.mask_drafts(logits[r : r + n], m, drafts)
                 toks = verify(logits[r : r + n], drafts, c.seq.params, eng._gen(c.seq))
-                if m is not None:
-                    eng.grammar.settle(m, n_consumed, toks)
+                eng.grammar.settle(m, n_consumed, toks)
             new_tokens[id(c)] = toks
-            c.seq.num_drafted += len(drafts)
+    if sampled:
+        got = verify_many(logits, [r for _, r, _ in sampled], [d for _, _, d in sampled],
+                          [c.seq.params for c, _, _ in sampled], [eng._gen(c.seq) for c, _, _ in sampled])
+        for (c, _, _), toks in zip(sampled, got):
+            new_tokens[id(c)] = toks
+    for c, r, n in samplers:
+        if n > 1:
+            toks = new_tokens[id(c)]
+            c.seq.num_drafted += n - 1
             c.seq.num_accepted += len(toks) - 1
-            st.num_drafted += len(drafts)
+            st.num_drafted += n - 1
             st.num_accepted += len(toks) - 1
 
     outputs: list[RequestOutput] = []

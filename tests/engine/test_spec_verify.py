@@ -30,3 +30,47 @@ def test_sampled_verification_preserves_the_target_distribution():
     for _ in range(n):
         counts[verify(logits, [0], params, gen)[0]] += 1
     assert torch.allclose(counts / n, p, atol=0.03)
+
+
+def test_many_sequences_verified_at_once_each_follow_their_target():
+    """verify_many over a batch of sequences with 0-2 drafts each (a draft of high, low or
+    zero target probability), temperatures and top-k apart: each sequence's first token
+    follows its own target distribution, and its acceptance of the draft the rule's p(d)."""
+    from moemesh.shared.engine.spec_decode import verify_many
+
+    p = torch.tensor([[0.2, 0.5, 0.3, 0.0], [0.7, 0.1, 0.1, 0.1], [0.0, 0.0, 1.0, 0.0]])
+    logits = torch.log(p.clamp(min=1e-12))
+    # seq 0 drafts 1 (p=.5) on target row 0; seq 1 drafts 3 (p=.1) then 0 on rows 1 and 0;
+    # seq 2 drafts nothing; seq 3 drafts 2 where p is one-hot on it (never rejected).
+    rows = torch.cat([logits[[0, 0]], logits[[1, 0, 1]], logits[[0]], logits[[2, 0]]])
+    starts, drafts = [0, 2, 5, 6], [[1], [3, 0], [], [2]]
+    params = [SamplingParams(temperature=1.0)] * 4
+    n, first = 4000, torch.zeros(4, 4)
+    accepted = torch.zeros(4)
+    torch.manual_seed(0)
+    for _ in range(n):
+        out = verify_many(rows, starts, drafts, params, [None] * 4)
+        for i, o in enumerate(out):
+            first[i, o[0]] += 1
+            accepted[i] += len(o) - 1 > 0
+            assert 1 <= len(o) <= len(drafts[i]) + 1
+    assert torch.allclose(first[0] / n, p[0], atol=0.03)  # the first token of each follows its first row
+    assert torch.allclose(first[1] / n, p[1], atol=0.03)
+    assert torch.allclose(first[2] / n, p[0], atol=0.03)
+    assert first[3, 2] == n and accepted[3] == n  # a one-hot target never rejects its draft
+    assert abs(accepted[0] / n - 0.5) < 0.03 and abs(accepted[1] / n - 0.1) < 0.02
+
+
+def test_a_seeded_sequence_gets_the_same_tokens_whatever_it_is_verified_with():
+    from moemesh.shared.engine.spec_decode import verify_many
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0.8, top_k=20)
+
+    def gen():
+        return torch.Generator().manual_seed(42)
+
+    alone = verify_many(logits[3:6], [0], [[7, 8]], [params], [gen()])[0]
+    for _ in range(3):
+        batched = verify_many(logits, [0, 3], [[1, 2], [7, 8]], [params, params], [None, gen()])[1]
+        assert batched == alone
