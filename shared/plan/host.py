@@ -20,8 +20,9 @@ Presets are this mesh's measurements (docs/benchmarks.md, "Host overhead"):
   --batch 16,64`): 0.7 ms a step with 8 sequences a rank, 1.0 ms with 32, i.e. 0.6 ms +
   12.5 us per sequence.
 - mtp: whole MTP steps (one draft) as they run now, none hidden: on the mock with a 20 ms
-  step (`bench stream --spec-tokens 1 --accept-rate 0.7`), 7.0-7.5 ms a step at 64
-  sequences and 19.2-20.0 ms at 256, i.e. 3.1 ms + 64 us per sequence.
+  step (`bench stream --spec-tokens 1 --accept-rate 0.7`, sampled drafts verified
+  together), 2.4-2.8 ms a step at 64 sequences and 7.4-9.1 ms at 256, i.e. 0.72 ms +
+  29 us per sequence.
 - none: a host that costs nothing.
 """
 
@@ -85,7 +86,7 @@ HOSTS = {
     "before-9": HostModel("before-9", fixed_s=5e-3, hidden_share=0.0, stall_s=50e-3, stall_every=300),
     "after-9": HostModel("after-9", fixed_s=0.27e-3, per_seq_s=4.5e-6, hidden_share=0.93),
     "lockstep": HostModel("lockstep", fixed_s=0.6e-3, per_seq_s=12.5e-6, hidden_share=0.0),
-    "mtp": HostModel("mtp", fixed_s=3.1e-3, per_seq_s=64e-6, hidden_share=0.0),
+    "mtp": HostModel("mtp", fixed_s=0.72e-3, per_seq_s=29e-6, hidden_share=0.0),
 }
 
 
