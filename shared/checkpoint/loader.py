@@ -30,6 +30,7 @@ from moemesh.shared.checkpoint.quant import QuantSpec, dequant_fp4, dequant_fp8_
 from moemesh.shared.checkpoint.safetensors_io import SafetensorsFile, SafetensorsFormatError
 from moemesh.shared.model.config import ConfigError, ModelConfig
 from moemesh.shared.model.deepseek import DeepseekForCausalLM
+from moemesh.shared.model.layers import unfuse_moved
 from moemesh.shared.model.rope import RotaryEmbedding
 from moemesh.shared.model.v4.model import DeepseekV4ForCausalLM
 from moemesh.shared.model.v4.rope import Rope
@@ -199,7 +200,7 @@ def load_model(
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{model_dir}: missing tensors {', '.join(missing[:5])}{more}")
     model.eval().requires_grad_(False)
-    model.unfuse_moved()
+    unfuse_moved(model)
     return model
 
 

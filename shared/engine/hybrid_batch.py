@@ -54,10 +54,6 @@ class HybridBatcher:
         types = {cfg.layer_type(i) for i in range(cfg.num_hidden_layers)}
         self.rates = {t: cfg.rate(t) for t in sorted(types) if t != SLIDING}
 
-    def rowwise_order(self, chunk) -> bool:
-        """build_batch's sort key: the chunks attended row by row go first."""
-        return len(chunk.token_ids) > self.rowwise_max
-
     def sliding(self) -> HybridBatcher:
         """The MTP layer's batcher: it attends over the window only (no entries, no groups)."""
         view = copy.copy(self)
@@ -66,10 +62,10 @@ class HybridBatcher:
 
     def __call__(self, chunks, T: int, pad=None, tables: BlockTables | None = None) -> HybridMeta:
         """tables: the engine's BlockTables (None: a throwaway one for these chunks).
-        pad (runner.Padding): one-token chunks, padded to pad.rows rows whose every size
-        is its most (decode_graphs.py): a full look-back for every row, a group slot for
-        every row (one that completes no group writes the scratch block), and as many
-        entries as pad.max_len holds."""
+        pad (runner.Padding; from build_batch, whose tables hold the padding row): one-token
+        chunks, padded to pad.rows rows whose every size is its most (decode_graphs.py): a
+        full look-back for every row, a group slot for every row (one that completes no
+        group writes the scratch block), and as many entries as pad.max_len holds."""
         bs, W = self.bs, self.W
         rates = self.rates
         lens = [len(c.token_ids) for c in chunks]
@@ -108,7 +104,7 @@ class HybridBatcher:
             row_c = np.repeat(ids, n)
             write_pos = p[row_c] + np.arange(T) - row0[row_c]
             write_end, w_ring = end[row_c], ring[row_c]
-        # build_batch puts the short chunks first (rowwise_order); their rows are attended one
+        # build_batch puts the short chunks first; their rows are attended one
         # by one, each with its own window and entries, as decode rows are.
         long = n > self.rowwise_max
         Bd = int(long.argmax()) if long.any() else C
@@ -134,12 +130,11 @@ class HybridBatcher:
             return meta
         need = (end + bs - 1) // bs
         width = int(need.max()) if pad is None else -(-pad.max_len // bs)
-        if tables is None:
-            tables = BlockTables.for_seqs([c.seq for c in chunks])
-        trow = tables.rows([c.seq for c in chunks])
-        if pad is not None:
-            tables.widen(width)
-            trow = np.concatenate([trow, np.full(pad.rows - len(chunks), tables.set_pad(pad.block), dtype=_I)])
+        seqs = [c.seq for c in chunks]
+        tables = tables or BlockTables.for_seqs(seqs)
+        trow = tables.rows(seqs)
+        if pad is not None:  # build_batch widened the table and filled its padding row
+            trow = np.concatenate([trow, np.full(pad.rows - len(chunks), tables.pad_row, dtype=_I)])
         # [C, blocks] block ids, zero past the blocks each chunk reaches
         table = np.where(np.arange(width)[None, :] < need[:, None], tables.ids[trow, :width], 0)
         for t, m in rates.items():

@@ -100,9 +100,12 @@ class MockModel(nn.Module):
         return self._logits(torch.where(u < self.accept_rate, tok, wrong))
 
     def _hidden(self, batch: ForwardBatch, ahead: int) -> torch.Tensor:
-        """[T, 2]: (position + ahead, the row's request key): all the mock computes from."""
-        keys = batch.row_keys if batch.row_keys is not None else torch.zeros_like(batch.positions)
-        return torch.stack([batch.positions + ahead, keys], dim=1).to(torch.float64)
+        """[T, 2]: (position + ahead, the row's request key), all the mock computes from;
+        without a draft head, [T, 1]: the position alone."""
+        pos = batch.positions + ahead if ahead else batch.positions
+        if batch.row_keys is None:
+            return pos.to(torch.float64)[:, None]
+        return torch.stack([pos, batch.row_keys], dim=1).to(torch.float64)
 
     def _token(self, pos: torch.Tensor) -> torch.Tensor:
         """4 + a multiplicative hash of the position: skips the special tokens, stays in vocab."""

@@ -83,12 +83,6 @@ class DeepseekForCausalLM(nn.Module):
             if isinstance(m, MLP):
                 m.fuse()
 
-    def unfuse_moved(self) -> None:
-        """Drop the fusion of any MLP whose linears no longer read its rows."""
-        for m in self.modules():
-            if isinstance(m, MLP) and m.gate_up is not None and not m.gate_up.intact:
-                m.gate_up = None
-
     def moe_layers(self) -> dict[int, MoE]:
         """MoE modules by layer id; the MTP layer's id is num_hidden_layers."""
         out = {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)}

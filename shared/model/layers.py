@@ -54,27 +54,33 @@ class FusedLinears:
 
 
 class MLP(nn.Module):
-    """SwiGLU FFN, used for dense layers and shared experts (Hugging Face names)."""
+    """SwiGLU FFN, used for dense layers and shared experts (Hugging Face names). limit:
+    DeepSeek-V4's clipping before the activation (its shared experts), None for none."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, limit: float | None = None):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
+        self.limit = limit
         self.gate_up: FusedLinears | None = None  # fuse(): gate and up in one GEMM
 
     def fuse(self) -> None:
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(*gate_up(self, x)))
+        if self.gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:  # the halves of one GEMM's output
+            y, n = self.gate_up(x), self.gate_proj.out_features
+            gate, up = y[..., :n], y[..., n:]
+        return self.down_proj(swiglu(gate, up, self.limit))
 
 
-def gate_up(mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An MLP's gate and up projections of x: halves of one GEMM's output when fused."""
-    if mlp.gate_up is None:
-        return mlp.gate_proj(x), mlp.up_proj(x)
-    y = mlp.gate_up(x)
-    n = mlp.gate_proj.out_features
-    return y[..., :n], y[..., n:]
+def unfuse_moved(model: nn.Module) -> None:
+    """Drop every fusion whose linears no longer read its rows (a weight replaced after
+    the fusion was made): those linears run one by one, as they are."""
+    for m in model.modules():
+        for name, part in list(vars(m).items()):
+            if isinstance(part, FusedLinears) and not part.intact:
+                setattr(m, name, None)

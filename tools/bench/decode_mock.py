@@ -45,13 +45,11 @@ class MockDecodeConfig:
             raise ValueError("--mock-step-ms must be > 0 and --batch values >= 1")
         if self.isl < 1 or self.osl < 1 or self.seconds < 0:
             raise ValueError("--isl and --osl must be >= 1, --seconds >= 0")
-        if not 0 <= self.spec_tokens <= 8 or not 0 <= self.accept_rate <= 1:
-            raise ValueError("--spec-tokens must be in [0, 8] and --accept-rate in [0, 1]")
+        overhead.draft_gain(self.spec_tokens, self.accept_rate)  # raises on draft flags out of range
 
     @property
     def tokens_per_step(self) -> float:
-        """What a sequence gains a step: 1 + A + ... + A^K (drafts accepted in order)."""
-        return sum(self.accept_rate**j for j in range(self.spec_tokens + 1))
+        return overhead.draft_gain(self.spec_tokens, self.accept_rate)
 
 
 def _mesh(cfg: MockDecodeConfig) -> Mesh:

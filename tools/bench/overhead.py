@@ -96,6 +96,14 @@ def step_figures(steps: list[list[float]], t0: float, t1: float) -> dict:
     return out
 
 
+def draft_gain(spec_tokens: int, accept_rate: float) -> float:
+    """What a sequence gains a step with the mock's drafts: 1 + A + ... + A^K (drafts are
+    accepted in order). Raises ValueError on flags out of range."""
+    if not 0 <= spec_tokens <= 8 or not 0 <= accept_rate <= 1:
+        raise ValueError("--spec-tokens must be in [0, 8] and --accept-rate in [0, 1]")
+    return sum(accept_rate**j for j in range(spec_tokens + 1))
+
+
 def point_row(res: dict, step_ms: float, roles: tuple[str, ...], steps: list[list[float]],
               tokens_per_step: float = 1.0) -> dict:
     """One point of a host-overhead bench from the client's result and the decode steps.

@@ -45,13 +45,11 @@ class StreamBenchConfig:
             raise ValueError("--streams needs one or more counts >= 1")
         if self.mock_step_ms <= 0 or self.osl < 1 or self.seconds < 0:
             raise ValueError("--mock-step-ms must be > 0, --osl >= 1, --seconds >= 0")
-        if not 0 <= self.spec_tokens <= 8 or not 0 <= self.accept_rate <= 1:
-            raise ValueError("--spec-tokens must be in [0, 8] and --accept-rate in [0, 1]")
+        overhead.draft_gain(self.spec_tokens, self.accept_rate)  # raises on draft flags out of range
 
     @property
     def tokens_per_step(self) -> float:
-        """What a sequence gains a step: 1 + A + ... + A^K (drafts accepted in order)."""
-        return sum(self.accept_rate**j for j in range(self.spec_tokens + 1))
+        return overhead.draft_gain(self.spec_tokens, self.accept_rate)
 
 
 def worker_settings(max_streams: int, osl: int, step_ms: float, spec_tokens: int = 0,

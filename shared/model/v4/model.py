@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from moemesh.shared.model.batch import ForwardBatch
-from moemesh.shared.model.layers import RMSNorm
+from moemesh.shared.model.layers import MLP, RMSNorm
 from moemesh.shared.model.v4.attention import V4Attention, V4Step
 from moemesh.shared.model.v4.config import V4Config
 from moemesh.shared.model.v4.hyper import HyperConnection, HyperHead, merge
 from moemesh.shared.model.v4.layout import V4Layout
-from moemesh.shared.model.v4.moe import ClippedMLP, V4MoE
+from moemesh.shared.model.v4.moe import V4MoE
 from moemesh.shared.model.v4.rope import Rope
 
 
@@ -85,17 +85,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         each shared expert's gate and up. Call before the weights load: they load into
         the fused tensors through the views."""
         for m in self.modules():
-            if isinstance(m, (V4Attention, ClippedMLP)):
+            if isinstance(m, (V4Attention, MLP)):
                 m.fuse()
-
-    def unfuse_moved(self) -> None:
-        """Drop the fusion of any attention whose linears no longer read its rows (a
-        weight replaced after fuse_projections): they run one by one, as they are."""
-        for m in self.modules():
-            if isinstance(m, V4Attention) and m.x_proj is not None and not m.x_proj.intact:
-                m.x_proj = None
-            if isinstance(m, ClippedMLP) and m.gate_up is not None and not m.gate_up.intact:
-                m.gate_up = None
 
     def moe_layers(self) -> dict[int, V4MoE]:
         out = {i: layer.mlp for i, layer in enumerate(self.model.layers)}

@@ -20,8 +20,7 @@ from torch import nn
 
 from moemesh.shared.kernels.fused_moe import fused_moe
 from moemesh.shared.kernels.route import route
-from moemesh.shared.kernels.swiglu import swiglu
-from moemesh.shared.model.layers import FusedLinears, gate_up
+from moemesh.shared.model.layers import MLP
 from moemesh.shared.model.moe import Experts
 from moemesh.shared.model.v4.config import V4Config
 
@@ -58,24 +57,6 @@ class HashRouter(V4Router):
                      token_ids=input_ids)
 
 
-class ClippedMLP(nn.Module):
-    """The shared expert: SwiGLU with the same clipping as the routed ones."""
-
-    def __init__(self, hidden: int, intermediate: int, limit: float | None):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.limit = limit
-        self.gate_up: FusedLinears | None = None  # fuse(): gate and up in one GEMM
-
-    def fuse(self) -> None:
-        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(*gate_up(self, x), self.limit))
-
-
 class V4MoE(nn.Module):
     def __init__(self, cfg: V4Config, layer_id: int, num_slots: int | None = None):
         super().__init__()
@@ -85,7 +66,7 @@ class V4MoE(nn.Module):
         self.experts = Experts(num_slots or cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                cfg.swiglu_limit)
         # One shared expert of the routed width, as transformers builds it.
-        self.shared_experts = ClippedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)  # clipped as they are
         self.runner = None  # set by the engine for expert parallelism
         self.on_route = None  # load tracking hook
 
