@@ -103,6 +103,9 @@ class WorkerConfig(ServiceConfig):
     # The mock's draft head: < 0, none; else each of its num_speculative_tokens drafts a
     # step is accepted with this probability (a hash of request and position decides).
     mock_accept_rate: float = -1.0
+    # As a DEP rank, the part of the mock's step its experts take: a rank's step is
+    # mock_step_ms × ((1 - s) + s × its expert load / the instance's mean load).
+    mock_expert_share: float = 0.5
 
     def __post_init__(self):
         super().__post_init__()
@@ -120,8 +123,8 @@ class WorkerConfig(ServiceConfig):
             raise ValueError("eplb_redundant must be >= 0")
         if self.engine not in ("model", "mock"):
             raise ValueError("engine must be 'model' or 'mock'")
-        if self.engine == "mock" and self.uses_ep:
-            raise ValueError("the mock engine has no experts to spread: it cannot be expert-parallel")
+        if not 0 <= self.mock_expert_share <= 1:
+            raise ValueError(f"mock_expert_share must be in [0, 1], got {self.mock_expert_share}")
 
     @property
     def uses_ep(self) -> bool:

@@ -15,25 +15,153 @@ Like a device stream, the mock runs queued steps back to back: a step starts whe
 queued or when the step before it is done, whichever is later (batch.queued_at). So the
 device thread's own Python between two steps, which a GPU would overlap with the step
 before, does not stretch the step; a host that queues late still leaves the device idle.
+
+As a rank of a DEP-N instance (built with MockRanks) the mock has MoE layers: each row's
+experts are drawn with the project's routing (and any skew), counted by the load tracker,
+and dealt to the instance's expert slots as the real dispatcher deals them. The step's
+all-to-alls are device work: one exchange of (start, pairs sent to each rank) per step on
+the mock's own device thread, as NCCL or DeepEP run on a GPU's stream, never on the host's
+path. From it every rank derives the same step: a rank's expert part scales with its share
+of the pairs, and since every layer's all-to-all waits for the slowest rank, the instance
+runs at the pace of the most loaded rank of each layer, from the latest rank's start.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from moemesh.shared.kernels.route import route_ref
 from moemesh.shared.model.batch import ForwardBatch
 from moemesh.shared.model.config import ModelConfig
+from moemesh.shared.model.expert_parallel import to_replicas
+from moemesh.shared.model.moe import Experts
+
+
+def lockstep_step(step_s: float, expert_share: float, starts: torch.Tensor, sent: torch.Tensor,
+                  rank: int) -> tuple[float, float, float]:
+    """One DEP step as every rank's device sees it. Pure, so all ranks agree.
+
+    Args:
+        step_s: a balanced step's time; expert_share: s, its part that scales with load.
+        starts: [N] when each rank's device began the step.
+        sent: [N src, L, N dst] routed pairs each rank sent to each rank, per MoE layer.
+        rank: whose view.
+    Returns:
+        (end, own_s, instance_s): when the step ends on every rank (the latest start plus the
+        instance's step), this rank's own step, step_s × ((1 - s) + s × its load / the mean
+        load), and the instance's, where each layer's expert part takes its most loaded
+        rank's time. Layers no pair reached count as balanced.
+    """
+    load = sent.double().sum(0)  # [L, N] pairs each rank's experts ran
+    mean = load.mean(1, keepdim=True)
+    used = mean[:, 0] > 0
+    if used.any():
+        ratio = load[used] / mean[used]
+        own, inst = float(ratio[:, rank].mean()), float(ratio.amax(1).mean())
+    else:
+        own = inst = 1.0
+    own_s = step_s * ((1 - expert_share) + expert_share * own)
+    inst_s = step_s * ((1 - expert_share) + expert_share * inst)
+    return float(starts.max()) + inst_s, own_s, inst_s
+
+
+class MockRanks:
+    """The mock's side of a DEP instance: which rank it is, and its device's exchange.
+
+    The exchange runs on one thread per rank, in submission order, like a stream: the host
+    queues it and goes on. Its collective is a gloo all-gather on `group` (the instance's
+    main group, which the mock's MoE layers would otherwise use; the lockstep agreement has
+    its own), bounded by the group's timeout: a dead peer fails the step, it never hangs."""
+
+    def __init__(self, rank: int, world: int, expert_share: float = 0.5, group=None, seed: int = 0):
+        if not 0 <= expert_share <= 1:
+            raise ValueError(f"mock_expert_share must be in [0, 1], got {expert_share}")
+        self.rank, self.world, self.expert_share, self.group = rank, world, expert_share, group
+        self.gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)  # routing draws, reproducible per rank
+        self._device = ThreadPoolExecutor(1, thread_name_prefix="mock-device") if world > 1 else None
+
+    def submit(self, step_s: float, start: float, sent: torch.Tensor) -> Future:
+        """sent: [L, N] pairs this rank sends to each rank. The future gives lockstep_step's
+        (end, own_s, instance_s)."""
+        if self._device is None:
+            done: Future = Future()
+            done.set_result(lockstep_step(step_s, self.expert_share, torch.tensor([start]), sent[None], 0))
+            return done
+        return self._device.submit(self._exchange, step_s, start, sent)
+
+    def _exchange(self, step_s: float, start: float, sent: torch.Tensor):
+        mine = torch.cat([torch.tensor([start], dtype=torch.float64), sent.reshape(-1).double()])
+        got = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(got, mine, group=self.group)
+        every = torch.stack(got)  # [N, 1 + L*N]
+        return lockstep_step(step_s, self.expert_share, every[:, 0], every[:, 1:].view(self.world, *sent.shape),
+                             self.rank)
+
+    def close(self) -> None:
+        if self._device is not None:
+            self._device.shutdown(wait=False, cancel_futures=True)
+
+
+class _Gate:
+    """What a skew sets on a router (shared/model/skew.py): a bias on the choice scores."""
+
+    def __init__(self) -> None:
+        self.choice_bias: torch.Tensor | None = None
+
+
+class MockMoE(nn.Module):
+    """One MoE layer of a mock rank: routing without a model, and real expert slots, so a
+    live move carries weight bytes. Each slot's weights hold its logical expert's id (set
+    at start-up; a move copies them), which tells a test which expert a slot holds."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, slot_experts: list[int]):
+        super().__init__()
+        self.layer_id = layer_id
+        self.gate = _Gate()
+        self.experts = Experts(len(slot_experts), cfg.hidden_size, cfg.moe_intermediate_size)
+        with torch.no_grad():
+            for i, e in enumerate(slot_experts):
+                self.experts.gate_up_proj[i].fill_(e)
+                self.experts.down_proj[i].fill_(e)
+        self.runner = None  # the EPLayer, set by ExpertParallel: its placement and replica deal
+        self.on_route = None  # the load tracker's hook
+        self._kw = dict(top_k=cfg.num_experts_per_tok, scoring=cfg.scoring_func,
+                        n_group=getattr(cfg, "n_group", 1) if getattr(cfg, "topk_method", "") in
+                        ("noaux_tc", "group_limited_greedy") else 1,
+                        topk_group=getattr(cfg, "topk_group", 1),
+                        group_score="top2" if getattr(cfg, "topk_method", "") == "noaux_tc" else "max")
+        self.num_experts = cfg.n_routed_experts
+
+    def route(self, num_rows: int, gen: torch.Generator) -> torch.Tensor:
+        """[N ranks] pairs this layer sends to each rank for num_rows rows. Router logits
+        are drawn at random; the choice is the real routing's, skew included."""
+        world = self.runner.world
+        if num_rows == 0:
+            return torch.zeros(world, dtype=torch.long)
+        logits = torch.randn(num_rows, self.num_experts, generator=gen)
+        _, ids = route_ref(logits, choice_bias=self.gate.choice_bias, **self._kw)
+        if self.on_route is not None:
+            self.on_route(self.layer_id, ids)
+        r = self.runner
+        phy = to_replicas(ids.reshape(-1), r.log2phy, r.counts, r.turn)
+        return torch.bincount(phy // r.slots_per_rank, minlength=world)
 
 
 class MockModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, step_time_s: float, accept_rate: float | None = None):
+    def __init__(self, cfg: ModelConfig, step_time_s: float, accept_rate: float | None = None,
+                 ranks: MockRanks | None = None, expert_slots=None):
         """cfg: any model's config (V2/V3 or V4); only its sizes and tokens are used.
         accept_rate: None, no draft head (one token per sequence a step); else it has one,
-        whose every draft the target accepts with this probability (see mtp_logits)."""
+        whose every draft the target accepts with this probability (see mtp_logits).
+        ranks: as a rank of a DEP instance (then expert_slots, MoE layer id -> the logical
+        expert of each local slot, as the checkpoint loader takes it): MoE layers, the
+        target's and with a draft head the MTP layer's, whose load shapes the step."""
         super().__init__()
         self.cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0 if accept_rate is None else 1)
         self.accept_rate = accept_rate
@@ -42,9 +170,20 @@ class MockModel(nn.Module):
         self._started = 0.0
         self._late = 0.0  # how late the sleep's wake-up has been, on average
         self._free_at = 0.0  # when the step the device runs now is done
+        self.ranks = ranks
+        self.moe: dict[int, MockMoE] = {}
+        if ranks is not None:
+            ids = list(cfg.moe_layer_ids) + ([cfg.num_hidden_layers] if accept_rate is not None else [])
+            self.moe = {lid: MockMoE(cfg, lid, expert_slots(lid)) for lid in ids}
+        self._target = [m for lid, m in self.moe.items() if lid < cfg.num_hidden_layers]
+        self._mtp = self.moe.get(cfg.num_hidden_layers)
+        self._draft_sent: torch.Tensor | None = None  # the last drafts' pairs, sent with the next step's
+        self._step: Future | None = None
+        self._wait_s = 0.0  # device time waiting for other ranks, since last taken
+        self.last_own_s = self.last_instance_s = 0.0
 
     def moe_layers(self) -> dict:
-        return {}
+        return dict(self.moe)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
@@ -52,7 +191,19 @@ class MockModel(nn.Module):
         queued = batch.queued_at or now
         self._started = min(now, max(queued, self._free_at))
         self._free_at = self._started + self.step_time_s
+        if self.ranks is not None:
+            sent = torch.stack([m.route(batch.num_tokens, self.ranks.gen) for m in self._target])
+            if self._draft_sent is not None:
+                sent = torch.cat([sent, self._draft_sent])
+            self._draft_sent = None
+            self._step = self.ranks.submit(self.step_time_s, self._started, sent)
         return self._hidden(batch, 0)
+
+    def take_comm_s(self) -> float:
+        """Device time spent waiting for the instance's other ranks since last asked: for a
+        later start, and for busier experts."""
+        w, self._wait_s = self._wait_s, 0.0
+        return w
 
     def synchronize(self) -> None:
         """Wait for the step's device time to be up. The sleep releases the GIL, as a
@@ -64,8 +215,18 @@ class MockModel(nn.Module):
         while wakes far later than that, and if such a stall entered the correction whole,
         later steps would be cut short. Where the host then took the rest of the shortened
         step, no sleep would run to correct it back, and the mock would run as fast as its
-        host, reporting its set step time all along."""
-        wake = self._started + self.step_time_s - self._late
+        host, reporting its set step time all along.
+
+        As a DEP rank, the step ends when the instance's does (lockstep_step); waiting for
+        the device's exchange is waiting for the slowest rank, as in a collective."""
+        end = self._started + self.step_time_s
+        if self._step is not None:
+            step, self._step = self._step, None
+            end, own_s, inst_s = step.result()
+            self._free_at = end
+            self._wait_s += end - (self._started + own_s)
+            self.last_own_s, self.last_instance_s = own_s, inst_s
+        wake = end - self._late
         left = wake - time.perf_counter()
         if left > 0:
             time.sleep(left)
@@ -84,7 +245,11 @@ class MockModel(nn.Module):
     @torch.inference_mode()
     def mtp_forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, kv_caches) -> torch.Tensor:
         """A row at position p drafts the token the target emits from position p + 1:
-        its "hidden state" is that position. Device time: inside the step's."""
+        its "hidden state" is that position. Device time: inside the step's. As a DEP rank,
+        the drafts' expert pairs travel with the next step's (the device runs them in turn)."""
+        if self._mtp is not None:
+            sent = self._mtp.route(batch.num_tokens, self.ranks.gen)[None]
+            self._draft_sent = sent if self._draft_sent is None else self._draft_sent + sent
         return self._hidden(batch, 1)
 
     @torch.inference_mode()

@@ -321,7 +321,9 @@ class WorkerStats:
     staging_bytes_used: int = 0
     counters: dict[str, float] = field(default_factory=dict)
     # with StatsRequest(detail=True): recent steps as [unix time at end, total, forward, host, rank_wait,
-    # serving-loop gap before the step] seconds, then the number of sequences in the step
+    # serving-loop gap before the step] seconds, then the number of sequences in the step, the
+    # exposed host seconds, the drafts accepted, and the slower ranks' device time the rank
+    # waited for (a mock DEP rank's; 0 elsewhere)
     recent_steps: list[list[float]] = field(default_factory=list)
     placement_version: int = 0
     # gateway -> the requests this worker holds for it (queued, running, handed over, pulling):

@@ -16,6 +16,7 @@ from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.dp import DPGroup
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.load_tracker import LoadTracker
+from moemesh.shared.engine.mock_model import MockModel, MockRanks
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.model.expert_parallel import ExpertParallel
 from moemesh.shared.model.skew import apply_skew
@@ -57,18 +58,26 @@ class DepRuntime:
         self._bus: Bus | None = None
         self._loop: EngineLoop | None = None
         self._spawn: Spawn | None = None
+        self._mock: MockModel | None = None  # a mock rank: its device's wait for the other ranks
 
     def build_engine(self, role: str) -> LLMEngine:
         """Blocking: joins the instance's process group (waits for every rank), then loads
         only this rank's expert slots."""
         cfg = self.cfg
-        self.dp = DPGroup(cfg.dp_rank, cfg.dp_size, cfg.dist_init, cfg.device, cfg.dp_timeout_s)
+        self.dp = DPGroup(cfg.dp_rank, cfg.dp_size, cfg.dist_init, "cpu" if cfg.engine == "mock" else cfg.device,
+                          cfg.dp_timeout_s)
         mcfg = ModelConfig.from_dir(cfg.model)
         if mcfg.n_routed_experts % cfg.dp_size:
             raise ValueError(f"{mcfg.n_routed_experts} experts do not divide over {cfg.dp_size} ranks")
         slots, S = ExpertParallel.naive_slot_map(mcfg.n_routed_experts, cfg.dp_rank, cfg.dp_size, cfg.eplb_redundant)
         ecfg = EngineConfig.for_worker(cfg, role)
-        model = load_model(cfg.model, ecfg.torch_dtype, cfg.device, expert_slots=slots, num_slots=S)
+        if cfg.engine == "mock":
+            ranks = MockRanks(cfg.dp_rank, cfg.dp_size, cfg.mock_expert_share, seed=cfg.skew_seed)
+            accept = cfg.mock_accept_rate if cfg.mock_accept_rate >= 0 else None
+            model = MockModel(mcfg, cfg.mock_step_ms / 1e3, accept, ranks, slots)
+            self._mock = model
+        else:
+            model = load_model(cfg.model, ecfg.torch_dtype, cfg.device, expert_slots=slots, num_slots=S)
         self.ep = ExpertParallel.naive(model, cfg.dp_rank, cfg.dp_size, cfg.eplb_redundant)
         return LLMEngine(ecfg, model=model, lockstep=True)
 
@@ -99,7 +108,15 @@ class DepRuntime:
 
     def comm_s(self) -> float:
         """Time in expert collectives since last asked (0 unless expert-parallel)."""
-        return self.ep.take_comm_s() if self.ep is not None else 0.0
+        if self.ep is None:
+            return 0.0
+        return self.ep.take_comm_s() + (self._mock.take_comm_s() if self._mock is not None else 0.0)
+
+    def device_skew_s(self) -> float:
+        """A mock rank's last step: the instance's step less its own (the slower ranks'
+        expert time it waited for inside the step), else 0: a GPU does not tell."""
+        m = self._mock
+        return m.last_instance_s - m.last_own_s if m is not None else 0.0
 
     def agree_s(self) -> float:
         """The last step's agreement time (0 unless a lockstep rank)."""
@@ -110,6 +127,8 @@ class DepRuntime:
         return self.agent.version if self.agent is not None else 0
 
     def close(self) -> None:
+        if self._mock is not None:
+            self._mock.ranks.close()
         if self.dp is not None:
             self.dp.close()
 

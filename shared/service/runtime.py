@@ -117,7 +117,7 @@ class WorkerRuntime:
         self.tokens = TokenPublisher(self.nc, self.subjects, self.worker_id, cfg.token_retention_s)
         self.loop = loop = EngineLoop(self.engine, self._on_outputs, lockstep=self.dep.lockstep)
         self.steps = StepAccounting(self.engine, self.metrics, lambda: loop.last_gap_s, self.dep.comm_s,
-                                    self.dep.agree_s)
+                                    self.dep.agree_s, self.dep.device_skew_s)
         loop.after_ops = self.steps.refresh_load
         loop.after_step.append(self.steps.on_step)
         self.steps.refresh_load()
@@ -143,11 +143,12 @@ class WorkerRuntime:
         if cfg.engine == "mock":
             log.warning("MOCK ENGINE: %s runs no model; tokens are fabricated every %.1f ms. For infrastructure "
                         "benchmarks only.", self.worker_id, cfg.mock_step_ms)
+        if cfg.uses_ep:  # the mock too: its ranks run the real lockstep (shared/engine/mock_model.py)
+            return await asyncio.to_thread(self.dep.build_engine, self.role)
+        if cfg.engine == "mock":
             accept = cfg.mock_accept_rate if cfg.mock_accept_rate >= 0 else None
             mock = MockModel(ModelConfig.from_dir(cfg.model), cfg.mock_step_ms / 1e3, accept)
             return LLMEngine(EngineConfig.for_worker(cfg, self.role), model=mock)
-        if cfg.uses_ep:
-            return await asyncio.to_thread(self.dep.build_engine, self.role)
         return await asyncio.to_thread(LLMEngine, EngineConfig.for_worker(cfg, self.role))
 
     async def close(self) -> None:

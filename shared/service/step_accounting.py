@@ -19,11 +19,14 @@ LOAD_REFRESH_S = 0.05
 class StepAccounting:
     """Called by the engine loop only: after every step (`on_step`) and after ops
     (`refresh_load`). `comm_s` and `agree_s` report a DEP rank's time in expert
-    collectives and in the per-step agreement (0 elsewhere)."""
+    collectives and in the per-step agreement (0 elsewhere); `skew_s`, where the device
+    knows it (the mock), the part of that wait that was the slower ranks' own step."""
 
     def __init__(self, engine: LLMEngine, metrics: Metrics, gap_s: Callable[[], float],
-                 comm_s: Callable[[], float], agree_s: Callable[[], float]):
+                 comm_s: Callable[[], float], agree_s: Callable[[], float],
+                 skew_s: Callable[[], float] = lambda: 0.0):
         self._engine, self._gap_s, self._comm_s, self._agree_s = engine, gap_s, comm_s, agree_s
+        self._skew_s = skew_s
         self.h_phase = metrics.histogram("step_phase_seconds", "engine step time by phase", ("phase",))
         self.c_steps = metrics.counter("steps_total", "engine steps (empty lockstep steps included)")
         self.c_prompt = metrics.counter("prompt_tokens_total", "prompt tokens prefilled or reused")
@@ -62,7 +65,7 @@ class StepAccounting:
             self._seen_drafted, self._seen_accepted = e.num_drafted_total, e.num_accepted_total
         if a.num_seqs:  # empty lockstep steps are waiting, not serving
             self.recent_steps.append([time.time(), a.total_s, a.forward_s, a.host_s, a.rank_wait_s,
-                                      gap, a.num_seqs, a.exposed_s, e.last_stats.num_accepted])
+                                      gap, a.num_seqs, a.exposed_s, e.last_stats.num_accepted, self._skew_s()])
         for phase, v in (("forward", a.forward_s), ("host", a.host_s), ("host_exposed", a.exposed_s),
                          ("rank_wait", a.rank_wait_s), ("total", a.total_s)):
             self.h_phase.labels(phase).observe(v)

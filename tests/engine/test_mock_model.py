@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from time import sleep as host_sleep  # not patched below
 
+import pytest
 import torch
 
 from moemesh.shared.engine import mock_model
@@ -90,3 +91,69 @@ def test_the_mock_drafts_on_a_deepseek_v4_config_through_its_hybrid_cache(tiny_v
     got, eng, _ = _run(tiny_v4_model, 1, 0.7, n=6, max_tokens=20)
     assert got == want and eng.hybrid and 0 < eng.num_accepted_total < eng.num_drafted_total
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks and eng.blocks.num_free_rings == eng.blocks.num_rings
+
+
+# ---- as a rank of a DEP instance -------------------------------------------------------
+def test_a_lockstep_step_runs_at_its_most_loaded_rank_from_the_latest_start():
+    step, s = 0.020, 0.5
+    starts = torch.tensor([1.000, 1.002])
+    # [src, layer, dst]: layer 0 sends rank 1 three times rank 0's pairs, layer 1 is even.
+    sent = torch.tensor([[[10, 30], [20, 20]], [[10, 30], [20, 20]]])
+    end, own0, inst = mock_model.lockstep_step(step, s, starts, sent, rank=0)
+    _, own1, _ = mock_model.lockstep_step(step, s, starts, sent, rank=1)
+    # layer 0: loads 20/60, mean 40 -> ratios 0.5/1.5; layer 1: 1/1.
+    assert inst == pytest.approx(step * (0.5 + 0.5 * (1.5 + 1.0) / 2))
+    assert own0 == pytest.approx(step * (0.5 + 0.5 * (0.5 + 1.0) / 2))
+    assert own1 == pytest.approx(inst)  # the most loaded rank of every layer waits for no one's experts
+    assert end == pytest.approx(1.002 + inst)
+
+
+def test_a_balanced_or_empty_lockstep_step_takes_the_set_time():
+    starts = torch.tensor([5.0, 5.0, 5.0])
+    even = torch.full((3, 2, 3), 7)
+    assert mock_model.lockstep_step(0.02, 0.5, starts, even, 2)[1:] == pytest.approx((0.02, 0.02))
+    empty = torch.zeros(3, 2, 3, dtype=torch.long)
+    assert mock_model.lockstep_step(0.02, 0.5, starts, empty, 0)[1:] == pytest.approx((0.02, 0.02))
+
+
+def _mock_rank(tiny_model, skew: str, world: int = 2):
+    """Rank 0 of a mock instance, its routing and placement only (no peers: route() alone)."""
+    from moemesh.shared.engine.load_tracker import LoadTracker
+    from moemesh.shared.model.expert_parallel import ExpertParallel
+    from moemesh.shared.model.skew import apply_skew
+
+    cfg = ModelConfig.from_dir(tiny_model)
+    slots, _ = ExpertParallel.naive_slot_map(cfg.n_routed_experts, 0, world, 0)
+    model = MockModel(cfg, 0.02, 0.7, mock_model.MockRanks(0, 1), slots)
+    ep = ExpertParallel.naive(model, 0, world, 0)
+    tracker = LoadTracker(model, 8)
+    apply_skew(model, skew, "", 0)
+    return model, ep, tracker
+
+
+def test_mock_ranks_route_with_the_skew_and_a_move_shifts_the_load(tiny_model):
+    model, ep, tracker = _mock_rank(tiny_model, "hot:3:5.0")
+    assert sorted(model.moe_layers()) == [1, 2, 3]  # the tiny model's two MoE layers, and the MTP layer
+    moe = model.moe_layers()[1]
+    gen = torch.Generator().manual_seed(0)
+    sent = moe.route(200, gen)
+    tracker.end_step()
+    counts = tracker.window()[0]
+    assert counts.sum() == 200 * 4 and counts[3] == 200  # every row picks the hot expert, once
+    assert sent.tolist()[0] > 1.5 * sent.tolist()[1]  # expert 3 and its group sit on rank 0
+    # A placement that swaps the ranks' halves moves those pairs to rank 1.
+    row = ep.layers[1].phy2log
+    ep.layers[1].set_placement(torch.cat([row[8:], row[:8]]))
+    moved = moe.route(200, torch.Generator().manual_seed(0))
+    assert moved.tolist() == sent.flip(0).tolist()
+
+
+def test_mock_expert_slots_hold_their_experts_ids(tiny_model):
+    model, ep, _ = _mock_rank(tiny_model, "", world=4)
+    gu = model.moe_layers()[2].experts.gate_up_proj
+    assert [int(gu[i, 0, 0]) for i in range(gu.shape[0])] == [0, 1, 2, 3]  # rank 0's naive slots
+
+
+def test_mock_expert_share_is_checked():
+    with pytest.raises(ValueError, match="mock_expert_share"):
+        mock_model.MockRanks(0, 2, expert_share=1.5)

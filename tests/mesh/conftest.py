@@ -132,7 +132,7 @@ def wait_free(mesh, timeout: float = 15.0) -> None:
         time.sleep(0.2)
 
 
-async def worker_stats(nats_url: str, worker_id: str, prefix: str = "mm"):
+async def worker_stats(nats_url: str, worker_id: str, prefix: str = "mm", detail: bool = False):
     import nats
 
     from moemesh.shared.protocol.messages import StatsRequest, WorkerStats
@@ -141,6 +141,6 @@ async def worker_stats(nats_url: str, worker_id: str, prefix: str = "mm"):
 
     nc = await nats.connect(nats_url)
     try:
-        return await request(nc, Subjects(prefix).stats(worker_id), StatsRequest(), WorkerStats, 5)
+        return await request(nc, Subjects(prefix).stats(worker_id), StatsRequest(detail=detail), WorkerStats, 5)
     finally:
         await nc.close()

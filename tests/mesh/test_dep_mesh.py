@@ -186,3 +186,33 @@ def test_a_dep2_prefill_instance(tiny_model, tmp_path_factory, offline):
             assert r.status_code == 200, r.text
             got.append(r.json()["choices"][0]["text"])
         assert got == want
+
+
+def test_a_mock_dep2_instance_runs_the_real_lockstep_and_its_moves_shift_the_step(tiny_model, tmp_path_factory):
+    """engine = "mock" as a DEP rank: drafts verified, the hot expert's rank sets the
+    instance's pace (the slower rank's device time shows in the other's rank wait), and a
+    live rebalance of the real balancer moves real slots."""
+    from tests.mesh.conftest import worker_stats
+
+    mock = ["engine=mock", "mock_step_ms=4", "num_speculative_tokens=1", "mock_accept_rate=0.7"]
+    mesh = _mesh(tmp_path_factory.mktemp("mockdep"), tiny_model,
+                 rank_set={r: [*mock, "skew=hot:3:5.0", "load_window_steps=32"] for r in range(2)})
+    try:
+        prompts = PROMPTS[:8]
+        got, _ = _stream_all(mesh, prompts, 24)
+        assert all(t for t in got)  # every stream finished with text
+        stats = [asyncio.run(worker_stats(mesh.nats_url, f"{mesh.decode_id}-r{r}", detail=True)) for r in range(2)]
+        rows = [s for st in stats for s in st.recent_steps if s[6] > 0]
+        assert rows and all(len(s) == 10 for s in rows)
+        assert sum(s[8] for s in rows) > 0  # drafts were accepted
+        skew = [s[9] for s in rows]
+        assert max(skew) > 0  # a rank waited inside the step for the other's experts
+        before = _placement_version(mesh)
+        reply = _rebalance(mesh, None)
+        assert reply.ok, reply.error
+        assert reply.bytes_moved > 0 and reply.ratio_after_expected > reply.ratio_before
+        assert _placement_version(mesh) > before
+        got, _ = _stream_all(mesh, prompts, 8)
+        assert all(t for t in got)
+    finally:
+        mesh.group.stop()

@@ -81,7 +81,7 @@ class _Load:
             t.join(60)
 
 
-async def _latest_loads(nc, subjects: Subjects, instance: str, ranks: int, after: float):
+async def latest_loads(nc, subjects: Subjects, instance: str, ranks: int, after: float):
     """The first complete set of rank loads published after `after` (unix time)."""
     sub = await nc.subscribe(subjects.eplb(instance, "load"))
     seen: dict[int, ExpertLoad] = {}
@@ -97,7 +97,7 @@ async def _latest_loads(nc, subjects: Subjects, instance: str, ranks: int, after
     return first, loads, tensor_from(first.phy2log, len(first.layer_ids))
 
 
-def _ratios(first: ExpertLoad, loads, phy2log, ranks: int) -> dict:
+def ratios(first: ExpertLoad, loads, phy2log, ranks: int) -> dict:
     p = Placement(phy2log, first.num_experts, ranks)
     rl = p.rank_loads(loads)
     out = {}
@@ -130,9 +130,9 @@ async def _measure(cfg: EplbBenchConfig, mesh: Mesh) -> dict:
     nc = await nats.connect(mesh.nats_url)
     try:
         await asyncio.sleep(cfg.warmup_s)
-        first, loads, phy = await _latest_loads(nc, subjects, inst, cfg.ranks, time.time())
+        first, loads, phy = await latest_loads(nc, subjects, inst, cfg.ranks, time.time())
         phases = [{"phase": "naive", "placement_version": first.placement_version,
-                   "ratio": _ratios(first, loads, phy, cfg.ranks), "loads": split_loads(first, loads)}]
+                   "ratio": ratios(first, loads, phy, cfg.ranks), "loads": split_loads(first, loads)}]
         moves = []
         for _ in range(cfg.rebalances):
             t0 = time.time()
@@ -144,9 +144,9 @@ async def _measure(cfg: EplbBenchConfig, mesh: Mesh) -> dict:
                           "ratio_in_window_before": reply.ratio_before,
                           "ratio_in_window_expected": reply.ratio_after_expected})
             await asyncio.sleep(cfg.window_s)  # a fresh window under the new placement: held out
-            first, loads, phy = await _latest_loads(nc, subjects, inst, cfg.ranks, time.time())
+            first, loads, phy = await latest_loads(nc, subjects, inst, cfg.ranks, time.time())
             phases.append({"phase": f"after rebalance {len(moves)}", "placement_version": first.placement_version,
-                           "ratio": _ratios(first, loads, phy, cfg.ranks)})
+                           "ratio": ratios(first, loads, phy, cfg.ranks)})
         stats = await request(nc, subjects.stats(f"{inst}-r0"), StatsRequest(detail=True), WorkerStats, 10)
     finally:
         await nc.close()

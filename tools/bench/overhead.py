@@ -64,17 +64,25 @@ def run_client(url: str, model: str, streams: int, seconds: float, max_tokens: i
 
 def decode_steps(mesh: Mesh) -> list[list[float]]:
     """The single decode worker's recent step rows (see WorkerStats.recent_steps)."""
+    return decode_state(mesh, 1)[1]
+
+
+def decode_state(mesh: Mesh, dep: int) -> tuple[float | None, list[list[float]]]:
+    """(the DEP instance's balance ratio over its recent load window, None for one worker;
+    the recent step rows of its rank 0, or of the single decode worker)."""
     from moemesh.tools.bench.phases import instance_state
 
-    return asyncio.run(instance_state(mesh, 1))[1]
+    return asyncio.run(instance_state(mesh, dep))
 
 
 def step_figures(steps: list[list[float]], t0: float, t1: float) -> dict:
     """Medians over the steps that ended in [t0, t1] (wall clock), and the hidden share of host.
 
     A row is [time, total_s, forward_s, host_s, rank_wait_s, loop_gap_s, num_seqs,
-    host_exposed_s, drafts_accepted]; older workers leave out the last ones, and then
-    their figures are None. The worker keeps its last 4096 steps only: at short steps,
+    host_exposed_s, drafts_accepted, device_skew_s]; older workers leave out the last ones,
+    and then their figures are None. rank wait beyond the slowest rank: a mock DEP rank's
+    rank wait less the slower ranks' own device time (device_skew_s), which it waited for
+    as any rank waits for the slowest: what the lockstep adds on top. The worker keeps its last 4096 steps only: at short steps,
     the window's end. tokens_per_seq_step: what a running sequence gained a step (1, and
     with drafts the accepted ones on top).
     """
@@ -82,10 +90,14 @@ def step_figures(steps: list[list[float]], t0: float, t1: float) -> dict:
     if not sel:
         return {"steps": 0}
     out = {"steps": len(sel), "step_ms_p50": percentile([s[1] for s in sel], 50) * 1e3,
+           "step_ms_mean": sum(s[1] for s in sel) / len(sel) * 1e3,
+           "step_ms_p90": percentile([s[1] for s in sel], 90) * 1e3,
            "forward_ms_p50": percentile([s[2] for s in sel], 50) * 1e3,
            "host_ms_p50": percentile([s[3] for s in sel], 50) * 1e3,
            "num_seqs_p50": percentile([s[6] for s in sel], 50) if len(sel[0]) > 6 else None,
-           "host_exposed_ms_p50": None, "host_hidden_share": None, "tokens_per_seq_step": None}
+           "num_seqs_mean": sum(s[6] for s in sel) / len(sel) if len(sel[0]) > 6 else None,
+           "host_exposed_ms_p50": None, "host_hidden_share": None, "tokens_per_seq_step": None,
+           "rank_wait_ms_p50": percentile([s[4] for s in sel], 50) * 1e3, "rank_wait_beyond_ms_p50": None}
     if all(len(s) > 7 for s in sel):
         host, exposed = sum(s[3] for s in sel), sum(s[7] for s in sel)
         out["host_exposed_ms_p50"] = percentile([s[7] for s in sel], 50) * 1e3
@@ -93,6 +105,8 @@ def step_figures(steps: list[list[float]], t0: float, t1: float) -> dict:
     if all(len(s) > 8 for s in sel):
         seqs = sum(s[6] for s in sel)
         out["tokens_per_seq_step"] = (seqs + sum(s[8] for s in sel)) / seqs if seqs else None
+    if all(len(s) > 9 for s in sel):
+        out["rank_wait_beyond_ms_p50"] = percentile([s[4] - s[9] for s in sel], 50) * 1e3
     return out
 
 
@@ -105,9 +119,10 @@ def draft_gain(spec_tokens: int, accept_rate: float) -> float:
 
 
 def point_row(res: dict, step_ms: float, roles: tuple[str, ...], steps: list[list[float]],
-              tokens_per_step: float = 1.0) -> dict:
+              tokens_per_step: float = 1.0, balance_ratio: float | None = None) -> dict:
     """One point of a host-overhead bench from the client's result and the decode steps.
-    tokens_per_step: what a sequence gains a step (1; with mock drafts, 1 + A + ... + A^K)."""
+    tokens_per_step: what a sequence gains a step (1; with mock drafts, 1 + A + ... + A^K).
+    balance_ratio: a DEP instance's, over its load window at the point's end."""
     tokens = res["tokens"]
     cpu = {r: 0.0 for r in roles}
     for name, s in res["cpu_s"].items():
@@ -123,6 +138,7 @@ def point_row(res: dict, step_ms: float, roles: tuple[str, ...], steps: list[lis
             "ttft_ms_p50": res["ttft_ms_p50"], "ttft_ms_p99": res["ttft_ms_p99"], "cpu_s": cpu,
             "cpu_us_per_token": per_tok,
             "client_cpu_us_per_token": res["client_cpu_s"] / tokens * 1e6 if tokens else None,
+            "balance_ratio": balance_ratio,
             "decode_steps": step_figures(steps, res["started_at"], res["ended_at"])}
 
 
@@ -130,9 +146,10 @@ def table(rows: list[dict], roles: tuple[str, ...], label: str = "streams", extr
     """Rows of point_row as text; `extra` names a string column each row may carry (e.g. "goal")."""
     short = {"gateway": "gw", "prefill": "pre", "decode": "dec", "nats": "nats"}
     cpu_head = "/".join(short[r] for r in roles) + "/mesh"
+    dep = any(p.get("balance_ratio") is not None for p in rows)
     lines = [f"{label:>7} {'tok/s':>8} {'ideal':>8} {'share':>6} {'TTFT p50':>9}  {'CPU us/tok ' + cpu_head:>30} "
              f"{'client':>7}  {'step/host/exposed ms':>21} {'hidden':>6} {'tok/seq/step':>12} {'errors':>6}"
-             + (f"  {extra}" if extra else "")]
+             + (f" {'wait/beyond ms':>14} {'balance':>7}" if dep else "") + (f"  {extra}" if extra else "")]
     for p in rows:
         us = p["cpu_us_per_token"]
         cpu = "/".join(_f(us[r]) for r in (*roles, "mesh"))
@@ -143,8 +160,13 @@ def table(rows: list[dict], roles: tuple[str, ...], label: str = "streams", extr
         lines.append(f"{p['streams']:>7} {p['tokens_per_s']:>8.0f} {p['ideal_tokens_per_s']:>8.0f} "
                      f"{p['share_of_ideal']:>6.3f} {_f(p['ttft_ms_p50']):>9}  {cpu:>30} "
                      f"{_f(p['client_cpu_us_per_token']):>7}  {steps:>21} {hidden:>6} {gain:>12} {p['errors']:>6}"
+                     + (f" {_wait(st):>14} {_f(p.get('balance_ratio'), '.3f'):>7}" if dep else "")
                      + (f"  {p.get(extra, '')}" if extra else ""))
     return "\n".join(lines)
+
+
+def _wait(st: dict) -> str:
+    return f"{_f(st.get('rank_wait_ms_p50'), '.2f')}/{_f(st.get('rank_wait_beyond_ms_p50'), '.2f')}"
 
 
 def _f(x, spec: str = ".1f") -> str:

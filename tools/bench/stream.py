@@ -9,17 +9,35 @@ with --spec-tokens K at --accept-rate A, 1 + A + ... + A^K), CPU µs per
 output token of each mesh process and of the mesh as a whole (gateway + prefill + decode
 + nats; the client apart), and the decode worker's step figures over the load window.
 
+With --dep N the decode worker is a DEP-N instance of mock ranks (the real lockstep and
+agreement; each rank's step scales with its experts' share of the routed pairs, --skew
+and --draft-skew bending the routing). The ideal is then per instance, at balanced
+routing: every running sequence gains its tokens each mock step. Each point adds the
+instance's balance ratio (target and draft layers, over its load window at the point's
+end), rank 0's rank wait and the part of it beyond the slowest rank's own step. With
+--rebalance the stream counts run twice: under the naive placement, then after one live
+rebalance by the balancer (a fresh load window first).
+
 Goals: at least 94% of the ideal at every stream count with a 20 ms step; with a 1 ms
 step at 256 streams, at least 45,000 tokens/s and at most 25 µs of mesh CPU per token.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import nats
+
 from moemesh.tools.bench import overhead
 from moemesh.tools.bench.env import environment
+from moemesh.shared.eplb.placement import Placement
+from moemesh.shared.protocol.messages import RebalanceReply, RebalanceRequest
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.service.nats_io import request
 from moemesh.tools.launch.up import Mesh, UpConfig
 
 GOALS = {"share_of_ideal_min": 0.94, "share_at_step_ms": 20.0,
@@ -39,10 +57,18 @@ class StreamBenchConfig:
     warmup_s: float = 2.0
     spec_tokens: int = 0  # the mock's drafts a step (0: no draft head)
     accept_rate: float = 0.7  # each draft's chance, with spec_tokens
+    dep: int = 1  # ranks of the decode instance
+    skew: str = ""  # target routing skew (DEP only)
+    draft_skew: str = ""  # the draft head's
+    rebalance: bool = False  # run the points again after one live rebalance
+    settle_s: float = 8.0  # after the rebalance: load before the points, so the window is fresh
+    expert_share: float = 0.5  # mock_expert_share
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1:
             raise ValueError("--streams needs one or more counts >= 1")
+        if self.dep < 1 or (self.dep == 1 and (self.skew or self.draft_skew or self.rebalance)):
+            raise ValueError("--dep must be >= 1; --skew, --draft-skew and --rebalance need --dep 2 or more")
         if self.mock_step_ms <= 0 or self.osl < 1 or self.seconds < 0:
             raise ValueError("--mock-step-ms must be > 0, --osl >= 1, --seconds >= 0")
         overhead.draft_gain(self.spec_tokens, self.accept_rate)  # raises on draft flags out of range
@@ -88,31 +114,102 @@ def goal_check(row: dict, step_ms: float) -> str:
 
 def run(cfg: StreamBenchConfig) -> dict:
     top = max(cfg.streams)
-    up = UpConfig(model=cfg.model, port=0,
-                  service_args=worker_settings(top, cfg.osl, cfg.mock_step_ms, cfg.spec_tokens, cfg.accept_rate),
-                  gateway_args=(f"max_inflight={top * 2}",), balancer=False)
+    sets = worker_settings(top, cfg.osl, cfg.mock_step_ms, cfg.spec_tokens, cfg.accept_rate)
+    if cfg.dep > 1:
+        # A window of ~2.5 s of 20 ms steps, published twice a second: each point's own.
+        sets += (f"skew={cfg.skew}", f"draft_skew={cfg.draft_skew}", f"mock_expert_share={cfg.expert_share}",
+                 "load_window_steps=128", "load_publish_interval_s=0.5")
+    up = UpConfig(model=cfg.model, port=0, decode_dp=cfg.dep, service_args=sets,
+                  gateway_args=(f"max_inflight={top * 2}",), balancer=cfg.rebalance,
+                  balancer_args=("auto=false", "move_timeout_s=60") if cfg.rebalance else ())
+    moves = []
     with Mesh(up) as mesh:
         model, pids = Path(mesh.model).name, overhead.mesh_pids(mesh)
         warmup = None
         if cfg.warmup_s > 0:
             warmup = overhead.run_client(mesh.url, model, min(8, top), cfg.warmup_s, min(cfg.osl, 32),
                                          cfg.mock_step_ms, chat=True)
-        rows = []
-        for streams in cfg.streams:
-            res = overhead.run_client(mesh.url, model, streams, cfg.seconds, cfg.osl, cfg.mock_step_ms, chat=True,
-                                      pids=pids)
-            row = overhead.point_row(res, cfg.mock_step_ms, overhead.MESH_ROLES, overhead.decode_steps(mesh),
-                                     cfg.tokens_per_step)
-            row["goal"] = goal_check(row, cfg.mock_step_ms)
-            rows.append(row)
+        rows = _points(cfg, mesh, model, pids, "naive" if cfg.rebalance else "")
+        if cfg.rebalance:
+            moves.append(asyncio.run(_rebalance(mesh)))
+            overhead.run_client(mesh.url, model, top, cfg.settle_s, cfg.osl, cfg.mock_step_ms, chat=True)
+            rows += _points(cfg, mesh, model, pids, "rebalanced")
     return {"bench": "stream", "config": asdict(cfg), "env": environment(), "goal": GOALS,
-            "warmup": warmup, "points": rows}
+            "warmup": warmup, "points": rows, "moves": moves}
+
+
+def _points(cfg: StreamBenchConfig, mesh: Mesh, model: str, pids: dict, phase: str) -> list[dict]:
+    rows = []
+    for streams in cfg.streams:
+        # The instance's load window is read while the load runs: at the point's end it
+        # would hold the tail, when streams finish and few are left.
+        ratios: dict = {}
+        probe = threading.Timer(0.75 * cfg.seconds, lambda: ratios.update(asyncio.run(_instance_ratios(mesh, cfg.dep))))
+        if cfg.dep > 1:
+            probe.start()
+        res = overhead.run_client(mesh.url, model, streams, cfg.seconds, cfg.osl, cfg.mock_step_ms, chat=True,
+                                  pids=pids)
+        if cfg.dep > 1:
+            probe.join()
+        steps = overhead.decode_state(mesh, cfg.dep)[1]
+        ratio = ratios.pop("instance", None)
+        row = overhead.point_row(res, cfg.mock_step_ms, overhead.MESH_ROLES, steps, cfg.tokens_per_step, ratio)
+        row["phase"], row["balance_ratios"] = phase, ratios
+        row["goal"] = goal_check(row, cfg.mock_step_ms)
+        rows.append(row)
+    return rows
+
+
+async def _instance_ratios(mesh: Mesh, dep: int) -> dict:
+    """The decode instance's balance ratios, target and draft apart, over its last window."""
+    from moemesh.tools.bench.eplb_live import latest_loads, ratios
+
+    nc = await nats.connect(mesh.nats_url)
+    try:
+        first, loads, phy = await latest_loads(nc, Subjects(), "decode-i0", dep, time.time())
+        return ratios(first, loads, phy, dep) | {"instance": Placement(phy, first.num_experts, dep).instance_ratio(loads)}
+    finally:
+        await nc.close()
+
+
+async def _rebalance(mesh: Mesh) -> dict:
+    """One live rebalance of the decode instance, asked of the balancer; its reply."""
+    nc = await nats.connect(mesh.nats_url)
+    try:
+        t0 = time.time()
+        reply = await request(nc, Subjects().eplb("decode-i0", "rebalance"), RebalanceRequest("decode-i0"),
+                              RebalanceReply, 120)
+        return {"ok": reply.ok, "error": reply.error, "seconds": time.time() - t0,
+                "move_s": reply.move_seconds, "bytes_moved": reply.bytes_moved,
+                "slots_changed": reply.slots_changed, "ratio_in_window_before": reply.ratio_before,
+                "ratio_in_window_expected": reply.ratio_after_expected}
+    finally:
+        await nc.close()
 
 
 def table(r: dict) -> str:
     c = r["config"]
     drafts = c.get("spec_tokens", 0)
     mtp = f", {drafts} drafts a step at accept rate {c['accept_rate']:g}" if drafts else ""
-    head = (f"mock step {c['mock_step_ms']} ms{mtp}, osl {c['osl']}, {c['seconds']:g} s per point; "
+    dep = ""
+    if c.get("dep", 1) > 1:
+        dep = f", DEP{c['dep']} (skew {c['skew'] or 'none'}, draft {c['draft_skew'] or 'none'})"
+    head = (f"mock step {c['mock_step_ms']} ms{mtp}{dep}, osl {c['osl']}, {c['seconds']:g} s per point; "
             f"CPU us per output token of each process (gw+pre+dec+nats = mesh), client apart")
-    return head + "\n" + overhead.table(r["points"], overhead.MESH_ROLES, "streams", extra="goal")
+    out = [head]
+    for phase in dict.fromkeys(p.get("phase", "") for p in r["points"]):
+        pts = [p for p in r["points"] if p.get("phase", "") == phase]
+        if phase:
+            out.append(f"-- {phase}: balance ratio target/draft "
+                       + ", ".join(_ratio_pair(p) for p in pts))
+        out.append(overhead.table(pts, overhead.MESH_ROLES, "streams", extra="goal"))
+    for m in r.get("moves", []):
+        out.append(f"rebalance: {'ok' if m['ok'] else 'FAILED ' + m['error']}, {m['seconds']:.2f} s, move "
+                   f"{m['move_s']:.3f} s, {m['bytes_moved'] / 1e6:.2f} MB, {m['slots_changed']} slots; in-window "
+                   f"ratio {m['ratio_in_window_before']:.3f} -> {m['ratio_in_window_expected']:.3f} expected")
+    return "\n".join(out)
+
+
+def _ratio_pair(p: dict) -> str:
+    r = p.get("balance_ratios") or {}
+    return "/".join(f"{r[k]:.3f}" if k in r else "-" for k in ("target", "draft"))

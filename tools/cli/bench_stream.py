@@ -19,6 +19,13 @@ def register(bsub) -> None:
     b.add_argument("--warmup-seconds", type=float, default=2.0, help="warm-up load before the first point (0: none)")
     b.add_argument("--spec-tokens", type=int, default=0, help="the mock drafts K tokens a step (0: no draft head)")
     b.add_argument("--accept-rate", type=float, default=0.7, help="each mock draft's chance of being accepted")
+    b.add_argument("--dep", type=int, default=1, help="ranks of the decode instance: a DEP-N instance of mock ranks")
+    b.add_argument("--skew", default="", help="with --dep: target routing skew, e.g. zipf:1.2")
+    b.add_argument("--draft-skew", default="", help="with --dep: the draft head's routing skew")
+    b.add_argument("--expert-share", type=float, default=0.5,
+                   help="with --dep: the part of a mock step that scales with a rank's expert load")
+    b.add_argument("--rebalance", action="store_true",
+                   help="with --dep: run the points again after one live rebalance by the balancer")
     b.add_argument("--out", default="bench-results/stream.json", help="JSON file for the results")
     b.set_defaults(func=run)
 
@@ -30,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = stream.StreamBenchConfig(model=args.model, streams=args.streams, seconds=args.seconds, osl=args.osl,
                                        mock_step_ms=args.mock_step_ms, warmup_s=args.warmup_seconds,
-                                       spec_tokens=args.spec_tokens, accept_rate=args.accept_rate)
+                                       spec_tokens=args.spec_tokens, accept_rate=args.accept_rate,
+                                       dep=args.dep, skew=args.skew, draft_skew=args.draft_skew,
+                                       rebalance=args.rebalance, expert_share=args.expert_share)
     except ValueError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
