@@ -232,6 +232,39 @@ class FixedStep:
         return np.zeros_like(step)
 
 
+@dataclass(frozen=True)
+class MockDEPStep:
+    """The mock engine as DEP ranks (shared/engine/mock_model.py): a step of `step_s`
+    whose part `expert_share` scales, layer by layer, with the most loaded rank's share of
+    the routed pairs (the instance waits for it in every layer's all-to-all); the rest is
+    the same on every rank. Its all-to-alls are device work inside the step: no separate
+    collective term. num_moe_layers: the model's, over which the expert part spreads."""
+
+    step_s: float
+    expert_share: float
+    num_moe_layers: int
+
+    def dense_s(self, tokens, attn_flops, attn_bytes, width, phase="decode"):
+        return np.full(np.shape(tokens), self.step_s * (1 - self.expert_share))
+
+    def expert_s(self, pairs, active, tokens_per_rank, width, phase="decode"):
+        """pairs [S, L', N] -> each rank's expert time per layer: the step's expert part
+        over the layers, times its pairs over the layer's mean; a layer without pairs
+        counts as balanced."""
+        mean = pairs.mean(-1, keepdims=True)
+        share = np.divide(pairs, mean, out=np.ones_like(pairs, dtype=float), where=mean > 0)
+        return self.step_s * self.expert_share / self.num_moe_layers * share
+
+    def a2a_s(self, pairs_in, width):
+        return np.zeros_like(pairs_in, dtype=float)
+
+    def sync_s(self, width):
+        return 0.0
+
+    def core_wait_s(self, work, step):
+        return np.zeros_like(step)
+
+
 def by_width(table: Mapping[int, float], width: int) -> float:
     """A figure timed at some widths, at `width`: linear between them, the narrowest's
     below it, linear beyond the widest two past it; 0 with none timed."""

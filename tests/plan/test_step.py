@@ -101,3 +101,26 @@ def test_unknown_term_is_an_error():
         Terms.without("gpu")
     with pytest.raises(ValueError):
         StepConfig("train", 1, 1)
+
+
+def test_mock_dep_ranks_step_at_the_busiest_rank_of_each_layer():
+    from moemesh.shared.plan.costs import MockDEPStep
+
+    costs = MockDEPStep(20e-3, 0.5, DIMS.num_moe_layers)
+    uniform = _run(4, batch=64, host=HOSTS["none"], costs=costs, terms=Terms(skew=False))
+    # Uniform routing: only the draws' noise above a 20 ms step.
+    assert 20e-3 <= uniform.step_s < 21.5e-3 and uniform.a2a_s == 0
+    naive = _run(4, batch=64, host=HOSTS["none"], costs=costs, terms=Terms(eplb=False))
+    ours = _run(4, batch=64, host=HOSTS["none"], costs=costs)
+    # The expert half takes 1 / (the layer's balance) of its balanced time.
+    assert naive.experts_s == pytest.approx(10e-3 / naive.ratio_after, rel=0.1)
+    assert ours.step_s < naive.step_s and ours.ratio_after > naive.ratio_after
+
+
+def test_the_mock_hardware_spelling(tmp_path):
+    from moemesh.tools.cli.main import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "v3", "--hardware", "mock:20:0.5", "--gpus", "4", "--widths", "4",
+                 "--decode-batch", "16", "--steps", "4", "--out", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    assert main(["plan", "--hardware", "mock:fast", "--out", str(out)]) == 2

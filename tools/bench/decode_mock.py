@@ -5,6 +5,9 @@ decode_only_bench mode, no prefill worker) with `engine = "mock"`: every step ta
 and gives each running sequence one token (with --spec-tokens K at --accept-rate A, the mock
 drafts too: 1 + A + ... + A^K tokens a step), so with B streams the ideal is
 B × that × 1000 / X tokens/s and anything short of it is host overhead. There is no forward-only run.
+With --dep N the decode worker is a DEP-N instance of mock ranks (shared/engine/mock_model.py)
+and --skew bends its routing; the ideal stays the balanced one, per instance, and each point
+adds the instance's balance ratio and rank 0's rank wait.
 
 Run: the mesh -> a short warm-up -> for each batch B, the load client
 (`moemesh.tools.bench.sse_client`) in its own process with B streams of completions (a prompt
@@ -39,8 +42,12 @@ class MockDecodeConfig:
     threads: int = 1
     spec_tokens: int = 0  # the mock's drafts a step (0: no draft head)
     accept_rate: float = 0.7  # each draft's chance, with spec_tokens
+    dep: int = 1  # ranks of the decode instance
+    skew: str = ""  # its routing skew (DEP only)
 
     def __post_init__(self) -> None:
+        if self.dep < 1 or (self.skew and self.dep == 1):
+            raise ValueError("--dep must be >= 1, and --skew needs --dep 2 or more")
         if self.mock_step_ms <= 0 or not self.batches or min(self.batches) < 1:
             raise ValueError("--mock-step-ms must be > 0 and --batch values >= 1")
         if self.isl < 1 or self.osl < 1 or self.seconds < 0:
@@ -61,8 +68,10 @@ def _mesh(cfg: MockDecodeConfig) -> Mesh:
               f"num_kv_blocks={max(16384, 2 * top * blocks_per_seq)}")
     drafts = (f"num_speculative_tokens={cfg.spec_tokens}",) + (
         (f"mock_accept_rate={cfg.accept_rate}",) if cfg.spec_tokens else ())
+    if cfg.dep > 1:
+        drafts += (f"skew={cfg.skew}", "load_window_steps=128", "load_publish_interval_s=0.5")
     model = cfg.model or str(ensure_tiny_model(default_home()))
-    return Mesh(UpConfig(model=model, port=0, num_prefill=0, service_args=worker,
+    return Mesh(UpConfig(model=model, port=0, num_prefill=0, decode_dp=cfg.dep, service_args=worker,
                          decode_args=("bench_dummy_kv=true", *drafts),
                          gateway_args=("decode_only_bench=true", f"max_inflight={top * 2}"), balancer=False))
 
@@ -78,16 +87,20 @@ def run(cfg: MockDecodeConfig) -> dict:
         for b in cfg.batches:
             res = overhead.run_client(mesh.url, model, b, cfg.seconds, cfg.osl, cfg.mock_step_ms,
                                       prompt_tokens=cfg.isl, pids=pids)
-            row = overhead.point_row(res, cfg.mock_step_ms, ROLES, overhead.decode_steps(mesh), cfg.tokens_per_step)
+            ratio, steps = overhead.decode_state(mesh, cfg.dep)
+            row = overhead.point_row(res, cfg.mock_step_ms, ROLES, steps, cfg.tokens_per_step,
+                                     ratio if cfg.dep > 1 else None)
             rows.append({"batch": b, **row})
     return {"bench": "decode", "mode": "mock", "config": asdict(cfg), "env": environment(), "warmup": warmup,
-            "runs": [{"label": "mock", "skew": "", "points": rows}]}
+            "runs": [{"label": "mock" if cfg.dep == 1 else f"mock DEP{cfg.dep}", "skew": cfg.skew, "points": rows}]}
 
 
 def table(r: dict) -> str:
     c = r["config"]
     drafts = c.get("spec_tokens", 0)
     mtp = f", {drafts} drafts a step at accept rate {c['accept_rate']:g}" if drafts else ""
+    if c.get("dep", 1) > 1:
+        mtp += f", DEP{c['dep']} (skew {c['skew'] or 'none'})"
     head = (f"decode only, mock step {c['mock_step_ms']} ms{mtp}, isl {c['isl']}, osl {c['osl']}, {c['seconds']:g} s per "
             f"point; CPU us per output token of each process (gw+dec+nats = mesh), client apart")
     return head + "\n" + overhead.table(r["runs"][0]["points"], ROLES, "batch")

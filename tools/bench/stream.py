@@ -134,8 +134,10 @@ def run(cfg: StreamBenchConfig) -> dict:
             moves.append(asyncio.run(_rebalance(mesh)))
             overhead.run_client(mesh.url, model, top, cfg.settle_s, cfg.osl, cfg.mock_step_ms, chat=True)
             rows += _points(cfg, mesh, model, pids, "rebalanced")
+    # The first point's window: the skew as routed, for `moemesh plan --skew file:THIS`.
+    loads = rows[0].get("loads") if rows else None
     return {"bench": "stream", "config": asdict(cfg), "env": environment(), "goal": GOALS,
-            "warmup": warmup, "points": rows, "moves": moves}
+            "warmup": warmup, "points": rows, "moves": moves, **({"loads": loads} if loads else {})}
 
 
 def _points(cfg: StreamBenchConfig, mesh: Mesh, model: str, pids: dict, phase: str) -> list[dict]:
@@ -152,9 +154,9 @@ def _points(cfg: StreamBenchConfig, mesh: Mesh, model: str, pids: dict, phase: s
         if cfg.dep > 1:
             probe.join()
         steps = overhead.decode_state(mesh, cfg.dep)[1]
-        ratio = ratios.pop("instance", None)
+        ratio, loads = ratios.pop("instance", None), ratios.pop("loads", None)
         row = overhead.point_row(res, cfg.mock_step_ms, overhead.MESH_ROLES, steps, cfg.tokens_per_step, ratio)
-        row["phase"], row["balance_ratios"] = phase, ratios
+        row["phase"], row["balance_ratios"], row["loads"] = phase, ratios, loads
         row["goal"] = goal_check(row, cfg.mock_step_ms)
         rows.append(row)
     return rows
@@ -162,12 +164,13 @@ def _points(cfg: StreamBenchConfig, mesh: Mesh, model: str, pids: dict, phase: s
 
 async def _instance_ratios(mesh: Mesh, dep: int) -> dict:
     """The decode instance's balance ratios, target and draft apart, over its last window."""
-    from moemesh.tools.bench.eplb_live import latest_loads, ratios
+    from moemesh.tools.bench.eplb_live import latest_loads, ratios, split_loads
 
     nc = await nats.connect(mesh.nats_url)
     try:
         first, loads, phy = await latest_loads(nc, Subjects(), "decode-i0", dep, time.time())
-        return ratios(first, loads, phy, dep) | {"instance": Placement(phy, first.num_experts, dep).instance_ratio(loads)}
+        return ratios(first, loads, phy, dep) | {"instance": Placement(phy, first.num_experts, dep).instance_ratio(loads),
+                                                 "loads": split_loads(first, loads)}
     finally:
         await nc.close()
 

@@ -69,13 +69,13 @@ def _run_mock(args: argparse.Namespace) -> int:
     from moemesh.tools.cli.bench_io import save
 
     try:
-        if args.dep != 1 or args.skew or args.compare_skew or args.requests:
-            raise ValueError("--mock-step-ms runs one decode rank for --seconds per point: "
-                             "--dep, --skew, --compare-skew and --requests do not apply")
+        if args.compare_skew or args.requests:
+            raise ValueError("--mock-step-ms runs one decode instance for --seconds per point: "
+                             "--compare-skew and --requests do not apply")
         cfg = decode_mock.MockDecodeConfig(model=args.model, mock_step_ms=args.mock_step_ms, isl=args.isl,
                                            osl=args.osl, batches=args.batch, seconds=args.seconds,
                                            threads=args.threads, spec_tokens=args.spec_tokens,
-                                           accept_rate=args.accept_rate)
+                                           accept_rate=args.accept_rate, dep=args.dep, skew=args.skew)
     except ValueError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,8 @@ def register(sub) -> None:
     p.add_argument("--model", default="v4-flash",
                    help="model directory (its config.json) or an init-model preset name (default v4-flash)")
     p.add_argument("--hardware", default="gb300-nvl72",
-                   help="h200, b200, gb200-nvl72, gb300-nvl72, or this-host (needs --forward)")
+                   help="h200, b200, gb200-nvl72, gb300-nvl72, this-host (needs --forward), or "
+                        "mock:STEP_MS[:EXPERT_SHARE]: DEP ranks of the mock engine (default share 0.5)")
     p.add_argument("--gpus", type=int, default=72, help="GPUs to split into prefill and decode pools")
     p.add_argument("--workload", default="agentic", help="chat, agentic or fixed:ISL:OSL")
     p.add_argument("--skew", default="zipf:0.69",
@@ -27,7 +28,8 @@ def register(sub) -> None:
                         "a `bench eplb` result)")
     p.add_argument("--draft-skew", default="hot:4:0.42", help="the MTP draft head's skew (ratios only); '' for none")
     p.add_argument("--host", default="after-9",
-                   help="host time per step: after-9, before-9, lockstep, mtp, none, or a `bench decode` result file")
+                   help="host time per step: after-9, before-9, lockstep, mtp, lockstep-mtp, none, or a "
+                        "`bench decode` result file")
     p.add_argument("--host-overhead-ms", type=float, default=None,
                    help="host time per step in ms, not overlapped (overrides --host)")
     p.add_argument("--forward", default="", help="`bench forward` result of --model (for --hardware this-host), or "
@@ -92,6 +94,8 @@ def _plan(args: argparse.Namespace) -> tuple[dict, str]:
             raise ValueError(f"{args.forward}: not a `bench forward` or `bench plan-check` result")
         hw = None
         costs = from_plan_check(cal, dims) if cal.get("bench") == "plan-check" else this_host(cal, dims)
+    elif args.hardware.startswith("mock:"):
+        hw, costs = None, _mock_costs(args.hardware, dims)
     else:
         hw = get_hardware(args.hardware)
         costs = Roofline(dims, hw)
@@ -114,6 +118,19 @@ def _plan(args: argparse.Namespace) -> tuple[dict, str]:
     result = {"bench": "plan", "config": {k: v for k, v in vars(args).items() if k != "func"}, "env": environment(),
               "model": model_cfg, **report.to_dict(p)}
     return result, report.text(p, title)
+
+
+def _mock_costs(spec: str, dims):
+    from moemesh.shared.plan.costs import MockDEPStep
+
+    parts = spec.split(":")[1:]
+    try:
+        step_ms, share = float(parts[0]), float(parts[1]) if len(parts) > 1 else 0.5
+    except (IndexError, ValueError):
+        raise ValueError(f"--hardware {spec!r}: use mock:STEP_MS or mock:STEP_MS:EXPERT_SHARE") from None
+    if step_ms <= 0 or not 0 <= share <= 1 or len(parts) > 2:
+        raise ValueError(f"--hardware {spec!r}: the step must be > 0 ms and the share in [0, 1]")
+    return MockDEPStep(step_ms / 1e3, share, dims.num_moe_layers)
 
 
 def _seed(args: argparse.Namespace) -> tuple[dict, str]:
