@@ -106,6 +106,9 @@ class WorkerConfig(ServiceConfig):
     # As a DEP rank, the part of the mock's step its experts take: a rank's step is
     # mock_step_ms × ((1 - s) + s × its expert load / the instance's mean load).
     mock_expert_share: float = 0.5
+    # MTP steps planned while the step before runs (shared/engine/spec_overlap.py), where
+    # the engine can; False: every MTP step runs whole.
+    overlap_mtp: bool = True
 
     def __post_init__(self):
         super().__post_init__()

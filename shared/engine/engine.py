@@ -41,12 +41,13 @@ from moemesh.shared.engine.hybrid_batch import HybridBatcher
 from moemesh.shared.engine.hybrid_cache import HybridKVCache
 from moemesh.shared.engine.kv_cache import KVCache
 from moemesh.shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
-from moemesh.shared.engine.planned_step import PlannedStep, run
+from moemesh.shared.engine.planned_step import PlannedStep, next_step_id, run
 from moemesh.shared.protocol.prefix_hash import chain, kv_identity
 from moemesh.shared.engine.block_table import BlockTables
 from moemesh.shared.engine.runner import Chunk, Padding, build_batch
 from moemesh.shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from moemesh.shared.engine.snapshots import SnapshotCache, boundary
+from moemesh.shared.engine import spec_overlap
 from moemesh.shared.engine.speculative import speculative_step
 from moemesh.shared.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SeqStatus
 from moemesh.shared.model.batch import ForwardBatch
@@ -119,6 +120,7 @@ class LLMEngine(Admission, KVHandoff):
         self.eos_ids = set(mcfg.eos_token_ids)
         self._eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.graphs = self._decode_graphs()
+        self.overlap_mtp = False  # set below, once the engine is whole
         self.drafter = Drafter(self.model, self.kv.forward_arg, cfg.block_size, self.num_spec, self.max_model_len,
                                self.device, lockstep, self.draft_batcher, self.tables, self.row_keys)
         self.last_stats = StepStats()
@@ -130,6 +132,7 @@ class LLMEngine(Admission, KVHandoff):
         # case) means a step does no grammar work at all.
         self.grammar = GrammarRuntime(cfg.model, mcfg.vocab_size, self.eos_ids)
         self.constrained: dict[str, Sequence] = {}
+        self.overlap_mtp = spec_overlap.eligible(self)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The decode path of fixed shapes (decode_graphs.py); None: off."""
@@ -157,8 +160,9 @@ class LLMEngine(Admission, KVHandoff):
 
     @property
     def can_overlap(self) -> bool:
-        """Whether steps go through plan/run/land, so that a loop can overlap them."""
-        return not (self.use_mtp or self.lockstep)
+        """Whether steps go through plan/run/land, so that a loop can overlap them: always
+        without MTP or lockstep; with MTP where spec_overlap takes its steps."""
+        return not (self.use_mtp or self.lockstep) or self.overlap_mtp
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -211,15 +215,24 @@ class LLMEngine(Admission, KVHandoff):
         plan = self.plan_step()
         if plan is None:
             return []
+        if plan is spec_overlap.WHOLE:
+            return speculative_step(self)
         with torch.inference_mode():
             self.run_step(plan)
         return request_outputs(self.land_step(plan))
+
+    def whole_step(self) -> list[RequestOutput]:
+        """An MTP step that spec_overlap does not take, run whole (plan_step said WHOLE)."""
+        return speculative_step(self)
 
     # ---- planned steps: plan (host) -> run (device thread) -> land (host) ------------
     def plan_step(self, inflight: PlannedStep | None = None) -> PlannedStep | Blocked | None:
         """Schedule and build the next step. With `inflight` (the step the device runs
         now), the plan assumes it landed; nothing is preempted then (BLOCKED instead).
-        Returns None when there is nothing to do."""
+        Returns None when there is nothing to do. With MTP (spec_overlap.py): an MTPStep,
+        or spec_overlap.WHOLE for a step that must run whole."""
+        if self.use_mtp:
+            return spec_overlap.plan(self, inflight, next_step_id())
         t0 = time.perf_counter()
         sched = self.scheduler.schedule(can_preempt=inflight is None)
         if sched.blocked:
@@ -296,6 +309,9 @@ class LLMEngine(Admission, KVHandoff):
         """The device part (forward, logits, sampling). Safe on another thread while the
         host plans or lands other steps; call it under torch.inference_mode(), which the
         device thread enters once. before_wait: see planned_step.run."""
+        if isinstance(step, spec_overlap.MTPStep):
+            spec_overlap.run(step, self.model, self.kv.forward_arg, self._gen_at, before_wait)
+            return
         run(step, self.model, self.kv.forward_arg, before_wait, self.graphs)
 
     @property
@@ -307,6 +323,8 @@ class LLMEngine(Admission, KVHandoff):
     def land_step(self, step: PlannedStep) -> StepOutputs:
         """Write the step's sampled ids into its sequences, check stops, finish and hold
         requests. Host only: call after run_step has returned."""
+        if isinstance(step, spec_overlap.MTPStep):
+            return spec_overlap.land(self, step)
         t0 = time.perf_counter()
         st = step.stats
         toks = step.sampled.tolist() if step.seqs else []

@@ -246,7 +246,10 @@ class MockModel(nn.Module):
     def mtp_forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, kv_caches) -> torch.Tensor:
         """A row at position p drafts the token the target emits from position p + 1:
         its "hidden state" is that position. Device time: inside the step's. As a DEP rank,
-        the drafts' expert pairs travel with the next step's (the device runs them in turn)."""
+        the drafts' expert pairs travel with the next step's (the device runs them in turn).
+        The device starts the draft pass when it is queued: host work before it (the
+        verification) keeps the device waiting, and the next step starts after it."""
+        self._free_at = max(self._free_at, time.perf_counter())
         if self._mtp is not None:
             sent = self._mtp.route(batch.num_tokens, self.ranks.gen)[None]
             self._draft_sent = sent if self._draft_sent is None else self._draft_sent + sent

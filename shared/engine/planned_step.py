@@ -35,6 +35,11 @@ from moemesh.shared.protocol.tokens import TokenLogprob
 _step_ids = itertools.count()
 
 
+def next_step_id() -> int:
+    """Step ids increase across every kind of planned step (the block manager's fence compares them)."""
+    return next(_step_ids)
+
+
 @dataclass
 class PlannedStep:
     chunks: list[Chunk]
@@ -61,7 +66,7 @@ class PlannedStep:
     ring_copies: list = field(default_factory=list)  # (source, destination) rings
     grammar: object = None  # GrammarRows: the constrained rows and their matchers; None: no constrained row
     stats: object = None  # the engine's StepStats for this step
-    step_id: int = field(default_factory=lambda: next(_step_ids))
+    step_id: int = field(default_factory=next_step_id)
     # Set by run():
     sampled: torch.Tensor | None = None  # [rows] token ids, on the CPU
     token_logprobs: list[TokenLogprob | None] | None = None

@@ -138,7 +138,7 @@ class Scheduler:
         while i < len(running) and budget > 0 and len(scheduled) < self.cfg.max_num_seqs:
             seq = running[i]
             n_tok = len(seq.token_ids)
-            if n_tok > seq.last_slot:  # its last token is in flight
+            if n_tok > seq.last_slot or seq.hold_step >= 0:  # its last token, or what decides its next, is in flight
                 i += 1
                 continue
             done = seq.num_computed

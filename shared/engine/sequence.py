@@ -71,6 +71,7 @@ class Sequence:
     sample_step: int = -1
     sample_row: int = -1
     last_slot: int = 1 << 62  # index in token_ids of its last token by length (set by the engine)
+    hold_step: int = -1  # an MTP step in flight whose outcome its next step depends on (spec_overlap.py)
     # Parallel sampling (engine/fork.py). A parent: its children's (request id, params); it
     # computes the prompt but its last position, then forks into them; on V4, also the rings
     # children 1.. take at the fork, held from its admission. A child: its index, and until

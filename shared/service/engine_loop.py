@@ -5,15 +5,16 @@ event loop keeps serving NATS and UCX while the model computes. Everything else 
 the engine from the loop, between its own awaits: NATS handlers and KV transfers submit
 operations that run there.
 
-When the engine takes planned steps (no MTP drafts, not a lockstep rank), the loop
-overlaps the host with the device:
+When the engine takes planned steps (not a lockstep rank; with MTP drafts, the steps
+spec_overlap.py takes), the loop overlaps the host with the device:
 
     plan N+1, queue it  ->  wait for N  ->  land N, publish N's tokens
     (host, while N runs)    (N+1 starts    (host, while N+1 runs)
                              as N ends)
 
-so the device waits only for what cannot be done earlier. Otherwise a step runs whole
-on the thread and the host work sits between steps.
+so the device waits only for what cannot be done earlier. Otherwise (and for an MTP step
+spec_overlap does not take) a step runs whole on the thread and the host work sits
+between steps.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, Awaitable, Callable
 import torch
 
 from moemesh.shared.engine.engine import BLOCKED, LLMEngine
+from moemesh.shared.engine.spec_overlap import WHOLE
 from moemesh.shared.engine.outputs import StepOutputs, StepStats, step_outputs
 from moemesh.shared.engine.planned_step import PlannedStep
 
@@ -148,6 +150,7 @@ class EngineLoop:
         moment the running one ends), then wait for the oldest step and land it. At most
         two steps are out: one running, one queued behind it."""
         eng = self.engine
+        loop = asyncio.get_running_loop()
         device = DeviceThread(eng.run_step, eng.device_is_async)
         out: deque[tuple[PlannedStep, asyncio.Future]] = deque()  # queued or running, oldest first
         device_end: float | None = None  # when the device finished its last step, while busy
@@ -158,6 +161,10 @@ class EngineLoop:
                 plan = eng.plan_step(out[-1][0] if out else None) if len(out) < 2 else None
                 if plan is BLOCKED:  # only a preemption would make room: land first, plan again
                     plan = None
+                if plan is WHOLE:  # an MTP step spec_overlap does not take (nothing is in flight)
+                    device_end = None
+                    await self._whole_step(loop)
+                    continue
                 if plan is not None:
                     eng.blocks.begin_step(plan.step_id)
                     out.append((plan, device.submit(plan)))
@@ -199,6 +206,17 @@ class EngineLoop:
         except Exception:
             log.exception("publishing step outputs failed")
         self._publish_s = time.perf_counter() - t
+
+    async def _whole_step(self, loop) -> None:
+        """A whole step among planned ones: it touches the whole engine on the step thread,
+        so operations wait for it, as between whole steps."""
+        self._immediate = False
+        try:
+            outs = await loop.run_in_executor(self._pool, self.engine.whole_step)
+            await self._finish_step(step_outputs(outs), self.engine.last_stats)
+        finally:
+            self._immediate = True
+        self._apply_ops()
 
     def _take_ops_s(self) -> float:
         s, self._ops_s = self._ops_s, 0.0

@@ -10,10 +10,11 @@ import pytest
 from moemesh.shared.service.engine_loop import EngineLoop
 
 
-@pytest.mark.parametrize("spec", [1, 0], ids=["whole-steps", "planned-steps"])
-def test_operations_after_the_loop_stops_still_run(tiny_engine_factory, spec):
-    engine = tiny_engine_factory(num_speculative_tokens=spec)
-    assert engine.can_overlap == (spec == 0)
+@pytest.mark.parametrize("spec,overlap", [(1, False), (1, True), (0, True)],
+                         ids=["whole-steps", "mtp-planned-steps", "planned-steps"])
+def test_operations_after_the_loop_stops_still_run(tiny_engine_factory, spec, overlap):
+    engine = tiny_engine_factory(num_speculative_tokens=spec, overlap_mtp=overlap)
+    assert engine.can_overlap == overlap
 
     async def go():
         loop = EngineLoop(engine, lambda out, stats: None)

@@ -1,0 +1,313 @@
+"""MTP steps planned while the step before runs: plan N+1 for the worst case, correct on
+the device thread.
+
+Whole MTP steps (speculative.py) cannot overlap: how many of step N's drafts the target
+accepts decides where step N+1's rows sit. Here N+1 is planned during N as if every
+draft of N were accepted (the most tokens, hence the most blocks and the furthest
+positions), and whatever N really accepted is settled where it is known:
+
+- on the device thread, before N+1's forward: each of N+1's rows that continues a
+  sequence of N moves back by N's rejected drafts (positions, cache slots, context
+  lengths), and takes its inputs from N's outputs: the token the target gave at the end
+  of what it accepted, then the drafts the MTP layer made there. Shapes never change: a
+  sequence has 1 + its drafts rows whatever was accepted.
+- on the host, when N lands (beside N+1): the placeholders N left in its sequences
+  become the accepted tokens, and counts and N+1's chunk starts move back the same way.
+
+So every row computes what the whole step would have, at the same position, from the
+same tokens: outputs are the same (greedy, and seeded sampling, whose generators are
+keyed by the real output position). Rows of a sequence that stops in N, or is aborted
+while N runs, are wasted in N+1 and dropped when it lands; their blocks stay out of use
+until N+1 is done (the block manager's step fence).
+
+The MTP pass runs on the device thread after verification, over the step's own rows
+(its batch, with each row's next token as input: the accepted drafts, then the target's
+token), and the draft is read at the last accepted row. The rows past it write the MTP
+layer's cache at positions the next step computes again before anything reads them.
+
+What it covers: decode rows of one draft a step (num_speculative_tokens = 1) on MLA
+models and the mock, without a grammar, forks or a prefill chunk. A step that needs any
+of those runs whole (`WHOLE`), after the steps in flight have landed. A sequence whose
+next step could need fewer drafts (near max_tokens or the context's end) waits for its
+step to land before it is planned again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from moemesh.shared.engine import host_copy
+from moemesh.shared.engine.outputs import RequestOutput, StepOutputs, StepStats, step_outputs
+from moemesh.shared.engine.runner import Chunk, build_batch
+from moemesh.shared.engine.sequence import PLACEHOLDER, FinishReason, SeqStatus
+from moemesh.shared.engine.spec_decode import accept_greedy, verify_many
+from moemesh.shared.model.batch import ForwardBatch
+from moemesh.shared.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from moemesh.shared.engine.engine import LLMEngine
+
+
+class Whole:
+    """plan()'s answer for a step that must run whole (speculative_step): nothing in
+    flight, and a chunk this path does not take."""
+
+
+WHOLE = Whole()
+
+
+@dataclass
+class MTPStep:
+    """One planned MTP step; the device thread fills the second half."""
+
+    chunks: list[Chunk]
+    batch: ForwardBatch
+    step_id: int
+    num_drafts: list[int]  # per chunk: the drafts its rows verify
+    params: list[SamplingParams]
+    seeded: list[tuple[object, int]]  # per chunk: (sequence's seed source, its planned start), for generators
+    block_size: int
+    prev: "MTPStep | None" = None  # the step in flight when this one was planned
+    from_prev: list[int] = field(default_factory=list)  # per chunk: its index in prev, -1 if none
+    stats: StepStats | None = None
+    queued_at: float = 0.0
+    next: "MTPStep | None" = None  # host side: the step planned while this one was in flight
+    # set on the device thread
+    accepted: list[int] | None = None  # per chunk
+    tokens: list[list[int]] | None = None  # per chunk: accepted drafts, then the target's token
+    bonus: torch.Tensor | None = None  # [chunks] the target's token, on the device
+    drafts: torch.Tensor | None = None  # [chunks] the MTP layer's next draft, on the device
+    logits: torch.Tensor | None = None  # [rows, vocab] on the host, for logprobs
+    shift: list[int] | None = None  # per chunk: how far it moved back (its prev's rejected drafts)
+    t_start: float = 0.0
+    t_end: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+def eligible(eng: "LLMEngine") -> bool:
+    """Whether the engine's MTP steps can go this way at all."""
+    return (eng.use_mtp and eng.num_spec == 1 and not eng.hybrid and not eng.lockstep and eng.cfg.role != "prefill"
+            and eng.graphs is None and eng.snapshots is None and eng.cfg.overlap_mtp)
+
+
+def _decode_chunk(c: Chunk, k: int) -> bool:
+    seq = c.seq
+    return (seq.in_decode and c.q_len <= 1 + k and seq.matcher is None and not seq.forks and seq.cow_src < 0
+            and seq.status is SeqStatus.RUNNING)
+
+
+def plan(eng: "LLMEngine", inflight: MTPStep | None, step_id: int):
+    """The next step, planned as if `inflight` had accepted every draft; WHOLE, BLOCKED
+    (from the engine) or None as LLMEngine.plan_step says."""
+    from moemesh.shared.engine.engine import BLOCKED
+
+    t0 = time.perf_counter()
+    if inflight is None:
+        eng.drafter.resolve()  # a whole step's drafts, still pending: their ids, now
+    if eng.constrained and eng.live_constrained() and inflight is not None:
+        return BLOCKED  # a grammar's rows run whole
+    sched = eng.scheduler.schedule(can_preempt=inflight is None)
+    if sched.blocked:
+        return BLOCKED
+    st = StepStats(preempted=[s.request_id for s in sched.preempted])
+    if sched.empty:
+        eng.last_stats = st
+        return None
+    chunks = [eng._chunk(s) for s in sched.scheduled]
+    k = eng.num_spec
+    if not all(_decode_chunk(c, k) for c in chunks):
+        return BLOCKED if inflight is not None else WHOLE
+    t1 = time.perf_counter()
+    batch = build_batch(chunks, eng.cfg.block_size, eng.device, None, None, eng.tables, eng.row_keys)
+    prev_index = {}
+    if inflight is not None:
+        prev_index = {id(c.seq): i for i, c in enumerate(inflight.chunks)}
+        inflight.next = None  # set below, once this step is whole
+    step = MTPStep(chunks, batch, step_id, [c.q_len - 1 for c in chunks], [c.seq.params for c in chunks],
+                   [(c.seq, c.start) for c in chunks], eng.cfg.block_size, inflight,
+                   [prev_index.get(id(c.seq), -1) for c in chunks], st)
+    for c in chunks:
+        seq = c.seq
+        nd = c.q_len - 1
+        # The worst case: every draft accepted, then the target's token.
+        seq.num_computed = c.start + c.q_len
+        seq.token_ids += [PLACEHOLDER] * c.q_len
+        seq.draft_ids = [PLACEHOLDER] * k
+        # Planned again while this step runs only if its next step surely drafts k:
+        # otherwise that depends on what this one accepts.
+        seq.hold_step = step_id if eng.drafter.budget(seq) < k or seq.num_tokens > seq.last_slot else -1
+    if inflight is not None:
+        inflight.next = step
+    st.num_seqs, st.num_decode = len(chunks), batch.num_decode
+    st.num_tokens = batch.num_tokens
+    st.scheduled = [c.seq.request_id for c in chunks]
+    t2 = time.perf_counter()
+    st.schedule_s, st.prepare_s = t1 - t0, t2 - t1
+    return step
+
+
+def run(step: MTPStep, model, kv, gen_at, before_wait=None) -> None:
+    """The device part: settle the step before's outcome into this step's rows, forward,
+    verify, draft. gen_at(seq, position) -> a seeded request's generator there."""
+    step.t_start = time.perf_counter()
+    prev, step.prev = step.prev, None
+    batch = step.batch
+    batch.queued_at = step.queued_at
+    C = len(step.chunks)
+    step.shift = [0] * C
+    if prev is not None and any(i >= 0 for i in step.from_prev):
+        _settle(step, prev, batch)
+    hidden = model(batch, kv)
+    T = batch.num_tokens
+    t1 = time.perf_counter()
+    logits = model.compute_logits(hidden[:T])
+    if before_wait is not None:
+        before_wait()
+    logits, ids = host_copy.to_host(logits, batch.input_ids)
+    sync = getattr(model, "synchronize", None)
+    if sync is not None:
+        sync()
+    t2 = time.perf_counter()
+    window = getattr(model, "device_window", None)
+    dev_start, dev_end = window() if window is not None else (step.t_start, t2)
+    ids = ids.tolist()
+    rows = [c.row for c in step.chunks]
+    drafts = [ids[r + 1 : r + 1 + n] for r, n in zip(rows, step.num_drafts)]
+    toks: list[list[int] | None] = [None] * C
+    greedy = [i for i, p in enumerate(step.params) if p.greedy]
+    if greedy:
+        best = logits.argmax(dim=-1).tolist()
+        for i in greedy:
+            toks[i] = accept_greedy(best[rows[i] : rows[i] + 1 + step.num_drafts[i]], drafts[i])
+    sampled = [i for i, p in enumerate(step.params) if not p.greedy]
+    if sampled:
+        gens = [gen_at(step.seeded[i][0], step.seeded[i][1] - step.shift[i] + 1) for i in sampled]
+        got = verify_many(logits, [rows[i] for i in sampled], [drafts[i] for i in sampled],
+                          [step.params[i] for i in sampled], gens)
+        for i, t in zip(sampled, got):
+            toks[i] = t
+    step.tokens = toks
+    step.accepted = [len(t) - 1 for t in toks]
+    step.logits = logits
+    # The MTP pass over the step's rows: each row's input is the next position's token.
+    dev = batch.input_ids.device
+    last = torch.tensor([r + a for r, a in zip(rows, step.accepted)], dtype=torch.long, device=dev)
+    step.bonus = torch.tensor([t[-1] for t in toks], dtype=torch.long, device=dev)
+    mtp_ids = torch.cat([batch.input_ids[1:], batch.input_ids[:1]])
+    mtp_ids[last] = step.bonus
+    h = model.mtp_forward(replace(batch, input_ids=mtp_ids), hidden[:T], kv)
+    step.drafts = model.mtp_logits(h[last]).argmax(dim=-1)
+    step.t_end = time.perf_counter()
+    step.t_start, step.t_end = dev_start, max(dev_end, dev_start)
+    step.forward_s = step.t_end - step.t_start
+    step.sample_s = time.perf_counter() - t2
+
+
+def _settle(step: MTPStep, prev: MTPStep, batch: ForwardBatch) -> None:
+    """Move each row that continues a sequence of `prev` back by prev's rejected drafts
+    and give it prev's outputs as inputs (its first row the target's token, the rest the
+    MTP layer's draft)."""
+    rows, back, first, src, draft_rows, draft_src = [], [], [], [], [], []
+    for i, (c, j) in enumerate(zip(step.chunks, step.from_prev)):
+        if j < 0:
+            continue
+        d = prev.num_drafts[j] - prev.accepted[j]
+        step.shift[i] = d
+        first.append(c.row)
+        src.append(j)
+        for r in range(c.row + 1, c.row + c.q_len):
+            draft_rows.append(r)
+            draft_src.append(j)
+        if d:
+            rows += range(c.row, c.row + c.q_len)
+            back += [d] * c.q_len
+    dev = batch.input_ids.device
+    t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+    batch.input_ids[t(first)] = prev.bonus[t(src)]
+    if draft_rows:
+        batch.input_ids[t(draft_rows)] = prev.drafts[t(draft_src)]
+    if rows:
+        r = t(rows)
+        pos = batch.positions[r] - t(back)
+        batch.positions[r] = pos
+        if batch.decode_block_tables is not None:
+            bs = step.block_size
+            batch.slot_mapping[r] = batch.decode_block_tables[r, pos // bs] * bs + pos % bs
+            batch.decode_context_lens[r] = pos + 1
+
+
+def land(eng: "LLMEngine", step: MTPStep) -> StepOutputs:
+    """Write what the step accepted into its sequences (host; after run has returned).
+    The step planned after it (in flight now, if any) moves back with it."""
+    t0 = time.perf_counter()
+    st = step.stats
+    nxt, step.next = step.next, None
+    later = {id(c.seq): c for c in nxt.chunks} if nxt is not None else {}
+    drafts = step.drafts.tolist() if step.drafts is not None else []
+    outputs: list[RequestOutput] = []
+    k = eng.num_spec
+    for i, c in enumerate(step.chunks):
+        seq = c.seq
+        if seq.hold_step == step.step_id:
+            seq.hold_step = -1
+        if seq.status is not SeqStatus.RUNNING:  # aborted while it ran, or stopped the step before
+            continue
+        toks = step.tokens[i]
+        a, nd = len(toks) - 1, step.num_drafts[i]
+        seq.num_drafted += nd
+        seq.num_accepted += a
+        st.num_drafted += nd
+        st.num_accepted += a
+        back = nd - a
+        start = c.start  # real: moved back when the step before landed
+        seq.token_ids[start + 1 : start + 2 + nd] = toks
+        seq.num_computed -= back
+        n = later.get(id(seq))
+        if n is not None:
+            n.start -= back
+        eng._register(seq, through=start + 1 + a)
+        emitted, reason = _stops(eng, seq, start, toks)
+        lp = None
+        if seq.params.logprobs is not None:
+            from moemesh.shared.engine.speculative import _logprobs
+
+            lp = _logprobs(seq, step.logits, c.row, toks)[: len(emitted)]
+        out = RequestOutput(seq.request_id, emitted, logprobs=lp, num_prompt_tokens=seq.num_prompt_tokens,
+                            position=start + 1 - seq.num_prompt_tokens)
+        if reason is not None:
+            del seq.token_ids[start + 1 + len(emitted) :]
+            eng.scheduler.finish(seq, reason)
+            out.finished, out.finish_reason = True, reason
+            if eng.blocks.enable_caching:
+                out.block_hashes = seq.block_hashes[: seq.num_registered]
+            eng.seqs.pop(seq.request_id, None)
+        elif n is None:  # not in the step in flight: its drafts are read, as a whole step leaves them
+            seq.draft_ids = [drafts[i]][: min(k, eng.drafter.budget(seq))]
+        outputs.append(out)
+    eng.num_drafted_total += st.num_drafted
+    eng.num_accepted_total += st.num_accepted
+    st.land_s = time.perf_counter() - t0
+    # Verification and the draft pass run on the device thread after the device's step:
+    # the part the next step waits for is its exposed host time, not this step's forward.
+    st.forward_s, st.sample_s, st.draft_s = step.forward_s, 0.0, step.sample_s
+    st.total_s = st.schedule_s + st.prepare_s + step.forward_s + step.sample_s + st.land_s
+    eng.last_stats = st
+    return step_outputs(outputs)
+
+
+def _stops(eng: "LLMEngine", seq, start: int, toks: list[int]):
+    """(the tokens emitted, the finish reason or None), as speculative._append decides, on
+    token_ids that already hold them."""
+    p = seq.params
+    for j, t in enumerate(toks):
+        n_out = start + 2 + j - seq.num_prompt_tokens
+        if n_out >= p.min_tokens and ((t in eng.eos_ids and not p.ignore_eos) or t in p.stop_token_ids):
+            return toks[: j + 1], FinishReason.STOP
+        if n_out >= p.max_tokens or start + 2 + j >= eng.max_model_len:
+            return toks[: j + 1], FinishReason.LENGTH
+    return toks, None
