@@ -41,7 +41,7 @@ from moemesh.shared.engine.hybrid_batch import HybridBatcher
 from moemesh.shared.engine.hybrid_cache import HybridKVCache
 from moemesh.shared.engine.kv_cache import KVCache
 from moemesh.shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
-from moemesh.shared.engine.planned_step import PlannedStep, next_step_id, run
+from moemesh.shared.engine.planned_step import BLOCKED, Blocked, PlannedStep, next_step_id, run
 from moemesh.shared.protocol.prefix_hash import chain, kv_identity
 from moemesh.shared.engine.block_table import BlockTables
 from moemesh.shared.engine.runner import Chunk, Padding, build_batch
@@ -57,14 +57,6 @@ from moemesh.shared.model.v4.model import DeepseekV4ForCausalLM
 log = logging.getLogger(__name__)
 
 __all__ = ["BLOCKED", "Blocked", "LLMEngine", "NoCapacity", "RequestError"]
-
-
-class Blocked:
-    """plan_step's answer when the next step would need a preemption while a step is in
-    flight: land that step first, then plan again."""
-
-
-BLOCKED = Blocked()
 
 
 class LLMEngine(Admission, KVHandoff):

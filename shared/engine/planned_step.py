@@ -35,6 +35,14 @@ from moemesh.shared.protocol.tokens import TokenLogprob
 _step_ids = itertools.count()
 
 
+class Blocked:
+    """plan_step's answer when the next step would need a preemption while a step is in
+    flight: land that step first, then plan again."""
+
+
+BLOCKED = Blocked()
+
+
 def next_step_id() -> int:
     """Step ids increase across every kind of planned step (the block manager's fence compares them)."""
     return next(_step_ids)

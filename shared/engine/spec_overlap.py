@@ -36,20 +36,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
-
 import torch
 
-from moemesh.shared.engine import host_copy
+from moemesh.shared.engine import host_copy, sampler
 from moemesh.shared.engine.outputs import RequestOutput, StepOutputs, StepStats, step_outputs
+from moemesh.shared.engine.planned_step import BLOCKED
 from moemesh.shared.engine.runner import Chunk, build_batch
 from moemesh.shared.engine.sequence import PLACEHOLDER, FinishReason, SeqStatus
 from moemesh.shared.engine.spec_decode import accept_greedy, verify_many
 from moemesh.shared.model.batch import ForwardBatch
 from moemesh.shared.protocol.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from moemesh.shared.engine.engine import LLMEngine
+# `eng` below is the LLMEngine (engine.py), which imports this module: named, not imported.
 
 
 class Whole:
@@ -104,8 +102,6 @@ def _decode_chunk(c: Chunk, k: int) -> bool:
 def plan(eng: "LLMEngine", inflight: MTPStep | None, step_id: int):
     """The next step, planned as if `inflight` had accepted every draft; WHOLE, BLOCKED
     (from the engine) or None as LLMEngine.plan_step says."""
-    from moemesh.shared.engine.engine import BLOCKED
-
     t0 = time.perf_counter()
     if inflight is None:
         eng.drafter.resolve()  # a whole step's drafts, still pending: their ids, now
@@ -274,9 +270,8 @@ def land(eng: "LLMEngine", step: MTPStep) -> StepOutputs:
         emitted, reason = _stops(eng, seq, start, toks)
         lp = None
         if seq.params.logprobs is not None:
-            from moemesh.shared.engine.speculative import _logprobs
-
-            lp = _logprobs(seq, step.logits, c.row, toks)[: len(emitted)]
+            lp = sampler.logprobs_of(step.logits[c.row : c.row + len(toks)], torch.tensor(toks),
+                                     [seq.params.logprobs] * len(toks))[: len(emitted)]
         out = RequestOutput(seq.request_id, emitted, logprobs=lp, num_prompt_tokens=seq.num_prompt_tokens,
                             position=start + 1 - seq.num_prompt_tokens)
         if reason is not None:
