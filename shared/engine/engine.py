@@ -202,7 +202,7 @@ class LLMEngine(Admission, KVHandoff):
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if not self.can_overlap:
+        if not self.can_overlap or self.lockstep:  # a lockstep rank on its own: every step runs
             return speculative_step(self)
         plan = self.plan_step()
         if plan is None:
@@ -216,6 +216,10 @@ class LLMEngine(Admission, KVHandoff):
     def whole_step(self) -> list[RequestOutput]:
         """An MTP step that spec_overlap does not take, run whole (plan_step said WHOLE)."""
         return speculative_step(self)
+
+    def empty_step(self) -> "spec_overlap.MTPStep":
+        """A lockstep rank's planned step without work (plan_step said None)."""
+        return spec_overlap.empty(self, next_step_id())
 
     # ---- planned steps: plan (host) -> run (device thread) -> land (host) ------------
     def plan_step(self, inflight: PlannedStep | None = None) -> PlannedStep | Blocked | None:

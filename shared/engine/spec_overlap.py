@@ -89,7 +89,7 @@ class MTPStep:
 
 def eligible(eng: "LLMEngine") -> bool:
     """Whether the engine's MTP steps can go this way at all."""
-    return (eng.use_mtp and eng.num_spec == 1 and not eng.hybrid and not eng.lockstep and eng.cfg.role != "prefill"
+    return (eng.use_mtp and eng.num_spec == 1 and not eng.hybrid and eng.cfg.role != "prefill"
             and eng.graphs is None and eng.snapshots is None and eng.cfg.overlap_mtp)
 
 
@@ -145,6 +145,13 @@ def plan(eng: "LLMEngine", inflight: MTPStep | None, step_id: int):
     t2 = time.perf_counter()
     st.schedule_s, st.prepare_s = t1 - t0, t2 - t1
     return step
+
+
+def empty(eng, step_id: int) -> MTPStep:
+    """A lockstep rank's step with no work of its own: its forward and draft pass run on an
+    empty batch, so that its collectives meet the other ranks'."""
+    batch = build_batch([], eng.cfg.block_size, eng.device, None, None, eng.tables, eng.row_keys)
+    return MTPStep([], batch, step_id, [], [], [], eng.cfg.block_size, stats=StepStats())
 
 
 def run(step: MTPStep, model, kv, gen_at, before_wait=None) -> None:

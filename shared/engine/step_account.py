@@ -39,8 +39,9 @@ class StepAccount:
 
 def account(st: StepStats, comm_s: float = 0.0, agree_s: float = 0.0, gap_s: float = 0.0) -> StepAccount:
     if st.host_exposed_s is not None:  # overlapped: sampling ran on the device thread
-        return StepAccount(forward_s=st.forward_s + st.sample_s, host_s=st.loop_host_s or 0.0,
-                           rank_wait_s=0.0, num_tokens=st.num_tokens, num_seqs=st.num_seqs,
+        # A lockstep rank's collectives ran inside its device window: rank wait, not forward.
+        return StepAccount(forward_s=max(0.0, st.forward_s + st.sample_s - comm_s), host_s=st.loop_host_s or 0.0,
+                           rank_wait_s=comm_s + agree_s, num_tokens=st.num_tokens, num_seqs=st.num_seqs,
                            host_exposed_s=st.host_exposed_s)
     model_s = st.forward_s + st.draft_s
     return StepAccount(

@@ -23,12 +23,13 @@ Presets are this mesh's measurements (docs/benchmarks.md, "Host overhead"):
   step (`bench stream --spec-tokens 1 --accept-rate 0.7`, sampled drafts verified
   together), 2.4-2.8 ms a step at 64 sequences and 7.4-9.1 ms at 256, i.e. 0.72 ms +
   29 us per sequence.
-- lockstep-mtp: a rank of a mock DEP4 instance with one draft, whole steps, on this
-  2-core host (`bench stream --dep 4 --spec-tokens 1 --skew zipf:1.2`, naive placement):
-  what its step takes beyond the mock's device terms (`plan --hardware mock:20`), 9.0 ms
-  with 16 sequences a rank and 17.6 ms with 64, i.e. 6.1 ms + 178 us per sequence, none
-  hidden. It is exposed host (1.8-5.9 ms), the ranks' later starts (3.0-4.6 ms: four
-  rank processes share two cores) and the mock's own lag past its set step.
+- lockstep-mtp: a rank of a mock DEP4 instance with one draft, its steps planned while the
+  one before runs, on this 2-core host (`bench stream --dep 4 --spec-tokens 1 --skew
+  zipf:1.2`, naive placement): what its step takes beyond the mock's device terms (`plan
+  --hardware mock:20`), 3.8 ms with 16 sequences a rank and 5.7 ms with 64, i.e. 3.1 ms +
+  40 us per sequence, none hidden: the verification, the ranks' later starts (four rank
+  processes share two cores) and the mock's own lag past its set step. Whole steps
+  (`overlap_mtp = false`) took 6.1 ms + 178 us.
 - none: a host that costs nothing.
 """
 
@@ -93,7 +94,7 @@ HOSTS = {
     "after-9": HostModel("after-9", fixed_s=0.27e-3, per_seq_s=4.5e-6, hidden_share=0.93),
     "lockstep": HostModel("lockstep", fixed_s=0.6e-3, per_seq_s=12.5e-6, hidden_share=0.0),
     "mtp": HostModel("mtp", fixed_s=0.72e-3, per_seq_s=29e-6, hidden_share=0.0),
-    "lockstep-mtp": HostModel("lockstep-mtp", fixed_s=6.1e-3, per_seq_s=178e-6, hidden_share=0.0),
+    "lockstep-mtp": HostModel("lockstep-mtp", fixed_s=3.1e-3, per_seq_s=40e-6, hidden_share=0.0),
 }
 
 

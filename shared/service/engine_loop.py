@@ -112,7 +112,9 @@ class EngineLoop:
 
     async def run(self) -> None:
         try:
-            if self.lockstep is not None:
+            if self.lockstep is not None and self.engine.can_overlap:
+                await self._run_lockstep_planned()
+            elif self.lockstep is not None:
                 await self._run_lockstep()
             elif self.engine.can_overlap:
                 self._immediate = True
@@ -174,19 +176,7 @@ class EngineLoop:
                     device_end = None
                     await self._idle(self._idle_poll_s)
                     continue
-                host_s = time.perf_counter() - t0
-                landed, fut = out.popleft()
-                await fut
-                eng.blocks.end_step(landed.step_id)
-                t1 = time.perf_counter()
-                outputs = eng.land_step(landed)
-                st = landed.stats
-                st.host_exposed_s = max(0.0, landed.t_start - device_end) if device_end is not None else 0.0
-                device_end = landed.t_end if out else None  # idle next: the next gap is not overhead
-                # The host work of this loop round (ops, planning the next step, landing this
-                # one, publishing the one before), all of it beside a running step.
-                st.loop_host_s = host_s + (time.perf_counter() - t1) + self._publish_s + self._take_ops_s()
-                await self._finish_step(outputs, st)
+                device_end = await self._land_oldest(out, device_end, time.perf_counter() - t0)
         finally:
             for _, fut in out:
                 try:
@@ -194,6 +184,24 @@ class EngineLoop:
                 except Exception:
                     pass
             device.close()
+
+    async def _land_oldest(self, out: deque, device_end: float | None, host_s: float = 0.0) -> float | None:
+        """Wait for the oldest step out, land it and publish its outputs. device_end: when
+        the device finished the step before it (None: it was idle since). Returns the
+        same for the next step."""
+        eng = self.engine
+        landed, fut = out.popleft()
+        await fut
+        eng.blocks.end_step(landed.step_id)
+        t1 = time.perf_counter()
+        outputs = eng.land_step(landed)
+        st = landed.stats
+        st.host_exposed_s = max(0.0, landed.t_start - device_end) if device_end is not None else 0.0
+        # The host work of this loop round (ops, planning the next step, landing this
+        # one, publishing the one before), all of it beside a running step.
+        st.loop_host_s = host_s + (time.perf_counter() - t1) + self._publish_s + self._take_ops_s()
+        await self._finish_step(outputs, st)
+        return landed.t_end if out else None  # idle next: the next gap is not overhead
 
     async def _finish_step(self, outputs: StepOutputs, st: StepStats) -> None:
         for fn in self.after_step:
@@ -238,6 +246,71 @@ class EngineLoop:
         outs = await loop.run_in_executor(self._pool, self.engine.step)
         await self._finish_step(step_outputs(outs), self.engine.last_stats)
         self._step_end = time.perf_counter()
+
+    async def _run_lockstep_planned(self) -> None:
+        """A DEP rank whose MTP steps are planned (spec_overlap.py): the next step is queued
+        on the device thread behind the running one, so the ranks' devices step back to
+        back; the agreement for the boundary after a step runs beside it, as below, and
+        must be in before the step after is queued. A boundary that switches the placement,
+        stops or pauses first lands every step out: the device is idle when experts move."""
+        loop = asyncio.get_running_loop()
+        ls, eng = self.lockstep, self.engine
+        ctrl = ThreadPoolExecutor(1, thread_name_prefix="engine-agree")
+        device = DeviceThread(eng.run_step, eng.device_is_async)
+        out: deque[tuple[object, asyncio.Future]] = deque()
+        device_end: float | None = None
+        d = None
+        self._immediate = True
+        try:
+            while True:
+                t0 = time.perf_counter()
+                self._apply_ops()
+                if d is None:
+                    d = await loop.run_in_executor(ctrl, ls.agree, eng.has_unfinished())
+                    ls.last_agree_s = time.perf_counter() - t0  # nothing ran beside it
+                if d.commit or d.stop or not d.run:
+                    while out:
+                        device_end = await self._land_oldest(out, device_end)
+                    if d.commit:
+                        ls.switch()  # every rank does this at this same boundary, its device idle
+                    if d.stop:
+                        return
+                    if not d.run:
+                        d, device_end = None, None
+                        await self._idle(ls.idle_s)
+                        continue
+                ls.step += 1
+                plan = eng.plan_step(out[-1][0] if out else None)
+                if plan is BLOCKED:  # only a preemption would make room: land first
+                    while out:
+                        device_end = await self._land_oldest(out, device_end)
+                    plan = eng.plan_step(None)
+                if plan is WHOLE:
+                    while out:
+                        device_end = await self._land_oldest(out, device_end)
+                    nxt = loop.run_in_executor(ctrl, ls.agree, eng.has_unfinished())
+                    await self._whole_step(loop)
+                    device_end = None
+                    d = await nxt
+                    ls.last_agree_s = 0.0
+                    continue
+                if plan is None:  # no work of its own: an empty step, as every rank runs this one
+                    plan = eng.empty_step()
+                eng.blocks.begin_step(plan.step_id)
+                out.append((plan, device.submit(plan)))
+                nxt = loop.run_in_executor(ctrl, ls.agree, eng.has_unfinished())
+                if len(out) == 2:
+                    device_end = await self._land_oldest(out, device_end, time.perf_counter() - t0)
+                d = await nxt
+                ls.last_agree_s = 0.0  # beside the step: what the device waited for shows as exposed host
+        finally:
+            for _, fut in out:
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), 5.0)
+                except Exception:
+                    pass
+            device.close()
+            ctrl.shutdown(wait=False)
 
     async def _run_lockstep(self) -> None:
         """A DEP rank. The agreement for the boundary after a step runs beside that step, on

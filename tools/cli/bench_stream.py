@@ -26,6 +26,8 @@ def register(bsub) -> None:
                    help="with --dep: the part of a mock step that scales with a rank's expert load")
     b.add_argument("--rebalance", action="store_true",
                    help="with --dep: run the points again after one live rebalance by the balancer")
+    b.add_argument("--settle-s", type=float, default=8.0,
+                   help="with --rebalance: load after the move before the points run again (a fresh window)")
     b.add_argument("--out", default="bench-results/stream.json", help="JSON file for the results")
     b.set_defaults(func=run)
 
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
                                        mock_step_ms=args.mock_step_ms, warmup_s=args.warmup_seconds,
                                        spec_tokens=args.spec_tokens, accept_rate=args.accept_rate,
                                        dep=args.dep, skew=args.skew, draft_skew=args.draft_skew,
-                                       rebalance=args.rebalance, expert_share=args.expert_share)
+                                       rebalance=args.rebalance, expert_share=args.expert_share,
+                                       settle_s=args.settle_s)
     except ValueError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
