@@ -202,3 +202,20 @@ def test_decode_on_the_mock_with_drafts_sets_the_draft_head_only_when_asked(tiny
     assert cfg.tokens_per_step == 1.7
     args = decode_mock._mesh(cfg).cfg.decode_args
     assert "num_speculative_tokens=1" in args and "mock_accept_rate=0.7" in args
+
+
+def test_the_dep_flags_of_the_mock_benches_are_checked_and_reach_the_ranks(tiny_model):
+    from moemesh.tools.bench import decode_mock, overhead, stream
+
+    for bad in ({"skew": "zipf:1.2"}, {"rebalance": True}, {"dep": 0}):
+        with pytest.raises(ValueError):
+            stream.StreamBenchConfig(**bad)
+    with pytest.raises(ValueError):
+        decode_mock.MockDecodeConfig(skew="zipf:1.2")
+    mesh = decode_mock._mesh(decode_mock.MockDecodeConfig(model=tiny_model, batches=(4,), dep=2, skew="zipf:1.2"))
+    assert mesh.cfg.decode_dp == 2 and "skew=zipf:1.2" in mesh.cfg.decode_args
+    # A point's rank wait, and the part beyond the slowest rank's own step (its 10th column).
+    rows = [[1.0, 0.03, 0.02, 0.001, 0.008, 0.0, 16, 0.001, 4, 0.006]] * 3
+    fig = overhead.step_figures(rows, 0.0, 2.0)
+    assert fig["rank_wait_ms_p50"] == pytest.approx(8.0) and fig["rank_wait_beyond_ms_p50"] == pytest.approx(2.0)
+    assert overhead.step_figures([r[:9] for r in rows], 0.0, 2.0)["rank_wait_beyond_ms_p50"] is None
