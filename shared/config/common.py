@@ -109,6 +109,8 @@ class WorkerConfig(ServiceConfig):
     # MTP steps planned while the step before runs (shared/engine/spec_overlap.py), where
     # the engine can; False: every MTP step runs whole.
     overlap_mtp: bool = True
+    # A DEP rank's steps without MTP planned while the one before runs; False: whole steps.
+    overlap_lockstep: bool = True
 
     def __post_init__(self):
         super().__post_init__()

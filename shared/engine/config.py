@@ -34,6 +34,7 @@ class EngineConfig:
     num_prefix_snapshots: int | None = None  # DeepSeek-V4: boundary snapshots kept (None: max_num_seqs)
     decode_graphs: str = "auto"  # decode_graphs.py: auto (CUDA graphs on a GPU), on, eager, off
     overlap_mtp: bool = True  # MTP steps planned while the one before runs (spec_overlap.py); False: whole steps
+    overlap_lockstep: bool = True  # a lockstep rank's steps without MTP planned likewise; False: whole steps
 
     @classmethod
     def for_worker(cls, cfg: WorkerConfig, role: str) -> EngineConfig:
@@ -48,6 +49,7 @@ class EngineConfig:
             num_threads=cfg.num_threads or None, enable_prefix_caching=cfg.enable_prefix_caching,
             num_prefix_snapshots=None if cfg.num_prefix_snapshots < 0 else cfg.num_prefix_snapshots,
             decode_graphs=cfg.decode_graphs, overlap_mtp=cfg.overlap_mtp,
+            overlap_lockstep=cfg.overlap_lockstep,
         )
 
     def __post_init__(self):

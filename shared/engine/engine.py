@@ -3,11 +3,13 @@
 Request lifecycle (see sequence.py): waiting -> running (prefill chunks, then decode
 steps with MTP drafts verified by the target) -> finished.
 
-Two ways through a step. Without MTP drafts or lockstep, a step is planned, run and
-landed in three calls (planned_step.py), so that a serving loop can plan step N+1 and
-land step N while N+1 runs on the device thread; step() calls the three in a row.
-With MTP drafts, or as a lockstep rank, step() runs schedule -> forward -> verify ->
-draft in one call (the drafts of N decide what N+1 computes). Roles:
+Two ways through a step. A step is planned, run and landed in three calls
+(planned_step.py; with MTP drafts spec_overlap.py, which plans N+1 for every draft of N
+accepted and settles N's outcome on the device thread), so that a serving loop can plan
+step N+1 and land step N while N+1 runs on the device thread; step() calls the three in
+a row. What spec_overlap does not take (a prefill chunk, a grammar or forks with drafts;
+V4 with drafts; overlap_mtp off), and a lockstep rank's step() on its own, runs whole:
+schedule -> forward -> verify -> draft in one call (speculative.py). Roles:
 - both: offline or single-process serving.
 - prefill: a request stops after its first token and is HELD; export_kv() hands its
   blocks out as one contiguous buffer and release() frees them.
@@ -152,9 +154,12 @@ class LLMEngine(Admission, KVHandoff):
 
     @property
     def can_overlap(self) -> bool:
-        """Whether steps go through plan/run/land, so that a loop can overlap them: always
-        without MTP or lockstep; with MTP where spec_overlap takes its steps."""
-        return not (self.use_mtp or self.lockstep) or self.overlap_mtp
+        """Whether steps go through plan/run/land, so that a loop can overlap them: with MTP
+        where spec_overlap takes its steps; a lockstep rank's without MTP unless
+        overlap_lockstep is off; always otherwise."""
+        if self.use_mtp:
+            return self.overlap_mtp
+        return not self.lockstep or self.cfg.overlap_lockstep
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -217,9 +222,15 @@ class LLMEngine(Admission, KVHandoff):
         """An MTP step that spec_overlap does not take, run whole (plan_step said WHOLE)."""
         return speculative_step(self)
 
-    def empty_step(self) -> "spec_overlap.MTPStep":
-        """A lockstep rank's planned step without work (plan_step said None)."""
-        return spec_overlap.empty(self, next_step_id())
+    def empty_step(self) -> "PlannedStep | spec_overlap.MTPStep":
+        """A lockstep rank's planned step without work (plan_step said None): its forward
+        runs on an empty batch, so that its collectives meet the other ranks'."""
+        if self.use_mtp:
+            return spec_overlap.empty(self, next_step_id())
+        batch = build_batch([], self.cfg.block_size, self.device, self.batcher, None, self.tables, self.row_keys)
+        step = PlannedStep([], batch, [], [], [], None, None)
+        step.stats = StepStats()
+        return step
 
     # ---- planned steps: plan (host) -> run (device thread) -> land (host) ------------
     def plan_step(self, inflight: PlannedStep | None = None) -> PlannedStep | Blocked | None:
@@ -308,7 +319,7 @@ class LLMEngine(Admission, KVHandoff):
         if isinstance(step, spec_overlap.MTPStep):
             spec_overlap.run(step, self.model, self.kv.forward_arg, self._gen_at, before_wait)
             return
-        run(step, self.model, self.kv.forward_arg, before_wait, self.graphs)
+        run(step, self.model, self.kv.forward_arg, before_wait, self.graphs if step.chunks else None)
 
     @property
     def device_is_async(self) -> bool:

@@ -248,7 +248,7 @@ class EngineLoop:
         self._step_end = time.perf_counter()
 
     async def _run_lockstep_planned(self) -> None:
-        """A DEP rank whose MTP steps are planned (spec_overlap.py): the next step is queued
+        """A DEP rank whose steps are planned (planned_step.py, spec_overlap.py with MTP): the next step is queued
         on the device thread behind the running one, so the ranks' devices step back to
         back; the agreement for the boundary after a step runs beside it, as below, and
         must be in before the step after is queued. A boundary that switches the placement,

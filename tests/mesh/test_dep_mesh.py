@@ -216,3 +216,17 @@ def test_a_mock_dep2_instance_runs_the_real_lockstep_and_its_moves_shift_the_ste
         assert all(t for t in got)
     finally:
         mesh.group.stop()
+
+
+def test_dep2_without_drafts_plans_its_steps_and_serves_like_one_engine(tiny_model, tmp_path_factory, offline):
+    """Lockstep ranks without MTP take planned steps too (an empty one where a rank has no
+    work): greedy output equals one engine's (with drafts or not, greedy is the target's)."""
+    mesh = _mesh(tmp_path_factory.mktemp("dep-nomtp"), tiny_model,
+                 rank_set={r: ["num_speculative_tokens=0"] for r in range(2)})
+    try:
+        want = [o.text for o in offline.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0,
+                                                                         ignore_eos=True))]
+        got, _ = _stream_all(mesh, PROMPTS, 12)
+        assert got == want
+    finally:
+        mesh.group.stop()
