@@ -40,7 +40,10 @@ class StepAccount:
 def account(st: StepStats, comm_s: float = 0.0, agree_s: float = 0.0, gap_s: float = 0.0) -> StepAccount:
     if st.host_exposed_s is not None:  # overlapped: sampling ran on the device thread
         # A lockstep rank's collectives ran inside its device window: rank wait, not forward.
-        return StepAccount(forward_s=max(0.0, st.forward_s + st.sample_s - comm_s), host_s=st.loop_host_s or 0.0,
+        # An MTP step's verification and draft pass ran on the device thread after its wait
+        # (draft_s): host work too, and the part the next step waited for is in exposed.
+        return StepAccount(forward_s=max(0.0, st.forward_s + st.sample_s - comm_s),
+                           host_s=(st.loop_host_s or 0.0) + st.draft_s,
                            rank_wait_s=comm_s + agree_s, num_tokens=st.num_tokens, num_seqs=st.num_seqs,
                            host_exposed_s=st.host_exposed_s)
     model_s = st.forward_s + st.draft_s
