@@ -241,14 +241,10 @@ class LLMEngine(Admission, KVHandoff):
         if self.use_mtp:
             return spec_overlap.plan(self, inflight, next_step_id())
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule(can_preempt=inflight is None)
-        if sched.blocked:
-            return BLOCKED
-        st = StepStats(preempted=[s.request_id for s in sched.preempted])
-        if sched.empty:
-            self.last_stats = st
-            return None
-        chunks = [self._chunk(s) for s in sched.scheduled]
+        got = self.schedule_chunks(inflight is None)
+        if got is None or got is BLOCKED:
+            return got
+        st, chunks = got
         t1 = time.perf_counter()
         pad = self.graphs.padding(chunks) if self.graphs is not None else None
         batch = build_batch(chunks, self.cfg.block_size, self.device, self.batcher, pad, self.tables, self.row_keys)
@@ -311,6 +307,27 @@ class LLMEngine(Admission, KVHandoff):
         t2 = time.perf_counter()
         st.schedule_s, st.prepare_s = t1 - t0, t2 - t1
         return step
+
+    def schedule_chunks(self, can_preempt: bool) -> "tuple[StepStats, list[Chunk]] | Blocked | None":
+        """The next step's chunks and its stats so far; BLOCKED when only a preemption
+        would make room and none is allowed; None (last_stats set) when nothing is to do."""
+        sched = self.scheduler.schedule(can_preempt=can_preempt)
+        if sched.blocked:
+            return BLOCKED
+        st = StepStats(preempted=[s.request_id for s in sched.preempted])
+        if sched.empty:
+            self.last_stats = st
+            return None
+        return st, [self._chunk(s) for s in sched.scheduled]
+
+    def stop_reason(self, p, token: int, n_out: int, n_tokens: int) -> FinishReason | None:
+        """Why a request ends on `token`, its n_out-th output with n_tokens tokens in all
+        then; None: it goes on. p: its SamplingParams."""
+        if n_out >= p.min_tokens and ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
+            return FinishReason.STOP
+        if n_out >= p.max_tokens or n_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     def run_step(self, step: PlannedStep, before_wait=None) -> None:
         """The device part (forward, logits, sampling). Safe on another thread while the
@@ -402,12 +419,7 @@ class LLMEngine(Admission, KVHandoff):
             extra.num_prompt_tokens, extra.num_cached_tokens = seq.num_prompt_tokens, seq.num_cached_tokens
         if step.token_logprobs is not None and step.token_logprobs[i] is not None:
             extra.logprobs = [step.token_logprobs[i]]
-        if n_out >= p.min_tokens and ((t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids):
-            reason = FinishReason.STOP
-        elif n_out >= p.max_tokens or slot + 1 >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        else:
-            reason = None
+        reason = self.stop_reason(p, t, n_out, slot + 1)
         if reason is not None:
             del seq.token_ids[slot + 1 :]  # a placeholder of the step in flight
             self.scheduler.finish(seq, reason)

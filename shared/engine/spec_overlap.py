@@ -42,7 +42,7 @@ from moemesh.shared.engine import host_copy, sampler
 from moemesh.shared.engine.outputs import RequestOutput, StepOutputs, StepStats, step_outputs
 from moemesh.shared.engine.planned_step import BLOCKED
 from moemesh.shared.engine.runner import Chunk, build_batch
-from moemesh.shared.engine.sequence import PLACEHOLDER, FinishReason, SeqStatus
+from moemesh.shared.engine.sequence import PLACEHOLDER, SeqStatus
 from moemesh.shared.engine.spec_decode import accept_greedy, verify_many
 from moemesh.shared.model.batch import ForwardBatch
 from moemesh.shared.protocol.sampling import SamplingParams
@@ -107,23 +107,16 @@ def plan(eng: "LLMEngine", inflight: MTPStep | None, step_id: int):
         eng.drafter.resolve()  # a whole step's drafts, still pending: their ids, now
     if eng.constrained and eng.live_constrained() and inflight is not None:
         return BLOCKED  # a grammar's rows run whole
-    sched = eng.scheduler.schedule(can_preempt=inflight is None)
-    if sched.blocked:
-        return BLOCKED
-    st = StepStats(preempted=[s.request_id for s in sched.preempted])
-    if sched.empty:
-        eng.last_stats = st
-        return None
-    chunks = [eng._chunk(s) for s in sched.scheduled]
+    got = eng.schedule_chunks(inflight is None)
+    if got is None or got is BLOCKED:
+        return got
+    st, chunks = got
     k = eng.num_spec
     if not all(_decode_chunk(c, k) for c in chunks):
         return BLOCKED if inflight is not None else WHOLE
     t1 = time.perf_counter()
     batch = build_batch(chunks, eng.cfg.block_size, eng.device, None, None, eng.tables, eng.row_keys)
-    prev_index = {}
-    if inflight is not None:
-        prev_index = {id(c.seq): i for i, c in enumerate(inflight.chunks)}
-        inflight.next = None  # set below, once this step is whole
+    prev_index = {id(c.seq): i for i, c in enumerate(inflight.chunks)} if inflight is not None else {}
     step = MTPStep(chunks, batch, step_id, [c.q_len - 1 for c in chunks], [c.seq.params for c in chunks],
                    [(c.seq, c.start) for c in chunks], eng.cfg.block_size, inflight,
                    [prev_index.get(id(c.seq), -1) for c in chunks], st)
@@ -167,7 +160,6 @@ def run(step: MTPStep, model, kv, gen_at, before_wait=None) -> None:
         _settle(step, prev, batch)
     hidden = model(batch, kv)
     T = batch.num_tokens
-    t1 = time.perf_counter()
     logits = model.compute_logits(hidden[:T])
     if before_wait is not None:
         before_wait()
@@ -205,7 +197,6 @@ def run(step: MTPStep, model, kv, gen_at, before_wait=None) -> None:
     mtp_ids[last] = step.bonus
     h = model.mtp_forward(replace(batch, input_ids=mtp_ids), hidden[:T], kv)
     step.drafts = model.mtp_logits(h[last]).argmax(dim=-1)
-    step.t_end = time.perf_counter()
     step.t_start, step.t_end = dev_start, max(dev_end, dev_start)
     step.forward_s = step.t_end - step.t_start
     step.sample_s = time.perf_counter() - t2
@@ -303,13 +294,10 @@ def land(eng: "LLMEngine", step: MTPStep) -> StepOutputs:
 
 
 def _stops(eng: "LLMEngine", seq, start: int, toks: list[int]):
-    """(the tokens emitted, the finish reason or None), as speculative._append decides, on
+    """(the tokens emitted, the finish reason or None), by the engine's stop rule, on
     token_ids that already hold them."""
-    p = seq.params
     for j, t in enumerate(toks):
-        n_out = start + 2 + j - seq.num_prompt_tokens
-        if n_out >= p.min_tokens and ((t in eng.eos_ids and not p.ignore_eos) or t in p.stop_token_ids):
-            return toks[: j + 1], FinishReason.STOP
-        if n_out >= p.max_tokens or start + 2 + j >= eng.max_model_len:
-            return toks[: j + 1], FinishReason.LENGTH
+        reason = eng.stop_reason(seq.params, t, start + 2 + j - seq.num_prompt_tokens, start + 2 + j)
+        if reason is not None:
+            return toks[: j + 1], reason
     return toks, None

@@ -16,7 +16,7 @@ from moemesh.shared.engine import host_copy, sampler
 from moemesh.shared.engine.fork import copy_blocks, ring_copies, take_copy
 from moemesh.shared.engine.outputs import RequestOutput, StepStats
 from moemesh.shared.engine.runner import Chunk, build_batch
-from moemesh.shared.engine.sequence import FinishReason, Sequence
+from moemesh.shared.engine.sequence import Sequence
 from moemesh.shared.engine.spec_decode import accept_greedy, verify, verify_many
 
 if TYPE_CHECKING:
@@ -214,14 +214,9 @@ def _append(eng: "LLMEngine", seq: Sequence, toks: list[int]) -> list[int]:
     for t in toks:
         seq.token_ids.append(t)
         emitted.append(t)
-        n_out = seq.num_output_tokens
-        stop = n_out >= p.min_tokens and (
-            (t in eng.eos_ids and not p.ignore_eos) or t in p.stop_token_ids)
-        if stop:
-            eng.scheduler.finish(seq, FinishReason.STOP)
-            break
-        if n_out >= p.max_tokens or seq.num_tokens >= eng.max_model_len:
-            eng.scheduler.finish(seq, FinishReason.LENGTH)
+        reason = eng.stop_reason(p, t, seq.num_output_tokens, seq.num_tokens)
+        if reason is not None:
+            eng.scheduler.finish(seq, reason)
             break
     return emitted
 

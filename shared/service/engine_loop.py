@@ -203,6 +203,11 @@ class EngineLoop:
         await self._finish_step(outputs, st)
         return landed.t_end if out else None  # idle next: the next gap is not overhead
 
+    async def _land_all(self, out: deque, device_end: float | None) -> float | None:
+        while out:
+            device_end = await self._land_oldest(out, device_end)
+        return device_end
+
     async def _finish_step(self, outputs: StepOutputs, st: StepStats) -> None:
         for fn in self.after_step:
             fn()
@@ -269,8 +274,7 @@ class EngineLoop:
                     d = await loop.run_in_executor(ctrl, ls.agree, eng.has_unfinished())
                     ls.last_agree_s = time.perf_counter() - t0  # nothing ran beside it
                 if d.commit or d.stop or not d.run:
-                    while out:
-                        device_end = await self._land_oldest(out, device_end)
+                    device_end = await self._land_all(out, device_end)
                     if d.commit:
                         ls.switch()  # every rank does this at this same boundary, its device idle
                     if d.stop:
@@ -282,12 +286,10 @@ class EngineLoop:
                 ls.step += 1
                 plan = eng.plan_step(out[-1][0] if out else None)
                 if plan is BLOCKED:  # only a preemption would make room: land first
-                    while out:
-                        device_end = await self._land_oldest(out, device_end)
+                    device_end = await self._land_all(out, device_end)
                     plan = eng.plan_step(None)
                 if plan is WHOLE:
-                    while out:
-                        device_end = await self._land_oldest(out, device_end)
+                    device_end = await self._land_all(out, device_end)
                     nxt = loop.run_in_executor(ctrl, ls.agree, eng.has_unfinished())
                     await self._whole_step(loop)
                     device_end = None

@@ -7,7 +7,7 @@ import torch
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.protocol.forks import fork_ids, fork_params, fork_seed
 from moemesh.shared.protocol.sampling import SamplingParams
-from tests.engine.test_planned_steps import run_overlapped, run_whole
+from tests.engine.step_drivers import run_overlapped, run_whole
 
 PROMPT = [0] + [5 + i % 40 for i in range(20)]  # 21 tokens: at block size 16, one full block and a tail
 

@@ -4,58 +4,14 @@ leave no block behind: with stops the plan could not foresee, aborts while a ste
 flight, requests that join mid-flight, and a cache small enough to force preemption."""
 
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 
 from moemesh.shared.engine.config import EngineConfig
-from moemesh.shared.engine.engine import BLOCKED, LLMEngine
-from moemesh.shared.engine.outputs import request_outputs
+from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.mock_model import MockModel
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.model.config import ModelConfig
-
-
-def _collect(outs: dict, step_outputs) -> None:
-    for o in request_outputs(step_outputs):
-        rec = outs.setdefault(o.request_id, {"ids": [], "reason": None})
-        rec["ids"] += o.new_token_ids
-        if o.finished:
-            rec["reason"] = o.finish_reason.value
-
-
-def run_overlapped(eng: LLMEngine, actions: dict[int, list]) -> dict:
-    """Drive the engine as the serving loop does, on one thread: plan the next step with
-    the previous one still unlanded, run it, then land the previous one."""
-    outs, inflight, i = {}, None, 0
-    while True:
-        for act in actions.pop(i, []):
-            act(eng)
-        plan = eng.plan_step(inflight)
-        if plan is BLOCKED:
-            plan = None
-        if plan is not None:
-            eng.blocks.begin_step(plan.step_id)
-            with torch.inference_mode():
-                eng.run_step(plan)
-        if inflight is not None:
-            eng.blocks.end_step(inflight.step_id)
-            _collect(outs, eng.land_step(inflight))
-        inflight = plan
-        i += 1
-        if inflight is None and not actions and not eng.has_unfinished():
-            return outs
-        assert i < 5000, "the engine stopped making progress"
-
-
-def run_whole(eng: LLMEngine) -> dict:
-    outs = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            rec = outs.setdefault(o.request_id, {"ids": [], "reason": None})
-            rec["ids"] += o.new_token_ids
-            if o.finished:
-                rec["reason"] = o.finish_reason.value
-    return outs
+from tests.engine.step_drivers import run_overlapped, run_whole
 
 
 def _mock_engine(tiny_model, **kw) -> LLMEngine:

@@ -4,65 +4,14 @@ random, stops the plan could not foresee, aborts while a step is in flight, requ
 that join mid-flight, sequences near their end, seeded sampling, and a cache small
 enough to force preemption (whose recomputed prompts run whole)."""
 
-import torch
 from hypothesis import given, settings, strategies as st
 
-from moemesh.shared.engine import spec_overlap
 from moemesh.shared.engine.config import EngineConfig
-from moemesh.shared.engine.engine import BLOCKED, LLMEngine
+from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.mock_model import MockModel
-from moemesh.shared.engine.outputs import request_outputs, step_outputs
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.protocol.sampling import SamplingParams
-
-
-def _collect(outs: dict, step_outs) -> None:
-    for o in request_outputs(step_outs):
-        rec = outs.setdefault(o.request_id, {"ids": [], "reason": None})
-        rec["ids"] += o.new_token_ids
-        if o.finished:
-            rec["reason"] = o.finish_reason.value
-
-
-def run_overlapped(eng: LLMEngine, actions: dict[int, list]) -> tuple[dict, int]:
-    """Drive the engine as the serving loop does, on one thread: plan the next step with
-    the previous one still unlanded, run it, then land the previous one. Returns the
-    outputs and how many steps were planned with one in flight."""
-    outs, inflight, i, overlapped = {}, None, 0, 0
-    while True:
-        for act in actions.pop(i, []):
-            act(eng)
-        plan = eng.plan_step(inflight)
-        if plan is spec_overlap.WHOLE:
-            assert inflight is None
-            _collect(outs, step_outputs(eng.whole_step()))
-            plan = None
-        elif plan is BLOCKED:
-            plan = None
-        if plan is not None:
-            overlapped += inflight is not None
-            eng.blocks.begin_step(plan.step_id)
-            with torch.inference_mode():
-                eng.run_step(plan)
-        if inflight is not None:
-            eng.blocks.end_step(inflight.step_id)
-            _collect(outs, eng.land_step(inflight))
-        inflight = plan
-        i += 1
-        if inflight is None and not actions and not eng.has_unfinished():
-            return outs, overlapped
-        assert i < 5000, "the engine stopped making progress"
-
-
-def run_whole(eng: LLMEngine) -> dict:
-    outs = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            rec = outs.setdefault(o.request_id, {"ids": [], "reason": None})
-            rec["ids"] += o.new_token_ids
-            if o.finished:
-                rec["reason"] = o.finish_reason.value
-    return outs
+from tests.engine.step_drivers import drive_overlapped as run_overlapped, run_whole
 
 
 def _engine(tiny_model, overlap=True, accept=0.7, **kw) -> LLMEngine:
@@ -82,7 +31,7 @@ request_st = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=int(__import__('os').environ.get('N_EX', 40)), deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(reqs=st.lists(request_st, min_size=1, max_size=10), blocks=st.sampled_from([24, 40, 256]),
        accept=st.sampled_from([0.0, 0.7, 1.0]))
 def test_overlapped_mtp_steps_equal_whole_steps(tiny_model, reqs, blocks, accept):

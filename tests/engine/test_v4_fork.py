@@ -16,7 +16,7 @@ from moemesh.shared.kv.spec import describe
 from moemesh.shared.protocol.forks import fork_ids, fork_params
 from moemesh.shared.protocol.sampling import SamplingParams
 from tests.engine.test_fork import _forks
-from tests.engine.test_planned_steps import run_overlapped, run_whole
+from tests.engine.step_drivers import run_overlapped, run_whole
 
 # 40 tokens: two full blocks and a tail of 7 positions; the children's position 39 ends a
 # CSA group, whose entry goes into the tail block's main row (each child's own copy).

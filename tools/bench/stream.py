@@ -146,12 +146,14 @@ def _points(cfg: StreamBenchConfig, mesh: Mesh, model: str, pids: dict, phase: s
         # The instance's load window is read while the load runs: at the point's end it
         # would hold the tail, when streams finish and few are left.
         ratios: dict = {}
-        probe = threading.Timer(0.75 * cfg.seconds, lambda: ratios.update(asyncio.run(_instance_ratios(mesh, cfg.dep))))
+        probe = None
         if cfg.dep > 1:
+            probe = threading.Timer(0.75 * cfg.seconds,
+                                    lambda: ratios.update(asyncio.run(_instance_ratios(mesh, cfg.dep))))
             probe.start()
         res = overhead.run_client(mesh.url, model, streams, cfg.seconds, cfg.osl, cfg.mock_step_ms, chat=True,
                                   pids=pids)
-        if cfg.dep > 1:
+        if probe is not None:
             probe.join()
         steps = overhead.decode_state(mesh, cfg.dep)[1]
         ratio, loads = ratios.pop("instance", None), ratios.pop("loads", None)
