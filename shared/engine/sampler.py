@@ -46,21 +46,30 @@ def _tempered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return x.softmax(dim=-1)
 
 
+def uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """draw()'s numbers, one a row (float64, on the host): a seeded row's from its own
+    generator, the others' from the global one, drawn for every row first."""
+    u = torch.rand(len(generators), dtype=torch.float64)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(1, generator=g, dtype=torch.float64)
+    return u
+
+
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row, by inverse-CDF sampling: one uniform number per row, so a
     seeded row draws from its own generator and its result does not depend on what it was
     batched with. (A draw per vocabulary entry, as multinomial and the Gumbel trick make,
     costs milliseconds at batch 256 on a CPU; this costs a cumulative sum, done in place
     so that no second [N, V] buffer is made: probs is overwritten.)"""
-    n = probs.shape[0]
-    u = torch.rand(n, dtype=torch.float64)
-    if any(g is not None for g in generators):
-        for i, g in enumerate(generators):
-            if g is not None:
-                u[i] = torch.rand(1, generator=g, dtype=torch.float64)
+    return draw_with(probs, uniforms(generators))
+
+
+def draw_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """draw() with its numbers given (u: [N] float64, on any device): probs is overwritten."""
     cdf = torch.cumsum(probs, dim=-1, out=probs) if probs.dtype == torch.float32 else probs.float().cumsum(-1)
     # The last entry is the row's total (1 up to rounding): scaling u by it never runs off the end.
-    target = (u * cdf[:, -1].double()).float()[:, None]
+    target = (u.to(cdf.device) * cdf[:, -1].double()).float()[:, None]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return idx.clamp_(max=probs.shape[1] - 1)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moemesh.shared.engine.sampler import draw, processed_probs
+from moemesh.shared.engine.sampler import draw_with, processed_probs, uniforms
 from moemesh.shared.protocol.sampling import SamplingParams
 
 
@@ -51,35 +51,97 @@ def verify_many(
     sort and a draw of its own (the MTP step's largest host cost at a few hundred
     sampled sequences). A seeded sequence draws from its own generator only, so what it
     gets does not depend on what it was verified with."""
+    if not starts:
+        return []
+    k = max(len(ds) for ds in drafts)
+    ids = torch.tensor([ds + [0] * (k - len(ds)) for ds in drafts], dtype=torch.long, device=logits.device)
+    accepted, last = verify_tensors(logits, starts, [len(ds) for ds in drafts], ids, params, generators)
+    return [ds[:a] + [t] for ds, a, t in zip(drafts, accepted.tolist(), last.tolist())]
+
+
+def verify_tensors(
+    logits: torch.Tensor,  # [rows, V]: each sequence's 1 + num_drafts rows from its start
+    starts: list[int],
+    num_drafts: list[int],
+    draft_ids: torch.Tensor,  # [sequences, K] on the logits' device: a sequence's first num_drafts are its drafts
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verification of greedy and sampled sequences with its outcome left where the
+    logits are: (accepted [sequences], the target's last token [sequences]), on their
+    device. Nothing is read back, so on a GPU it is queued work like the forward's, and
+    the step's one wait reads the outcome with the sampled ids. The draws' numbers come
+    from the host's generators, as draw()'s do (the same numbers in the same order as a
+    sequence verified alone: a seeded sequence's tokens never depend on its batch)."""
+    dev = logits.device
+    C, K = len(starts), draft_ids.shape[1]
+    accepted = torch.zeros(C, dtype=torch.long, device=dev)
+    last = torch.zeros(C, dtype=torch.long, device=dev)
+    nd = torch.tensor(num_drafts, dtype=torch.long, device=dev)
+    cols = torch.arange(K, device=dev)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        g = torch.tensor(greedy, dtype=torch.long, device=dev)
+        at = torch.tensor([starts[i] for i in greedy], dtype=torch.long, device=dev)[:, None] \
+            + torch.arange(K + 1, device=dev)
+        best = logits.argmax(dim=-1)[at.clamp(max=logits.shape[0] - 1)]  # [G, K + 1]
+        match = (best[:, :K] == draft_ids[g]) & (cols < nd[g][:, None])
+        a = match.long().cumprod(dim=1).sum(dim=1)
+        accepted[g] = a
+        last[g] = best.gather(1, a[:, None]).squeeze(1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        a, t = _verify_sampled(logits, [starts[i] for i in sampled], [num_drafts[i] for i in sampled],
+                               draft_ids[torch.tensor(sampled, dtype=torch.long, device=dev)],
+                               [params[i] for i in sampled], [generators[i] for i in sampled])
+        s = torch.tensor(sampled, dtype=torch.long, device=dev)
+        accepted[s], last[s] = a, t
+    return accepted, last
+
+
+def _verify_sampled(logits, starts, num_drafts, draft_ids, params, generators):
+    """verify_tensors for sampled sequences: accept draft d with probability p(d) (drafts
+    in order); the last token from p, with the rejected draft removed."""
+    dev = logits.device
+    S, K = len(starts), draft_ids.shape[1]
     rows, row_params, firsts = [], [], []
-    for r0, ds, p in zip(starts, drafts, params):
+    for r0, n, p in zip(starts, num_drafts, params):
         firsts.append(len(rows))
-        rows += range(r0, r0 + len(ds) + 1)
-        row_params += [p] * (len(ds) + 1)
-    probs = processed_probs(logits[rows] if rows != list(range(logits.shape[0])) else logits, row_params)
-    at = [f + j for f, ds in zip(firsts, drafts) for j in range(len(ds))]
-    p_draft = probs[at, [d for ds in drafts for d in ds]].tolist() if at else []
-    shared = torch.rand(len(at), dtype=torch.float64).tolist() if at else []
-    out, last_rows, zero_at, zero_tok = [], [], [], []
-    k = 0
-    for i, (ds, g) in enumerate(zip(drafts, generators)):
-        u = torch.rand(len(ds), generator=g, dtype=torch.float64).tolist() if g is not None and ds \
-            else shared[k : k + len(ds)]
-        n = 0
-        while n < len(ds) and u[n] < p_draft[k + n]:  # draft n accepted with probability p(d)
-            n += 1
-        k += len(ds)
-        out.append(ds[:n])
-        last_rows.append(firsts[i] + n)
-        if n < len(ds):  # rejected: the last token is drawn from p without the draft
-            zero_at.append(i)
-            zero_tok.append(ds[n])
-    last = probs[last_rows]
-    if zero_at:
-        last[zero_at, zero_tok] = 0
+        rows += range(r0, r0 + n + 1)
+        row_params += [p] * (n + 1)
+    sel = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=dev)]
+    probs = processed_probs(sel, row_params)
+    seq_of = [i for i, n in enumerate(num_drafts) for _ in range(n)]
+    col_of = [j for n in num_drafts for j in range(n)]
+    nd = torch.tensor(num_drafts, dtype=torch.long, device=dev)
+    firsts_t = torch.tensor(firsts, dtype=torch.long, device=dev)
+    if seq_of:
+        # The numbers: every draft's from the global generator, then a seeded sequence's
+        # own from its generator (verify()'s order, which the seeded results depend on).
+        u = torch.rand(len(seq_of), dtype=torch.float64)
+        k = 0
+        for n, g in zip(num_drafts, generators):
+            if g is not None and n:
+                u[k : k + n] = torch.rand(n, generator=g, dtype=torch.float64)
+            k += n
+        si = torch.tensor(seq_of, dtype=torch.long, device=dev)
+        cj = torch.tensor(col_of, dtype=torch.long, device=dev)
+        d = draft_ids[si, cj]
+        p_draft = probs[firsts_t[si] + cj, d].double()
+        ok = torch.zeros(S, K, dtype=torch.long, device=dev)
+        ok[si, cj] = (u.to(dev) < p_draft).long()
+        a = ok.cumprod(dim=1).sum(dim=1)
+    else:
+        a = torch.zeros(S, dtype=torch.long, device=dev)
+    last = probs[firsts_t + a]
+    rejected = a < nd
+    d_rej = None
+    if K:
+        d_rej = draft_ids.gather(1, a.clamp(max=K - 1)[:, None])  # [S, 1]: the rejected draft, where one was
+        kept = last.gather(1, d_rej)
+        last.scatter_(1, d_rej, torch.where(rejected[:, None], torch.zeros_like(kept), kept))
     total = last.sum(dim=-1)
-    empty = (total <= 0).tolist()  # p was one-hot on the rejected draft: rejection had probability 0
-    toks = draw(last / total.clamp(min=1e-30)[:, None], generators).tolist()
-    for i, (o, t) in enumerate(zip(out, toks)):
-        o.append(zero_tok[zero_at.index(i)] if empty[i] else t)
-    return out
+    tok = draw_with(last / total.clamp(min=1e-30)[:, None], uniforms(generators))
+    if d_rej is not None:  # p was one-hot on the rejected draft: rejection had probability 0
+        tok = torch.where(rejected & (total <= 0), d_rej[:, 0], tok)
+    return a, tok

@@ -20,7 +20,8 @@ keyed by the real output position). Rows of a sequence that stops in N, or is ab
 while N runs, are wasted in N+1 and dropped when it lands; their blocks stay out of use
 until N+1 is done (the block manager's step fence).
 
-The MTP pass runs on the device thread after verification, over the step's own rows
+Verification and the MTP pass are queued on the device after the forward, before the
+step's one wait (spec_decode.verify_tensors reads nothing back). The MTP pass runs over the step's own rows
 (its batch, with each row's next token as input: the accepted drafts, then the target's
 token), and the draft is read at the last accepted row. The rows past it write the MTP
 layer's cache at positions the next step computes again before anything reads them.
@@ -43,7 +44,7 @@ from moemesh.shared.engine.outputs import RequestOutput, StepOutputs, StepStats,
 from moemesh.shared.engine.planned_step import BLOCKED
 from moemesh.shared.engine.runner import Chunk, build_batch
 from moemesh.shared.engine.sequence import PLACEHOLDER, SeqStatus
-from moemesh.shared.engine.spec_decode import accept_greedy, verify_many
+from moemesh.shared.engine.spec_decode import verify_tensors
 from moemesh.shared.model.batch import ForwardBatch
 from moemesh.shared.protocol.sampling import SamplingParams
 
@@ -79,6 +80,7 @@ class MTPStep:
     tokens: list[list[int]] | None = None  # per chunk: accepted drafts, then the target's token
     bonus: torch.Tensor | None = None  # [chunks] the target's token, on the device
     drafts: torch.Tensor | None = None  # [chunks] the MTP layer's next draft, on the device
+    next_drafts: list[int] = field(default_factory=list)  # the same, read on the host
     logits: torch.Tensor | None = None  # [rows, vocab] on the host, for logprobs
     shift: list[int] | None = None  # per chunk: how far it moved back (its prev's rejected drafts)
     t_start: float = 0.0
@@ -149,7 +151,11 @@ def empty(eng, step_id: int) -> MTPStep:
 
 def run(step: MTPStep, model, kv, gen_at, before_wait=None) -> None:
     """The device part: settle the step before's outcome into this step's rows, forward,
-    verify, draft. gen_at(seq, position) -> a seeded request's generator there."""
+    verify, draft, then wait once. gen_at(seq, position) -> a seeded request's generator
+    there.
+
+    Verification and the draft pass are queued device work (verify_tensors reads nothing
+    back): the one wait reads the outcome, as a plain step's reads its sampled ids."""
     step.t_start = time.perf_counter()
     prev, step.prev = step.prev, None
     batch = step.batch
@@ -161,42 +167,36 @@ def run(step: MTPStep, model, kv, gen_at, before_wait=None) -> None:
     hidden = model(batch, kv)
     T = batch.num_tokens
     logits = model.compute_logits(hidden[:T])
+    dev = batch.input_ids.device
+    rows = [c.row for c in step.chunks]
+    K = max(step.num_drafts, default=0)
+    rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+    at = (rows_t[:, None] + 1 + torch.arange(K, device=dev)).clamp(max=max(T - 1, 0))
+    draft_ids = batch.input_ids[at]  # [C, K]: each row's drafts (settled), past them ignored
+    gens = [gen_at(seq, start - sh + 1) if not p.greedy else None
+            for (seq, start), sh, p in zip(step.seeded, step.shift, step.params)]
+    accepted, bonus = verify_tensors(logits, rows, step.num_drafts, draft_ids, step.params, gens)
+    # The MTP pass over the step's rows: each row's input is the next position's token.
+    last = rows_t + accepted
+    mtp_ids = torch.cat([batch.input_ids[1:], batch.input_ids[:1]])
+    mtp_ids[last] = bonus
+    h = model.mtp_forward(replace(batch, input_ids=mtp_ids), hidden[:T], kv)
+    step.bonus, step.drafts = bonus, model.mtp_logits(h[last]).argmax(dim=-1)
     if before_wait is not None:
         before_wait()
-    logits, ids = host_copy.to_host(logits, batch.input_ids)
+    want_lp = any(p.logprobs is not None for p in step.params)
+    got = host_copy.to_host(accepted, bonus, draft_ids, step.drafts, *((logits,) if want_lp else ()))
     sync = getattr(model, "synchronize", None)
     if sync is not None:
         sync()
     t2 = time.perf_counter()
     window = getattr(model, "device_window", None)
     dev_start, dev_end = window() if window is not None else (step.t_start, t2)
-    ids = ids.tolist()
-    rows = [c.row for c in step.chunks]
-    drafts = [ids[r + 1 : r + 1 + n] for r, n in zip(rows, step.num_drafts)]
-    toks: list[list[int] | None] = [None] * C
-    greedy = [i for i, p in enumerate(step.params) if p.greedy]
-    if greedy:
-        best = logits.argmax(dim=-1).tolist()
-        for i in greedy:
-            toks[i] = accept_greedy(best[rows[i] : rows[i] + 1 + step.num_drafts[i]], drafts[i])
-    sampled = [i for i, p in enumerate(step.params) if not p.greedy]
-    if sampled:
-        gens = [gen_at(step.seeded[i][0], step.seeded[i][1] - step.shift[i] + 1) for i in sampled]
-        got = verify_many(logits, [rows[i] for i in sampled], [drafts[i] for i in sampled],
-                          [step.params[i] for i in sampled], gens)
-        for i, t in zip(sampled, got):
-            toks[i] = t
-    step.tokens = toks
-    step.accepted = [len(t) - 1 for t in toks]
-    step.logits = logits
-    # The MTP pass over the step's rows: each row's input is the next position's token.
-    dev = batch.input_ids.device
-    last = torch.tensor([r + a for r, a in zip(rows, step.accepted)], dtype=torch.long, device=dev)
-    step.bonus = torch.tensor([t[-1] for t in toks], dtype=torch.long, device=dev)
-    mtp_ids = torch.cat([batch.input_ids[1:], batch.input_ids[:1]])
-    mtp_ids[last] = step.bonus
-    h = model.mtp_forward(replace(batch, input_ids=mtp_ids), hidden[:T], kv)
-    step.drafts = model.mtp_logits(h[last]).argmax(dim=-1)
+    acc, tok, ds = got[0].tolist(), got[1].tolist(), got[2].tolist()
+    step.tokens = [d[:a] + [t] for d, a, t in zip(ds, acc, tok)]
+    step.accepted = acc
+    step.next_drafts = got[3].tolist()
+    step.logits = got[4] if want_lp else None
     step.t_start, step.t_end = dev_start, max(dev_end, dev_start)
     step.forward_s = step.t_end - step.t_start
     step.sample_s = time.perf_counter() - t2
@@ -242,7 +242,7 @@ def land(eng: "LLMEngine", step: MTPStep) -> StepOutputs:
     st = step.stats
     nxt, step.next = step.next, None
     later = {id(c.seq): c for c in nxt.chunks} if nxt is not None else {}
-    drafts = step.drafts.tolist() if step.drafts is not None else []
+    drafts = step.next_drafts
     outputs: list[RequestOutput] = []
     k = eng.num_spec
     for i, c in enumerate(step.chunks):

@@ -74,3 +74,38 @@ def test_a_seeded_sequence_gets_the_same_tokens_whatever_it_is_verified_with():
     for _ in range(3):
         batched = verify_many(logits, [0, 3], [[1, 2], [7, 8]], [params, params], [None, gen()])[1]
         assert batched == alone
+
+
+def test_verification_left_on_the_device_equals_the_host_rule():
+    """verify_tensors (the overlapped MTP step's, which reads nothing back) gives each
+    sequence of a mixed batch, greedy and sampled, seeded or not, with 0-3 drafts, what
+    accept_greedy or verify_many gives it alone."""
+    import random
+
+    from moemesh.shared.engine.spec_decode import accept_greedy, verify_many, verify_tensors
+
+    rnd = random.Random(0)
+    for trial in range(60):
+        nds = [rnd.randint(0, 3) for _ in range(rnd.randint(1, 6))]
+        starts = [sum(n + 1 for n in nds[:i]) for i in range(len(nds))]
+        V = rnd.choice([5, 50])
+        logits = torch.randn(starts[-1] + nds[-1] + 1, V, generator=torch.Generator().manual_seed(trial)) * 3
+        best = logits.argmax(-1).tolist()
+        # drafts: the target's argmax or not, so that some are accepted and some rejected
+        drafts = [[best[s + j] if rnd.random() < 0.6 else rnd.randrange(V) for j in range(n)]
+                  for s, n in zip(starts, nds)]
+        params = [SamplingParams(temperature=0) if rnd.random() < 0.4 else
+                  SamplingParams(temperature=rnd.choice([0.7, 1.0]), top_k=rnd.choice([0, 4])) for _ in nds]
+        seeds = [rnd.randrange(100) for _ in nds]
+        K = max(max(nds), 1)
+        ids = torch.tensor([d + [0] * (K - len(d)) for d in drafts])
+        gens = [None if p.greedy else torch.Generator().manual_seed(s) for p, s in zip(params, seeds)]
+        acc, last = verify_tensors(logits, starts, nds, ids, params, gens)
+        for i, (s, n, p) in enumerate(zip(starts, nds, params)):
+            got = drafts[i][: int(acc[i])] + [int(last[i])]
+            if p.greedy:
+                want = accept_greedy(best[s : s + n + 1], drafts[i])
+            else:
+                want = verify_many(logits[s : s + n + 1], [0], [drafts[i]], [p],
+                                   [torch.Generator().manual_seed(seeds[i])])[0]
+            assert got == want, (trial, i)
