@@ -13,7 +13,7 @@ from moemesh.services.balancer.state import InstanceView
 from moemesh.shared.eplb import align
 from moemesh.shared.eplb.hysteresis import SwitchConfig, SwitchState, decide
 from moemesh.shared.eplb.placement import Placement
-from moemesh.shared.eplb.policy import get_policy
+from moemesh.shared.eplb.policies import get_policy
 
 
 def propose(view: InstanceView, loads: torch.Tensor, cfg: BalancerConfig) -> tuple[Placement, float]:

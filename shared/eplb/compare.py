@@ -21,7 +21,7 @@ import torch
 
 from moemesh.shared.eplb.align import align, moves_per_layer
 from moemesh.shared.eplb.placement import naive_placement
-from moemesh.shared.eplb.policy import DeepSeekPolicy, OursHierarchicalPolicy, OursPolicy, timed_place
+from moemesh.shared.eplb.policies import DeepSeekPolicy, OursHierarchicalPolicy, OursPolicy, timed_place
 from moemesh.shared.eplb.workloads import HOT, ZIPF, Workload
 
 

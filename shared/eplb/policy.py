@@ -1,4 +1,4 @@
-"""Our expert-placement policy, and the seam every placement algorithm plugs into.
+"""Our expert-placement policy (policies.py names it, beside DeepSeek's, behind the seam).
 
 A policy turns per-layer expert loads into a Placement. Ours works in two steps, each
 vectorised across layers (no per-layer Python loop, so 43 layers cost about what one
@@ -21,42 +21,19 @@ Shapes: L = layers, E = experts, R = ranks, S = slots per rank, P = R * S.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
-from moemesh.shared.eplb import expected, reference
-from moemesh.shared.eplb.expected import NextWindow
+from moemesh.shared.eplb.expected import NextWindow, better_layers
 from moemesh.shared.eplb.packing import pack, pack_greedy
 from moemesh.shared.eplb.placement import Placement, slots_per_rank
+from moemesh.shared.eplb.reference import replicate
 from moemesh.shared.eplb.replicas import choose_counts, max_load_bound
-
-
-class PlacementPolicy(Protocol):
-    name: str
-
-    def place(self, loads: torch.Tensor, num_ranks: int, num_redundant: int,
-              current: Placement | None = None) -> Placement:
-        """Builds a placement.
-
-        Args:
-            loads: [L, E] tokens routed to each logical expert over the load window.
-            num_ranks: R ranks of the instance.
-            num_redundant: K redundant slots per rank (S = E / R + K).
-            current: the running placement; a policy may start from it to move less
-                (ours does; DeepSeek's ignores it, align() then saves what it can).
-        Returns:
-            A placement with R * S slots per layer and every expert at least once.
-        """
-        ...
 
 
 def build_placement(loads: torch.Tensor, num_ranks: int, num_redundant: int, *, num_rounds: int = 24,
                     current: Placement | None = None, target: float | None = None,
                     next_window: NextWindow | None = NextWindow()) -> Placement:
-    """Our policy: see the module docstring. Arguments as PlacementPolicy.place, plus:
+    """Our policy: see the module docstring. Arguments as policies.PlacementPolicy.place, plus:
 
     Args:
         num_rounds: most pair-exchange rounds.
@@ -119,7 +96,7 @@ def _for_next_window(w: torch.Tensor, ours: torch.Tensor, num_ranks: int, per_ra
     exactly as DeepSeek's does cannot fall behind it.
     """
     theirs = deepseek_like(w, num_ranks, per_rank)
-    take = expected.better_layers(w, theirs, ours, num_ranks, model)  # [L]
+    take = better_layers(w, theirs, ours, num_ranks, model)  # [L]
     return torch.where(take.unsqueeze(1), ours, theirs)
 
 
@@ -147,71 +124,7 @@ def _reconcile(phy2log: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 def deepseek_like(loads: torch.Tensor, num_ranks: int, per_rank: int) -> torch.Tensor:
     """[L, P] phy2log of DeepSeek's global EPLB (reference.py), its packing vectorised
     across layers: the same slots on the same ranks, duplicates included."""
-    experts, counts = reference.replicate(loads.float(), num_ranks * per_rank)  # loop over slots, not layers
+    experts, counts = replicate(loads.float(), num_ranks * per_rank)  # loop over slots, not layers
     # Float32 shares and the same sort call as the rewrite: equal slots break ties alike.
     share = (loads.float() / counts).gather(1, experts)
     return experts.gather(1, pack_greedy(share, num_ranks))
-
-
-@dataclass(frozen=True)
-class OursPolicy:
-    name: str = "ours"
-
-    def place(self, loads: torch.Tensor, num_ranks: int, num_redundant: int,
-              current: Placement | None = None) -> Placement:
-        return build_placement(loads, num_ranks, num_redundant, current=current)
-
-
-@dataclass(frozen=True)
-class OursHierarchicalPolicy:
-    """Ours, node-aware (hierarchy.py): expert groups whole on nodes, ours within each node.
-    Builds from scratch: `current` is ignored (align() within nodes saves the moves)."""
-
-    num_nodes: int = 4
-    num_groups: int = 8
-    name: str = "ours-hierarchical"
-
-    def place(self, loads: torch.Tensor, num_ranks: int, num_redundant: int,
-              current: Placement | None = None) -> Placement:
-        from moemesh.shared.eplb.hierarchy import build_hierarchical  # it builds on this module
-
-        return build_hierarchical(loads, num_ranks, num_redundant, num_nodes=self.num_nodes,
-                                  num_groups=self.num_groups)
-
-
-@dataclass(frozen=True)
-class DeepSeekPolicy:
-    """DeepSeek EPLB (reference.py): global when num_nodes == 1, else hierarchical."""
-
-    num_nodes: int = 1
-    num_groups: int = 1
-
-    @property
-    def name(self) -> str:
-        return "deepseek-global" if self.num_nodes == 1 else "deepseek-hierarchical"
-
-    def place(self, loads: torch.Tensor, num_ranks: int, num_redundant: int,
-              current: Placement | None = None) -> Placement:
-        return reference.rebalance(loads, num_ranks, num_redundant, num_nodes=self.num_nodes,
-                                   num_groups=self.num_groups)
-
-
-def get_policy(algorithm: str, *, num_nodes: int = 4, num_groups: int = 8) -> PlacementPolicy:
-    """Policy by CLI name: "ours", "ours-hierarchical", "deepseek-global" or "deepseek-hierarchical"."""
-    if algorithm == "ours":
-        return OursPolicy()
-    if algorithm == "ours-hierarchical":
-        return OursHierarchicalPolicy(num_nodes=num_nodes, num_groups=num_groups)
-    if algorithm == "deepseek-global":
-        return DeepSeekPolicy()
-    if algorithm == "deepseek-hierarchical":
-        return DeepSeekPolicy(num_nodes=num_nodes, num_groups=num_groups)
-    raise ValueError(f"unknown algorithm {algorithm!r}")
-
-
-def timed_place(policy: PlacementPolicy, loads: torch.Tensor, num_ranks: int, num_redundant: int,
-                current: Placement | None = None) -> tuple[Placement, float]:
-    """(placement, milliseconds of compute), timed on the calling thread's torch settings."""
-    start = time.perf_counter()
-    placement = policy.place(loads, num_ranks, num_redundant, current)
-    return placement, (time.perf_counter() - start) * 1e3

@@ -4,7 +4,7 @@ import torch
 from moemesh.shared.eplb import reference
 from moemesh.shared.eplb.grid import workload
 from moemesh.shared.eplb.hierarchy import build_hierarchical
-from moemesh.shared.eplb.policy import get_policy
+from moemesh.shared.eplb.policies import get_policy
 
 
 def _node_of_each_group(p, num_nodes, num_groups):

@@ -56,7 +56,7 @@ def run_place(args: argparse.Namespace) -> int:
 
     from moemesh.shared.eplb.align import align, moves_per_layer
     from moemesh.shared.eplb.placement import Placement, load_loads
-    from moemesh.shared.eplb.policy import get_policy, timed_place
+    from moemesh.shared.eplb.policies import get_policy, timed_place
 
     torch.set_num_threads(args.threads)
     try:
