@@ -13,28 +13,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moemesh.shared.model.config_fields import ConfigError, Getter, RopeConfig  # noqa: F401 (ConfigError: named here too)
+
 if TYPE_CHECKING:
     from moemesh.shared.model.v4.config import V4Config
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v4")
-
-
-class ConfigError(ValueError):
-    """A config.json that moemesh cannot serve; the message names the file and key."""
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    kind: str = "default"  # "default" or "yarn"
-    factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-    attention_factor: float | None = None
-    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -133,7 +117,7 @@ class ModelConfig:
             from moemesh.shared.model.v4.config import V4Config
 
             return V4Config.from_dict(raw, source)
-        g = _Getter(raw, source)
+        g = Getter(raw, source)
         is_v3 = mt == "deepseek_v3"
         n_experts = g.int("n_routed_experts", 0 if not is_v3 else None)
         eos = raw.get("eos_token_id", 1 if is_v3 else 2)
@@ -223,20 +207,3 @@ def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
         attention_factor=params.get("attention_factor"),
         truncate=bool(params.get("truncate", True)),
     )
-
-
-class _Getter:
-    def __init__(self, raw: dict[str, Any], source: str):
-        self.raw, self.source = raw, source
-
-    def int(self, key: str, default: int | None = None) -> int:
-        v = self.raw.get(key, default)
-        if v is None:
-            raise ConfigError(f"{self.source}: missing required key {key!r}")
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ConfigError(f"{self.source}: {key} must be a non-negative integer, got {v!r}")
-        return v
-
-    def opt_int(self, key: str) -> int | None:
-        v = self.raw.get(key)
-        return None if v is None else self.int(key)

@@ -18,7 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from moemesh.shared.model.config import ConfigError, RopeConfig, _Getter
+from moemesh.shared.model.config_fields import ConfigError, Getter, RopeConfig
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -130,7 +130,7 @@ class V4Config:
     # ---- parsing ----------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "V4Config":
-        g = _Getter(raw, source)
+        g = Getter(raw, source)
 
         def bad(msg: str) -> ConfigError:
             return ConfigError(f"{source}: {msg}")
