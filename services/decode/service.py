@@ -3,8 +3,9 @@
 Request lifecycle here:
 1. announced: KVReady arrives from a prefill worker, with the requests one of its steps
    finished for this worker; each is validated, and the reply names those refused.
-2. pulling: staging memory is reserved for all of them, a UCX receive is posted, KVPull
-   goes to the prefill worker, which sends their bytes as one message (kv_pull.py).
+2. receiving: staging memory is reserved for all of them and a UCX receive is posted
+   before the reply goes; the reply names it, and the prefill worker sends their bytes
+   as one message (kv_receiver.py).
 3. importing: each request's bytes are scattered into freshly allocated cache blocks
    (waiting for free blocks if needed); the staging range is freed after the last one.
 4. running: continuous batching; new tokens go to the gateway once per step.
@@ -29,14 +30,14 @@ import torch
 from opentelemetry import trace
 
 from moemesh.services.decode.config import DecodeConfig
-from moemesh.services.decode.kv_pull import Pull, PullBatch, finish, pull_kv
+from moemesh.services.decode.kv_receiver import KVReceiver, Pull, PullBatch
 from moemesh.shared.engine import fork_io
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.kv.spec import compatible
 from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
-    ALREADY_SERVED, Abort, Ack, ErrorReply, Heartbeat, KVReady, KVReadyReply, KVRelease, PrefillJob,
+    ALREADY_SERVED, Abort, Ack, ErrorReply, Heartbeat, KVReady, KVReadyReply, KVRelease, KVSendFailed, PrefillJob,
 )
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
@@ -70,6 +71,7 @@ class DecodeService(AsyncService):
         self.rt = WorkerRuntime(cfg, "decode", self._on_outputs, engine, transport,
                                 lambda: {"num_transfers": len(self.pulls), "requests_by_gateway": dict(self._gateways)})
         self.pulls: dict[str, Pull] = {}
+        self.receiver: KVReceiver | None = None  # once the transport is up (start)
         self.aborted = Tombstones()
         self.gateways = GatewayWatch(self._gateway_gone)
         self.active: dict[str, Active] = {}
@@ -87,7 +89,9 @@ class DecodeService(AsyncService):
         s = rt.subjects
         # Not a job subscription: a draining worker still takes the hand-off of a request that
         # was routed to it before it announced the drain (its prompt is already computed).
+        self.receiver = KVReceiver(rt.transport, rt.staging, self.cfg.transfer_timeout_s)
         await rt.sub(s.decode_kv_ready(rt.worker_id), KVReady, self._on_ready)
+        await rt.sub(s.decode_kv_failed(rt.worker_id), KVSendFailed, self._on_send_failed)
         if self.cfg.bench_dummy_kv:
             log.warning("BENCH MODE: requests to %s get a dummy KV cache instead of a prefill; outputs are "
                         "meaningless. Never use this for serving.", s.decode_bench_job(rt.worker_id))
@@ -144,9 +148,18 @@ class DecodeService(AsyncService):
                 self.pulls[rid] = pull
             batch.pulls.append(pull)
             off += item.nbytes
-        if batch.pulls:
-            rt.spawn(self._pull_and_import(batch), f"pull-{r.prefill_id}")
-        return KVReadyReply(refused)
+        if not batch.pulls:
+            return KVReadyReply(refused)
+        spans = self._transfer_spans(batch)
+        tag = self.receiver.post(batch)
+        rt.spawn(self._receive_and_import(batch, spans), f"receive-{r.prefill_id}")
+        if not tag:  # staging is full: nothing is to be sent, and the requests go the failure's way
+            return KVReadyReply(refused)
+        return KVReadyReply(refused, self.receiver.address, tag, [p.request_id for p in batch.pulls],
+                            [traceparent_of(sp) for sp in spans])
+
+    async def _on_send_failed(self, m: KVSendFailed, msg, ctx) -> None:
+        self.receiver.sender_failed(m.tag, f"{m.prefill_id}: {m.error}")
 
     def _refusal(self, request_id: str, sampling, output_ids: list[int]) -> str:
         try:
@@ -161,17 +174,21 @@ class DecodeService(AsyncService):
             return "aborted"
         return ""
 
-    async def _pull_and_import(self, batch: PullBatch) -> None:
-        rt, r = self.rt, batch.ready
-        spans = []
+    def _transfer_spans(self, batch: PullBatch) -> list[trace.Span]:
+        """A `kv.transfer` span per request, begun as the receive is posted: the prefill
+        worker's `kv.send` spans are their children (KVReadyReply.traceparents)."""
+        out = []
         for p in batch.pulls:
             act = self.active.get(p.request_id)
-            spans.append(rt.tracer.start_span(
+            out.append(self.rt.tracer.start_span(
                 "kv.transfer", context=trace.set_span_in_context(act.span) if act else None,
-                attributes={"kv.bytes": p.item.nbytes, "kv.blocks": p.item.num_blocks, "prefill.id": r.prefill_id,
-                            "kv.batch_requests": len(batch.pulls)}))
+                attributes={"kv.bytes": p.item.nbytes, "kv.blocks": p.item.num_blocks,
+                            "prefill.id": batch.ready.prefill_id, "kv.batch_requests": len(batch.pulls)}))
+        return out
+
+    async def _receive_and_import(self, batch: PullBatch, spans: list[trace.Span]) -> None:
         t0 = time.perf_counter()
-        await pull_kv(rt, batch, self.cfg.transfer_timeout_s, [traceparent_of(s) for s in spans])
+        await self.receiver.wait(batch)
         dt = time.perf_counter() - t0
         for span, p in zip(spans, batch.pulls):
             span.set_attribute("kv.seconds", dt)
@@ -266,7 +283,7 @@ class DecodeService(AsyncService):
         rt.loop.retry_each_step(attempt)
 
     def _drop_pull(self, pull: Pull) -> None:
-        finish(self.rt, pull)
+        KVReceiver.finish(pull)
         for rid in pull.request_ids:
             if self.pulls.get(rid) is pull:
                 del self.pulls[rid]

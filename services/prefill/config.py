@@ -10,7 +10,7 @@ class PrefillConfig(WorkerConfig):
     lease_timeout_s: float = 30.0  # held KV is freed if no decode worker pulls it by then
     kv_ready_timeout_s: float = 2.0
     # Fault injection for tests of the failure paths; never set in production.
-    # "drop": acknowledge a pull but send nothing; "error": refuse every pull.
+    # "drop": take a hand-off's reply but send nothing and say nothing; "error": fail every send.
     debug_kv_fault: str = ""
 
     def __post_init__(self):

@@ -7,16 +7,16 @@ Request lifecycle here:
 3. held: the first token is sampled. It goes straight to the gateway; the KV blocks
    stay allocated under a lease, and KVReady goes to the decode worker the gateway chose,
    one message for all the requests of a step that go there.
-4. pulled: the decode worker sends KVPull for them; their blocks are gathered end to end
-   into staging memory, sent over UCX as one message, and freed.
-   Or expired (no pull before the lease ends), or aborted: the blocks are freed.
+4. sent: the decode worker's reply has posted a receive for them; their blocks are
+   gathered end to end into staging memory, sent over UCX as one message (kv_sender.py),
+   and freed. Or refused, or no decode worker took them: the blocks are freed.
 
 A job of n > 1 (parallel sampling) is n requests here from the start, named and seeded
 by protocol/forks.py: each has its own state, span, first token, lease and hand-off, and
 is aborted on its own. Only the engine sees them as one prompt (engine/fork.py), which it
 computes once. The children held in one step move as one KVReadyItem under one lease
 (the first child's, the others its `forks`): the prompt's KV once, then the block each
-owns (engine/fork_io.py). The lease goes when it is pulled, or expires, or when every
+owns (engine/fork_io.py). The lease goes when it is sent, or expires, or when every
 child in it is aborted.
 """
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from opentelemetry import trace
 
 from moemesh.services.prefill.config import PrefillConfig
+from moemesh.services.prefill.kv_sender import KVSender
 from moemesh.services.prefill.leases import LeaseTable
 from moemesh.shared.engine import block_io, fork_io
 from moemesh.shared.engine.engine import RequestError
@@ -44,19 +45,18 @@ from moemesh.shared.protocol.messages import (
     Ack,
     ErrorReply,
     Heartbeat,
-    KVPull,
-    KVPullReply,
     KVFork,
     KVReady,
     KVReadyItem,
     KVReadyReply,
     KVRelease,
+    KVSendFailed,
     PrefillJob,
     WireSampling,
 )
-from moemesh.shared.kv.events import KVPeers, first_beat_wait_s
+from moemesh.shared.kv.events import KVPeers
 from moemesh.shared.service.lifecycle import AsyncService
-from moemesh.shared.service.nats_io import RemoteError, Unreachable, request
+from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request
 from moemesh.shared.service.gateway_watch import GatewayWatch
 from moemesh.shared.service.tombstones import Tombstones
 from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime
@@ -64,7 +64,6 @@ from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.transport.base import TransferError
 
 log = logging.getLogger(__name__)
-INLINE_EXPORT_BYTES = 1 << 20  # larger exports are copied on a thread, off the event loop
 
 
 def start_time_ns(stats: StepStats) -> int:
@@ -105,18 +104,20 @@ class PrefillService(AsyncService):
         self.gateways = GatewayWatch(self._gateway_gone)
         self.leases = LeaseTable(cfg.lease_timeout_s)
         self.peers = KVPeers("decode")  # decode workers, to vet the UCX addresses we send to
+        self.sender: KVSender | None = None  # once the transport is up (start)
         self._job_subs = []
 
     async def start(self) -> None:
         rt = self.rt
         await rt.start()
+        self.sender = KVSender(rt.engine, rt.kv_spec, rt.staging, rt.transport, self.peers,
+                               self.cfg.transfer_timeout_s, self.cfg.heartbeat_interval_s, self.cfg.debug_kv_fault)
         # A gateway is not silent because our own link to NATS is down.
         rt.bus.link.down.append(self.gateways.registry.hold)
         rt.bus.link.up.append(self.gateways.registry.resume)
         s = rt.subjects
         self._job_subs.append(await rt.sub(s.prefill_jobs, PrefillJob, self._on_job, queue=s.prefill_queue_group))
         self._job_subs.append(await rt.sub(s.prefill_direct(rt.worker_id), PrefillJob, self._on_job))
-        await rt.sub(s.kv_pull(rt.worker_id), KVPull, self._on_pull, concurrent=True)
         await rt.sub(s.kv_release(rt.worker_id), KVRelease, self._on_release)
         await rt.sub(s.abort, Abort, self._on_abort)
         await rt.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
@@ -281,8 +282,8 @@ class PrefillService(AsyncService):
 
     async def _hand_off(self, decode_id: str, group: list["Handoff"]) -> None:
         """Tell a decode worker that the KV of these requests (one step's, routed to it)
-        is ready to pull, in one message. If it has gone, or is draining, another live
-        decode worker takes them instead."""
+        is ready, in one message; its reply posts the receive, and the bytes go. If it has
+        gone, or is draining, another live decode worker takes them instead."""
         rt = self.rt
         ready = KVReady(rt.worker_id, rt.transport.address, rt.kv_spec.wire, [
             KVReadyItem(h.job.request_id, h.job.prompt_ids, h.output_ids, h.job.sampling, h.job.gateway_id,
@@ -290,10 +291,11 @@ class PrefillService(AsyncService):
                         [KVFork(f.job.request_id, f.output_ids, f.job.sampling, traceparent_of(f.span), f.draft_ids)
                          for f in h.forks])
             for h in group], self.cfg.lease_timeout_s)
+        for h in group:
+            h.lease.pulling = True  # held for the hand-off: an abort meanwhile frees it after
         others = [hb.worker_id for hb in self.peers.live("decode") if hb.worker_id != decode_id]
         err: Exception | None = None
-        refused: dict[str, str] = {}
-        taken_by = None
+        reply, taken_by = KVReadyReply(), None
         for candidate in [decode_id, *others]:
             if candidate != decode_id:
                 # The gateway takes a request's tokens only from the workers it knows serve
@@ -305,7 +307,7 @@ class PrefillService(AsyncService):
             try:
                 reply = await request(rt.nc, rt.subjects.decode_kv_ready(candidate), ready, KVReadyReply,
                                       self.cfg.kv_ready_timeout_s)
-                refused, taken_by = reply.refused, candidate
+                taken_by = candidate
                 break
             except Unreachable as e:
                 err = e
@@ -314,15 +316,18 @@ class PrefillService(AsyncService):
                 if e.reply.code != "unavailable":
                     break
             log.warning("decode worker %s did not take %d requests: %s", candidate, len(group), err)
+        sent = await self._send(taken_by, reply, group) if taken_by is not None and reply.tag else None
+        refused = reply.refused
         for h in group:
             for m in (h, *h.forks):
                 rid = m.job.request_id
                 if taken_by is not None and rid not in refused:
                     m.span.add_event("kv_ready_sent", {"decode.id": taken_by, "kv.bytes": h.lease.nbytes})
+                    if sent:
+                        m.span.add_event("kv_send_failed", {"error": sent})
                     m.span.end()
                     continue
                 why = refused.get(rid) or f"decode worker {decode_id} unavailable: {err}"
-                h.lease.live.discard(rid)
                 if why == ALREADY_SERVED:  # another copy of this job got there first: it is served
                     m.span.add_event("kv_ready_refused", {"reason": why})
                     m.span.end()
@@ -330,75 +335,44 @@ class PrefillService(AsyncService):
                 m.span.set_status(trace.StatusCode.ERROR, f"handoff failed: {why}")
                 m.span.end()
                 rt.tokens.add(m.job.gateway_id, rid, [], "error", why)
-            if not h.lease.live:  # nobody is to pull it
-                self._free_lease_soon(h.job.request_id)
+            self._free_lease_soon(h.job.request_id)  # sent, or nobody is to receive it
         await rt.tokens.flush()
 
-    # ---- KV pulls -----------------------------------------------------------------
+    async def _send(self, decode_id: str, reply: KVReadyReply, group: list["Handoff"]) -> str | None:
+        """The second leg: the bytes the reply posted a receive for. Returns None when
+        sent, else why not (told to the decode worker, whose receive then fails at once)."""
+        by_id = {h.job.request_id: h for h in group}
+        try:
+            if any(r not in by_id for r in reply.expect):
+                raise TransferError(f"the reply expects requests this hand-off does not hold: {reply.expect}")
+            spans = [self.rt.tracer.start_span("kv.send", context=extract_context({"traceparent": tp}),
+                                               attributes={"request.id": r, "kv.bytes": by_id[r].lease.nbytes})
+                     for r, tp in zip(reply.expect, reply.traceparents or [""] * len(reply.expect))]
+            try:
+                self.m_sent.inc(await self.sender.send(reply.address, reply.tag, [by_id[r].lease for r in reply.expect]))
+            except TransferError as e:
+                for sp in spans:
+                    sp.set_status(trace.StatusCode.ERROR, str(e))
+                raise
+            finally:
+                for sp in spans:
+                    sp.end()
+            return None
+        except TransferError as e:
+            log.warning("KV for %d requests not sent to %s: %s", len(reply.expect), decode_id, e)
+            try:
+                await publish(self.rt.nc, self.rt.subjects.decode_kv_failed(decode_id),
+                              KVSendFailed(self.rt.worker_id, reply.tag, str(e)))
+            except Exception as pe:  # the receive times out on its own
+                log.debug("KVSendFailed not sent: %s", pe)
+            return str(e)
+
+    # ---- peers, leases ----------------------------------------------------------------
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         if hb.role == "gateway":
             await self.gateways.on_heartbeat(hb, msg, ctx)
             return
         self.peers.observe(hb)
-
-    async def _on_pull(self, p: KVPull, msg, ctx) -> KVPullReply:
-        """Gather the requests' KV end to end into staging memory and send it as one
-        message. A request without a live lease keeps its range empty and is named in the
-        reply; the others still go."""
-        rt = self.rt
-        if not await self.peers.known_within(p.decode_address, first_beat_wait_s(self.cfg.heartbeat_interval_s)):
-            return KVPullReply(False, error="the pulling address belongs to no live decode worker")
-        if self.cfg.debug_kv_fault == "error":
-            return KVPullReply(False, error="injected fault")
-        leases, failed = [], {}
-        for item in p.items:
-            lease = self.leases.get(item.request_id, item.lease_id)
-            if lease is None:
-                failed[item.request_id] = f"no live lease {item.lease_id} for {item.request_id} (expired or released)"
-            elif item.nbytes != lease.nbytes:
-                failed[item.request_id] = f"size mismatch: lease holds {lease.nbytes} bytes, asked {item.nbytes}"
-            leases.append(lease if item.request_id not in failed else None)
-        total = p.nbytes
-        slot = rt.staging.alloc(total)
-        if slot is None:
-            for item, lease in zip(p.items, leases):
-                if lease is not None:
-                    self._free_lease_soon(item.request_id)
-            return KVPullReply(False, error="prefill staging memory is full")
-        spans = []
-        try:
-            engine, spec = rt.engine, rt.kv_spec
-            off = 0
-            for item, lease in zip(p.items, leases):
-                if lease is not None:
-                    lease.pulling = True
-                    spans.append(rt.tracer.start_span("kv.send", context=extract_context({"traceparent": item.traceparent}),
-                                                      attributes={"request.id": item.request_id, "kv.bytes": item.nbytes}))
-                    shape = spec.shape(lease.num_blocks, 1 + len(lease.forks))  # V4: a ring window per child
-                    dst = slot.part(off, item.nbytes).typed(spec.dtype, shape)
-                    # A held request's blocks are never written by a step, so the copy runs beside
-                    # the engine, not between its steps: a pull never waits behind a long prefill.
-                    # A small one is cheaper here than a thread's round trip.
-                    if item.nbytes <= INLINE_EXPORT_BYTES:
-                        _export(engine, lease, dst)
-                    else:
-                        await asyncio.to_thread(_export, engine, lease, dst)
-                off += item.nbytes
-            if self.cfg.debug_kv_fault != "drop":
-                await rt.transport.send(p.decode_address, slot.buffer(), p.tag, self.cfg.transfer_timeout_s)
-            self.m_sent.inc(total)
-            return KVPullReply(True, total, failed=failed)
-        except (TransferError, KeyError) as e:
-            for span in spans:
-                span.set_status(trace.StatusCode.ERROR, str(e))
-            return KVPullReply(False, error=str(e))
-        finally:
-            for span in spans:
-                span.end()
-            rt.staging.free(slot)
-            for item, lease in zip(p.items, leases):
-                if lease is not None:
-                    self._free_lease_soon(item.request_id)
 
     async def _on_release(self, r: KVRelease, msg, ctx) -> Ack:
         if self.leases.get(r.request_id, r.lease_id) is not None:
@@ -452,13 +426,6 @@ class PrefillService(AsyncService):
                 st.span.add_event("aborted", {"reason": a.reason})
                 st.span.end()
                 await self.rt.loop.call(lambda e, r=rid: e.abort(r))
-
-
-def _export(engine, lease, dst) -> None:
-    if lease.forks:
-        fork_io.export(engine, lease.request_ids, dst)
-    else:
-        engine.export_kv(lease.job.request_id, dst)
 
 
 def _children(job: PrefillJob, params) -> list[PrefillJob]:

@@ -108,7 +108,7 @@ class KVFork:
 @dataclass
 class KVReady:
     """The requests whose prompts one prefill step finished, for one decode worker: it
-    pulls their KV in one transfer."""
+    takes their KV in one transfer, posted before it replies (KVReadyReply)."""
     prefill_id: str
     prefill_address: bytes  # UCX worker address of the prefill worker
     layout: KVLayout
@@ -124,35 +124,23 @@ ALREADY_SERVED = "already served here"
 
 @dataclass
 class KVReadyReply:
+    """What the decode worker took, and where their bytes go: a receive posted under `tag`
+    at `address` (its UCX worker address) for the KV of the items named in `expect`, laid
+    end to end in that order. No tag: nothing is to be sent."""
     refused: dict[str, str] = field(default_factory=dict)  # request id -> why it was not taken
+    address: bytes = b""
+    tag: int = 0
+    expect: list[str] = field(default_factory=list)  # items' request ids, in the order of their bytes
+    traceparents: list[str] = field(default_factory=list)  # per expected item: its receive's span
 
 
 @dataclass
-class KVPullItem:
-    request_id: str
-    lease_id: int
-    nbytes: int
-    traceparent: str = ""  # the request's transfer span on the decode worker
-
-
-@dataclass
-class KVPull:
-    """Send the KV of these requests as one message, laid end to end in item order."""
-    items: list[KVPullItem]
-    decode_address: bytes
+class KVSendFailed:
+    """A prefill worker will not send the bytes a KVReady's reply posted a receive for
+    (tag): the decode worker fails that receive now rather than at its timeout."""
+    prefill_id: str
     tag: int
-
-    @property
-    def nbytes(self) -> int:
-        return sum(i.nbytes for i in self.items)
-
-
-@dataclass
-class KVPullReply:
-    ok: bool
-    nbytes: int = 0
-    error: str = ""
-    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its range holds nothing
+    error: str
 
 
 @dataclass

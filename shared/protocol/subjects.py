@@ -5,7 +5,7 @@
 | {p}.prefill.jobs   (queue group prefill)| request/reply | gateway -> prefill| PrefillJob (Ack)                  |
 | {p}.decode.{worker}.kv_ready            | request/reply | prefill -> decode | KVReady (KVReadyReply)            |
 | {p}.decode.{worker}.bench_job           | request/reply | gateway -> decode | PrefillJob (Ack), bench mode only |
-| {p}.prefill.{worker}.kv.pull            | request/reply | decode -> prefill | KVPull (KVPullReply)              |
+| {p}.decode.{worker}.kv_failed           | publish       | prefill -> decode | KVSendFailed (a KVReady's bytes)  |
 | {p}.prefill.{worker}.kv.release         | request/reply | decode -> prefill | KVRelease (Ack)                   |
 | {p}.gateway.{gateway}.tokens.{worker}   | publish       | workers -> gateway| TokenBatch, one per step          |
 | {p}.requests.abort                      | publish       | gateway -> all    | Abort                             |
@@ -74,8 +74,8 @@ class Subjects:
     def decode_bench_job(self, worker: str) -> str:
         return f"{self.prefix}.decode.{worker}.bench_job"
 
-    def kv_pull(self, worker: str) -> str:
-        return f"{self.prefix}.prefill.{worker}.kv.pull"
+    def decode_kv_failed(self, worker: str) -> str:
+        return f"{self.prefix}.decode.{worker}.kv_failed"
 
     def kv_release(self, worker: str) -> str:
         return f"{self.prefix}.prefill.{worker}.kv.release"

@@ -75,12 +75,12 @@ class KVParts:
 
 
 class KVSharing:
-    def __init__(self, rt: KVParts, metrics: Metrics):
-        self.rt = rt
-        self.spec = rt.kv_spec
+    def __init__(self, parts: KVParts, metrics: Metrics):
+        self.parts = p = parts
+        self.spec = p.kv_spec
         self.peers = KVPeers()
         self.events = KVEventPublisher(lambda stored, removed: publish(
-            rt.nc, rt.subjects.kv_events(rt.worker_id), KVEvents(rt.worker_id, rt.role, self.spec.identity, stored, removed)))
+            p.nc, p.subjects.kv_events(p.worker_id), KVEvents(p.worker_id, p.role, self.spec.identity, stored, removed)))
         self._pushed: OrderedDict[bytes, None] = OrderedDict()
         self.pulled_tokens = 0  # prompt tokens whose KV came from a peer or the store
         m = metrics
@@ -88,17 +88,17 @@ class KVSharing:
         self.c_bytes = m.counter("kv_share_bytes_total", "KV block bytes moved", ("direction",))
 
     async def start(self) -> None:
-        rt, s = self.rt, self.rt.subjects
-        rt.loop.after_step.append(self._drain)
-        await rt.bus.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
-        await rt.bus.sub(s.kv_snapshot(rt.worker_id), KVSnapshotRequest, self._on_snapshot)
+        p, s = self.parts, self.parts.subjects
+        p.loop.after_step.append(self._drain)
+        await p.bus.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
+        await p.bus.sub(s.kv_snapshot(p.worker_id), KVSnapshotRequest, self._on_snapshot)
         # Concurrent: one fetch that waits (on a send, or for its fetcher's first beat)
         # holds up no other; staging memory bounds how many send at once.
-        await rt.bus.sub(s.kv_fetch(rt.worker_id), KVFetch, self._on_fetch, concurrent=True)
-        rt.spawn(self.events.run(), "kv-events")
+        await p.bus.sub(s.kv_fetch(p.worker_id), KVFetch, self._on_fetch, concurrent=True)
+        p.spawn(self.events.run(), "kv-events")
 
     def _drain(self) -> None:
-        self.events.add(*self.rt.engine.blocks.drain_events())
+        self.events.add(*self.parts.engine.blocks.drain_events())
 
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         self.peers.observe(hb)
@@ -108,66 +108,66 @@ class KVSharing:
             self._drain()
             return list(e.blocks._block_of)
 
-        hashes = await self.rt.loop.call(snap)
-        return KVEvents(self.rt.worker_id, self.rt.role, self.spec.identity, hashes, reset=True)
+        hashes = await self.parts.loop.call(snap)
+        return KVEvents(self.parts.worker_id, self.parts.role, self.spec.identity, hashes, reset=True)
 
     # ---- serving peers --------------------------------------------------------------------
     async def _on_fetch(self, f: KVFetch, msg, ctx) -> KVFetchReply:
-        rt, spec = self.rt, self.spec
+        p, spec = self.parts, self.spec
         why = "" if f.depth_only else spec.why_not_blocks(len(f.hashes), f.nbytes)
         if not why and f.layout is not None and not (c := compatible(spec, f.layout)):
             why = f"incompatible KV layout: {c.reason}"
         if why:
             return KVFetchReply(False, why)
         if f.depth_only:
-            return KVFetchReply(True, num_blocks=await rt.loop.call(lambda e: block_io.depth(e, f.hashes)))
+            return KVFetchReply(True, num_blocks=await p.loop.call(lambda e: block_io.depth(e, f.hashes)))
         # A worker that just started may fetch before its first beat reached us.
-        if not await self.peers.known_within(f.address, first_beat_wait_s(rt.cfg.heartbeat_interval_s)):
+        if not await self.peers.known_within(f.address, first_beat_wait_s(p.cfg.heartbeat_interval_s)):
             return KVFetchReply(False, "the fetching address belongs to no live worker")
-        blocks = await rt.loop.call(lambda e: block_io.acquire_exact(e, f.hashes))
+        blocks = await p.loop.call(lambda e: block_io.acquire_exact(e, f.hashes))
         if blocks is None:
             return KVFetchReply(False, "not all blocks (V4: and the snapshot at their end) are cached here any more")
-        slot = rt.staging.alloc(f.nbytes)
+        slot = p.staging.alloc(f.nbytes)
         if slot is None:
-            await rt.loop.call(lambda e: block_io.release_exact(e, blocks, f.hashes))
+            await p.loop.call(lambda e: block_io.release_exact(e, blocks, f.hashes))
             return KVFetchReply(False, "staging memory is full")
         try:
             out = slot.typed(spec.dtype, spec.block_shape(len(blocks)))
             # Referenced blocks and pinned snapshots are not written by steps: copy beside the
             # engine, not between steps.
-            sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, out, f.hashes)
-            await rt.loop.call(lambda e: block_io.release_exact(e, blocks, f.hashes))
+            sums = await asyncio.to_thread(block_io.gather, p.engine, blocks, out, f.hashes)
+            await p.loop.call(lambda e: block_io.release_exact(e, blocks, f.hashes))
             blocks = []
-            await rt.transport.send(f.address, slot.buffer(), f.tag, rt.cfg.transfer_timeout_s)
+            await p.transport.send(f.address, slot.buffer(), f.tag, p.cfg.transfer_timeout_s)
             self.c_bytes.labels("sent").inc(f.nbytes)
             return KVFetchReply(True, checksums=sums)
         except TransferError as e:
             return KVFetchReply(False, str(e))
         finally:
             if blocks:
-                await rt.loop.call(lambda e: block_io.release_exact(e, blocks, f.hashes))
-            rt.staging.free(slot)
+                await p.loop.call(lambda e: block_io.release_exact(e, blocks, f.hashes))
+            p.staging.free(slot)
 
     # ---- pulling ----------------------------------------------------------------------------
     async def acquire_prompt_prefix(self, hashes: list[bytes], sources: list[KVSource]) -> list[int]:
         """Blocks holding the longest prefix of `hashes` we can get: our own cache first,
         then the best source. References are held; they go to the request."""
-        rt = self.rt
-        local = await rt.loop.call(lambda e: block_io.acquire_prefix(e, hashes))
-        self.c_hit.labels("local").inc(len(local) * rt.engine.cfg.block_size)
+        p = self.parts
+        local = await p.loop.call(lambda e: block_io.acquire_prefix(e, hashes))
+        self.c_hit.labels("local").inc(len(local) * p.engine.cfg.block_size)
         best, n = await self._best_source(hashes, len(local), sources)
         if best is None:
             return local
         pulled = await self._pull(best, hashes[len(local) : n], len(local))
         if pulled:
-            self.pulled_tokens += len(pulled) * rt.engine.cfg.block_size
-            self.c_hit.labels("remote").inc(len(pulled) * rt.engine.cfg.block_size)
+            self.pulled_tokens += len(pulled) * p.engine.cfg.block_size
+            self.c_hit.labels("remote").inc(len(pulled) * p.engine.cfg.block_size)
         return local + pulled
 
     async def _best_source(self, hashes: list[bytes], have: int, sources: list[KVSource]) -> tuple[str | None, int]:
         """The holder to pull from and how deep (in blocks of `hashes`) it serves."""
-        rt = self.rt
-        cands = [s for s in sources if s.num_blocks > have and s.holder_id != rt.worker_id]
+        p = self.parts
+        cands = [s for s in sources if s.num_blocks > have and s.holder_id != p.worker_id]
         if not cands:
             return None, have
         if not self.spec.hybrid:
@@ -179,37 +179,37 @@ class KVSharing:
         return (holder, have + d) if d else (None, have)
 
     async def _depth(self, holder: str, hashes: list[bytes]) -> int:
-        rt = self.rt
-        ask = KVFetch(hashes, rt.transport.address, 0, 0, self.spec.wire, snapshot=True, depth_only=True)
+        p = self.parts
+        ask = KVFetch(hashes, p.transport.address, 0, 0, self.spec.wire, snapshot=True, depth_only=True)
         try:
-            reply = await request(rt.nc, rt.subjects.kv_fetch(holder), ask, KVFetchReply, rt.cfg.transfer_timeout_s)
+            reply = await request(p.nc, p.subjects.kv_fetch(holder), ask, KVFetchReply, p.cfg.transfer_timeout_s)
         except (Unreachable, RemoteError) as e:
             log.info("asking %s how much of a prefix it holds failed: %s", holder, e)
             return 0
         return min(reply.num_blocks, len(hashes)) if reply.ok else 0
 
     async def _pull(self, holder: str, hashes: list[bytes], first_block: int) -> list[int]:
-        rt, spec = self.rt, self.spec
-        new = await rt.loop.call(lambda e: block_io.allocate(e, len(hashes)))
+        p, spec = self.parts, self.spec
+        new = await p.loop.call(lambda e: block_io.allocate(e, len(hashes)))
         if not new:
             return []
-        rx = StagedReceive(rt.transport, rt.staging, spec.blocks_nbytes(len(hashes)))
+        rx = StagedReceive(p.transport, p.staging, spec.blocks_nbytes(len(hashes)))
         ok = False
         try:
             async def ask(tag: int) -> KVFetchReply:
-                reply = await request(rt.nc, rt.subjects.kv_fetch(holder),
-                                      KVFetch(hashes, rt.transport.address, tag, rx.nbytes, spec.wire,
+                reply = await request(p.nc, p.subjects.kv_fetch(holder),
+                                      KVFetch(hashes, p.transport.address, tag, rx.nbytes, spec.wire,
                                               snapshot=spec.hybrid), KVFetchReply,
-                                      rt.cfg.transfer_timeout_s)
+                                      p.cfg.transfer_timeout_s)
                 if not reply.ok:
                     raise TransferError(reply.error)
                 return reply
 
-            reply = await rx.run(ask, rt.cfg.transfer_timeout_s)
+            reply = await rx.run(ask, p.cfg.transfer_timeout_s)
             buf = rx.slot.typed(spec.dtype, spec.block_shape(len(hashes)))
             if block_io.checksums(buf, spec.block_numel if spec.hybrid else 0, len(hashes)) != reply.checksums:
                 raise TransferError("checksum mismatch: treating the blocks as a miss")
-            await rt.loop.call(lambda e: block_io.scatter_and_register(e, new, hashes, buf, first_block))
+            await p.loop.call(lambda e: block_io.scatter_and_register(e, new, hashes, buf, first_block))
             self.c_bytes.labels("received").inc(rx.nbytes)
             ok = True
             return new
@@ -218,7 +218,7 @@ class KVSharing:
             return []
         finally:
             if not ok:
-                await rt.loop.call(lambda e: block_io.release(e, new))
+                await p.loop.call(lambda e: block_io.release(e, new))
             rx.release()
 
     # ---- pushing to the store -----------------------------------------------------------------
@@ -231,11 +231,11 @@ class KVSharing:
         if not self.spec.hybrid:  # V4: which snapshot goes with them is known only in _push
             hashes = [h for h in hashes if h not in self._pushed]
         if hashes and self.store_id() is not None:
-            self.rt.spawn(self._push(hashes), "kv-push")
+            self.parts.spawn(self._push(hashes), "kv-push")
 
     async def _push(self, hashes: list[bytes]) -> None:
-        rt, spec = self.rt, self.spec
-        held = await rt.loop.call(lambda e: block_io.acquire_deepest(e, hashes))
+        p, spec = self.parts, self.spec
+        held = await p.loop.call(lambda e: block_io.acquire_deepest(e, hashes))
         if not held:
             return
         hashes = hashes[: len(held)]
@@ -248,19 +248,19 @@ class KVSharing:
                 if first == len(hashes) - 1 and {hashes[-1], snapshot_key(hashes[-1])} <= self._pushed.keys():
                     return
             blocks, offered = held[first:], hashes[first:]
-            slot = rt.staging.alloc(spec.blocks_nbytes(len(blocks)))
+            slot = p.staging.alloc(spec.blocks_nbytes(len(blocks)))
             if slot is None:
                 return
             buf = slot.typed(spec.dtype, spec.block_shape(len(blocks)))
             # The copy runs beside the engine, so offering blocks to the store never delays a step.
-            sums = await asyncio.to_thread(block_io.gather, rt.engine, blocks, buf, offered)
-            await rt.loop.call(lambda e: block_io.release_exact(e, held, hashes))
+            sums = await asyncio.to_thread(block_io.gather, p.engine, blocks, buf, offered)
+            await p.loop.call(lambda e: block_io.release_exact(e, held, hashes))
             held = []
             snap = spec.carry_numel * spec.dtype.itemsize if spec.hybrid else 0
-            put = KVPut(rt.worker_id, offered, sums, slot.nbytes, spec.identity, snapshot_nbytes=snap)
-            reply = await request(rt.nc, rt.subjects.kv_store_put, put, KVPutReply, rt.cfg.transfer_timeout_s)
+            put = KVPut(p.worker_id, offered, sums, slot.nbytes, spec.identity, snapshot_nbytes=snap)
+            reply = await request(p.nc, p.subjects.kv_store_put, put, KVPutReply, p.cfg.transfer_timeout_s)
             if reply.ok and any(reply.wanted) and self.peers.knows(reply.address):
-                await rt.transport.send(reply.address, slot.buffer(), reply.tag, rt.cfg.transfer_timeout_s)
+                await p.transport.send(reply.address, slot.buffer(), reply.tag, p.cfg.transfer_timeout_s)
                 self.c_bytes.labels("pushed").inc(slot.nbytes)
             for h in offered + ([snapshot_key(offered[-1])] if snap else []):
                 self._pushed[h] = None
@@ -270,6 +270,6 @@ class KVSharing:
             log.debug("KV push to the store failed: %s", e)  # the store is optional: recompute later
         finally:
             if held:
-                await rt.loop.call(lambda e: block_io.release_exact(e, held, hashes))
+                await p.loop.call(lambda e: block_io.release_exact(e, held, hashes))
             if slot is not None:
-                rt.staging.free(slot)
+                p.staging.free(slot)

@@ -28,7 +28,7 @@ from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPull, KVPullItem, KVPullReply, KVPut, KVPutReply,
+    Abort, Ack, ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPut, KVPutReply,
     KVReady, KVReadyItem, KVReadyReply, PrefillJob, RebalanceReply, RebalanceRequest, WireSampling, WorkerLoad,
 )
 from moemesh.shared.protocol.subjects import Subjects
@@ -62,9 +62,10 @@ async def _wait_ready(url: str, timeout: float = 30.0) -> None:
 
 
 @asynccontextmanager
-async def mesh(nats_url: str, model: str, tmp: Path, engines=None, **worker):
+async def mesh(nats_url: str, model: str, tmp: Path, engines=None, prefill_only=None, decode_only=None, **worker):
     """Prefill, decode and a gateway on this event loop, the KV moving over loopback.
-    engines: (prefill engine, decode engine) built already; else from the config."""
+    engines: (prefill engine, decode engine) built already; else from the config.
+    prefill_only, decode_only: settings of one role (worker: both roles')."""
     prefix = f"t{next(_prefixes)}"
     hub = LoopbackHub()
     trace = tmp / f"{prefix}-trace.jsonl"
@@ -73,9 +74,9 @@ async def mesh(nats_url: str, model: str, tmp: Path, engines=None, **worker):
     pre_engine, dec_engine = engines or (None, None)
     async with AsyncExitStack() as stack:
         pre = await stack.enter_async_context(PrefillService(
-            PrefillConfig(worker_id="prefill-t", **common), pre_engine, lambda: LoopbackTransport(hub)))
+            PrefillConfig(worker_id="prefill-t", **common, **(prefill_only or {})), pre_engine, lambda: LoopbackTransport(hub)))
         dec = await stack.enter_async_context(DecodeService(
-            DecodeConfig(worker_id="decode-t", **common), dec_engine, lambda: LoopbackTransport(hub)))
+            DecodeConfig(worker_id="decode-t", **common, **(decode_only or {})), dec_engine, lambda: LoopbackTransport(hub)))
         gw = await stack.enter_async_context(GatewayService(GatewayConfig(
             nats_url=nats_url, model=model, subject_prefix=prefix, served_model_name="tiny", port=0,
             worker_id="gw-t", trace_file=str(trace))))
@@ -230,12 +231,11 @@ def test_client_disconnect_mid_stream_frees_kv_on_both_workers(nats_url, tiny_mo
 
 @pytest.mark.parametrize("subject_of", [
     lambda m: f"{m.prefix}.prefill.jobs",
-    lambda m: f"{m.prefix}.prefill.prefill-t.kv.pull",
     lambda m: f"{m.prefix}.prefill.prefill-t.kv.release",
     lambda m: f"{m.prefix}.decode.decode-t.kv_ready",
     lambda m: f"{m.prefix}.worker.decode-t.stats",
     lambda m: f"{m.prefix}.gateway.gw-t.tokens.decode-t",
-], ids=["jobs", "kv_pull", "kv_release", "kv_ready", "stats", "tokens"])
+], ids=["jobs", "kv_release", "kv_ready", "stats", "tokens"])
 def test_malformed_nats_messages_get_an_error_and_services_keep_serving(nats_url, tiny_model, tmp_path, subject_of):
     async def go():
         async with mesh(nats_url, tiny_model, tmp_path, engine="mock", mock_step_ms=1.0) as m:
@@ -254,22 +254,41 @@ def test_malformed_nats_messages_get_an_error_and_services_keep_serving(nats_url
     asyncio.run(go())
 
 
-def test_a_pull_naming_an_unknown_address_is_refused_not_fatal(nats_url, tiny_model, tmp_path):
+def test_a_send_to_an_unknown_address_is_refused_not_fatal():
     """UCX aborts a process given a malformed worker address; the prefill worker must
-    never hand one to its transport, and must keep serving."""
+    never hand one to its transport: a hand-off reply naming an address no live decode
+    worker has is refused before anything is gathered or sent."""
+    from moemesh.services.prefill.kv_sender import KVSender
+    from moemesh.shared.kv.events import KVPeers
+    from moemesh.shared.transport.base import TransferError
+
+    class Transport:
+        sent = 0
+
+        async def send(self, *a):
+            self.sent += 1
+
+    t = Transport()
+    sender = KVSender(None, None, None, t, KVPeers("decode"), 1.0, heartbeat_interval_s=0.01)
+    with pytest.raises(TransferError, match="no live decode worker"):
+        asyncio.run(sender.send(b"\x00garbage-address", 5, []))
+    assert t.sent == 0
+
+
+def test_a_send_that_fails_fails_its_receive_at_once(nats_url, tiny_model, tmp_path):
+    """A prefill worker that cannot send a hand-off's bytes says so (KVSendFailed): the
+    decode worker recomputes the prompt at once, long before its transfer timeout (600 s
+    here, against the client's 60)."""
 
     async def go():
-        async with mesh(nats_url, tiny_model, tmp_path, engine="mock", mock_step_ms=1.0) as m:
-            nc = await nats.connect(m.nats_url)
-            try:
-                reply = await request(nc, Subjects(m.prefix).kv_pull("prefill-t"),
-                                      KVPull([KVPullItem("r-x", 1, 64)], b"\x00garbage-address", 5), KVPullReply, 10)
-            finally:
-                await nc.close()
-            assert not reply.ok and "no live decode worker" in reply.error
-            async with httpx.AsyncClient(timeout=30) as c:
-                r = await c.post(m.url + "/v1/completions", json={"model": "tiny", "prompt": "alive?", "max_tokens": 3})
-            assert r.status_code == 200
+        async with mesh(nats_url, tiny_model, tmp_path, engine="mock", mock_step_ms=1.0,
+                        prefill_only={"debug_kv_fault": "error"},
+                        decode_only={"transfer_timeout_s": 600.0, "on_transfer_failure": "recompute"}) as m:
+            async with httpx.AsyncClient(timeout=60) as c:
+                r = await c.post(m.url + "/v1/completions", json={"model": "tiny", "prompt": "resent", "max_tokens": 4,
+                                                                  "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+            assert not m.decode.pulls and m.prefill.rt.staging.bytes_used == m.decode.rt.staging.bytes_used == 0
 
     asyncio.run(go())
 

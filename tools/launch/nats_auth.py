@@ -52,12 +52,11 @@ def permissions(w: WorkerName, prefix: str = "mm") -> Permissions:
                 f"{p}.kv.{me}.snapshot",
                 f"{p}.kv.{me}.fetch", *(f"{p}.eplb.{inst}.{x}" for x in ("plan", "commit", "abort")), inbox]
         if w.role == "prefill":
-            own.append(f"{p}.decode.*.kv_ready")
-            mine[:0] = [f"{p}.prefill.jobs", f"{p}.prefill.{me}.jobs", f"{p}.prefill.{me}.kv.pull",
-                        f"{p}.prefill.{me}.kv.release"]
+            own += [f"{p}.decode.*.kv_ready", f"{p}.decode.*.kv_failed"]
+            mine[:0] = [f"{p}.prefill.jobs", f"{p}.prefill.{me}.jobs", f"{p}.prefill.{me}.kv.release"]
         else:
-            own += [f"{p}.prefill.*.kv.pull", f"{p}.prefill.*.kv.release"]
-            mine[:0] = [f"{p}.decode.{me}.kv_ready", f"{p}.decode.{me}.bench_job"]
+            own.append(f"{p}.prefill.*.kv.release")
+            mine[:0] = [f"{p}.decode.{me}.kv_ready", f"{p}.decode.{me}.kv_failed", f"{p}.decode.{me}.bench_job"]
         return Permissions(tuple(own), tuple(mine), True)
     if w.role == "balancer":  # only the balancer moves experts: plan, commit and abort are its alone
         return Permissions(
