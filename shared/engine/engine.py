@@ -21,7 +21,8 @@ The engine owns its parts and composes them; none of them holds the engine:
   the fork of n > 1 children.
 - handoff.py: a held request's KV out as one buffer, a prefilled request's in.
 - prefix_cache.py: full blocks registered under their hashes, V4 boundary snapshots.
-- speculative.py: the whole step. planned_step.py and spec_overlap.py: planned steps.
+- speculative.py: the whole step. planned_step.py and spec_overlap.py: planned steps
+  (spec_overlap's plan and land are functions of the engine, not a part of it).
 Admission and hand-off run per request, this file per step.
 """
 
