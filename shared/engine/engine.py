@@ -15,8 +15,15 @@ schedule -> forward -> verify -> draft in one call (speculative.py). Roles:
   blocks out as one contiguous buffer and release() frees them.
 - decode: add_prefilled() imports such a buffer and continues decoding.
 
-Admission (add_request, abort, the fork of n > 1 children) is in admission.py, the
-prefill -> decode hand-off in handoff.py: both run per request, this file per step.
+The engine owns its parts and composes them; none of them holds the engine:
+- scheduler.py: the waiting and running queues, what each step computes.
+- admission.py: the requests by id, from add_request to their finish, hold or abort;
+  the fork of n > 1 children.
+- handoff.py: a held request's KV out as one buffer, a prefilled request's in.
+- prefix_cache.py: full blocks registered under their hashes, V4 boundary snapshots.
+- speculative.py: the whole step. planned_step.py and spec_overlap.py: planned steps
+  (spec_overlap's plan and land are functions of the engine, not a part of it).
+Admission and hand-off run per request, this file per step.
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ from dataclasses import replace
 import torch
 
 from moemesh.shared.checkpoint.loader import load_model
-from moemesh.shared.grammar.compile import GrammarError
 from moemesh.shared.engine.admission import Admission
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.config import EngineConfig
@@ -44,14 +50,16 @@ from moemesh.shared.engine.hybrid_cache import HybridKVCache
 from moemesh.shared.engine.kv_cache import KVCache
 from moemesh.shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
 from moemesh.shared.engine.planned_step import BLOCKED, Blocked, PlannedStep, next_step_id, run
-from moemesh.shared.protocol.prefix_hash import chain, kv_identity
+from moemesh.shared.engine.prefix_cache import PrefixCache
+from moemesh.shared.protocol.prefix_hash import kv_identity
+from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.engine.block_table import BlockTables
 from moemesh.shared.engine.runner import Chunk, Padding, build_batch
-from moemesh.shared.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from moemesh.shared.engine.snapshots import SnapshotCache, boundary
+from moemesh.shared.engine.scheduler import Scheduler, SchedulerConfig
+from moemesh.shared.engine.snapshots import SnapshotCache
 from moemesh.shared.engine import spec_overlap
-from moemesh.shared.engine.speculative import speculative_step
-from moemesh.shared.engine.sequence import PLACEHOLDER, FinishReason, Sequence, SeqStatus
+from moemesh.shared.engine.speculative import WholeStep
+from moemesh.shared.engine.sequence import PLACEHOLDER, Sequence, SeqStatus, StopRule
 from moemesh.shared.model.batch import ForwardBatch
 from moemesh.shared.model.deepseek import DeepseekForCausalLM
 from moemesh.shared.model.v4.model import DeepseekV4ForCausalLM
@@ -61,7 +69,7 @@ log = logging.getLogger(__name__)
 __all__ = ["BLOCKED", "Blocked", "LLMEngine", "NoCapacity", "RequestError"]
 
 
-class LLMEngine(Admission, KVHandoff):
+class LLMEngine:
     def __init__(self, cfg: EngineConfig, model: DeepseekForCausalLM | None = None, lockstep: bool = False):
         """lockstep: every step runs the model, with an empty batch if need be, and a
         fixed number of MTP passes, as expert-parallel ranks must (collectives)."""
@@ -105,15 +113,18 @@ class LLMEngine(Admission, KVHandoff):
         width = min(self.blocks.blocks_for(self.max_model_len + self.num_spec + 1), 512)
         self.tables = BlockTables(cfg.max_num_seqs, width)
         self.row_keys = bool(getattr(self.model, "wants_row_keys", False))  # the mock's draft head asks
+        bs, device, batcher, tables, keys = cfg.block_size, self.device, self.batcher, self.tables, self.row_keys
+
+        def build(chunks: list[Chunk], pad: Padding | None = None) -> ForwardBatch:
+            return build_batch(chunks, bs, device, batcher, pad, tables, keys)
+
         self.kv_identity = kv_identity(mcfg.identity(), cfg.block_size, cfg.dtype)
         sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.num_spec)
         self.scheduler = Scheduler(sched_cfg, self.blocks, self.snapshots)
-        self.seqs: dict[str, Sequence] = {}
-        self.held: dict[str, Sequence] = {}
-        self._parent_of: dict[str, str] = {}  # child request id -> its parent's, until the fork
         self.eos_ids = set(mcfg.eos_token_ids)
         self._eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
-        self.graphs = self._decode_graphs()
+        self.stop_reason = StopRule(frozenset(self.eos_ids), self.max_model_len)
+        self.graphs = self._decode_graphs(build)
         self.overlap_mtp = False  # set below, once the engine is whole
         self.drafter = Drafter(self.model, self.kv.forward_arg, cfg.block_size, self.num_spec, self.max_model_len,
                                self.device, lockstep, self.draft_batcher, self.tables, self.row_keys)
@@ -122,24 +133,27 @@ class LLMEngine(Admission, KVHandoff):
         self.num_accepted_total = 0
         self.num_prompt_tokens_total = 0
         self.num_cached_tokens_total = 0  # prompt tokens whose KV came from the prefix cache
-        # Structured output: the running requests with a grammar, by id. Empty (the common
-        # case) means a step does no grammar work at all.
         self.grammar = GrammarRuntime(cfg.model, mcfg.vocab_size, self.eos_ids)
-        self.constrained: dict[str, Sequence] = {}
+        self.prefix = PrefixCache(self.blocks, self.kv_identity, self.snapshots,
+                                  self.kv.layout.ahead if self.hybrid else 0)
+        self.admission = Admission(self.scheduler, self.blocks, self.prefix, self.grammar,
+                                   max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                                   vocab_size=mcfg.vocab_size, num_spec=self.num_spec, hybrid=self.hybrid,
+                                   role=cfg.role, draft_budget=self.drafter.budget)
+        self.handoff = KVHandoff(self.kv, self.blocks, cfg.torch_dtype)
+        self.whole = WholeStep(self.model, self.kv, build, self.scheduler, self.blocks, self.admission, self.prefix,
+                               self.drafter, self.grammar, self.stop_reason, num_spec=self.num_spec,
+                               lockstep=lockstep, role=cfg.role)
         self.overlap_mtp = spec_overlap.eligible(self)
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """The decode path of fixed shapes (decode_graphs.py); None: off."""
+    def _decode_graphs(self, build) -> DecodeGraphs | None:
+        """The decode path of fixed shapes (decode_graphs.py); None: off. build(chunks,
+        pad): the engine's batch of chunks."""
         mode = self.cfg.decode_graphs
         capture = mode == "on" or (mode == "auto" and self.device.type == "cuda")
         if mode == "off" or (mode == "auto" and not capture) \
                 or not isinstance(self.model, (DeepseekForCausalLM, DeepseekV4ForCausalLM)):
             return None
-        bs, device, batcher, tables, keys = self.cfg.block_size, self.device, self.batcher, self.tables, self.row_keys
-
-        def build(chunks: list[Chunk], pad: Padding) -> ForwardBatch:
-            return build_batch(chunks, bs, device, batcher, pad, tables, keys)
-
         graphs = DecodeGraphs(self.model, self.kv.forward_arg, build, self.kv.scratch_block,
                               getattr(self.kv, "scratch_ring", -1), self.cfg.max_num_seqs, self.max_model_len, capture)
         if capture:
@@ -197,30 +211,116 @@ class LLMEngine(Admission, KVHandoff):
     def load(self) -> tuple[int, int, int, int, int]:
         """(running, waiting, free blocks, total blocks, tokens still to generate).
         Call only while no step is running."""
-        outstanding = sum(max(0, s.params.max_tokens - s.num_output_tokens) for s in self.seqs.values())
+        outstanding = sum(max(0, s.params.max_tokens - s.num_output_tokens) for s in self.admission.seqs.values())
         return (len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.num_free_blocks,
                 self.blocks.num_blocks, outstanding)
 
     def pending_prompt_tokens(self) -> int:
         """Prompt tokens admitted but not yet computed. Call only between steps."""
-        return sum(max(0, s.num_prompt_tokens - s.num_computed) for s in self.seqs.values())
+        return sum(max(0, s.num_prompt_tokens - s.num_computed) for s in self.admission.seqs.values())
+
+    # ---- requests: admission.py, handoff.py ---------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.admission.check_request(prompt_ids, params)
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, output_ids: list[int] = (),
+        cached_blocks: list[int] = (), forks: list[tuple[str, SamplingParams]] = (),
+    ) -> None:
+        """See Admission.add_request."""
+        self.admission.add_request(request_id, prompt_ids, params, output_ids, cached_blocks, forks)
+
+    def abort(self, request_id: str) -> bool:
+        """A request, a parent (with its children), one child of a parent not forked yet,
+        or a held request."""
+        return self.admission.abort(request_id)
+
+    def export_kv(self, request_id: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The held request's computed prefix as one buffer of kv_shape(n_blocks)."""
+        return self.handoff.export(self.admission.held[request_id], out)
+
+    def kv_shape(self, n_blocks: int, num_carries: int = 1) -> tuple[int, ...]:
+        return self.handoff.shape(n_blocks, num_carries)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.handoff.dtype
+
+    def held_sequence(self, request_id: str) -> Sequence:
+        return self.admission.held[request_id]
+
+    def held_drafts(self, request_id: str) -> list[int]:
+        """The MTP drafts proposed for a held request's first decode step, to hand off with
+        its KV: they come from its last prompt position's hidden state, which only this
+        engine has (empty without MTP)."""
+        self.drafter.resolve()
+        return list(self.admission.held[request_id].draft_ids)
+
+    def release(self, request_id: str) -> bool:
+        return self.admission.release(request_id)
+
+    def can_import(self, num_prompt_tokens: int) -> bool:
+        return self.handoff.can_import(num_prompt_tokens)
+
+    def add_prefilled(
+        self, request_id: str, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams, kv: torch.Tensor,
+        draft_ids: list[int] = (),
+    ) -> None:
+        """Continue a request whose prompt KV was computed elsewhere. token_ids = prompt
+        plus the tokens sampled there (at least the first). draft_ids: the MTP drafts the
+        prefill side proposed after the last of them (held_drafts), for the first step to
+        verify; those past this engine's num_spec or the request's budget are dropped."""
+        self.admission.check_prefilled(request_id, token_ids, num_prompt_tokens, params, draft_ids)
+        block_ids, ring = self.handoff.import_(num_prompt_tokens, kv)
+        self.admission.run_prefilled(request_id, token_ids, num_prompt_tokens, params, block_ids, ring, draft_ids)
+
+    # The request tables, read by tests and benches between steps.
+    @property
+    def seqs(self) -> dict[str, Sequence]:
+        return self.admission.seqs
+
+    @property
+    def held(self) -> dict[str, Sequence]:
+        return self.admission.held
+
+    @property
+    def constrained(self) -> dict[str, Sequence]:
+        return self.admission.constrained
+
+    @property
+    def _parent_of(self) -> dict[str, str]:
+        return self.admission.parent_of
+
+    def live_constrained(self) -> list[Sequence]:
+        return self.admission.live_constrained()
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if not self.can_overlap or self.lockstep:  # a lockstep rank on its own: every step runs
-            return speculative_step(self)
+            return self.whole_step()
         plan = self.plan_step()
         if plan is None:
             return []
         if plan is spec_overlap.WHOLE:
-            return speculative_step(self)
+            return self.whole_step()
         with torch.inference_mode():
             self.run_step(plan)
         return request_outputs(self.land_step(plan))
 
     def whole_step(self) -> list[RequestOutput]:
-        """An MTP step that spec_overlap does not take, run whole (plan_step said WHOLE)."""
-        return speculative_step(self)
+        """A step run whole (speculative.py): an MTP step that spec_overlap does not take
+        (plan_step said WHOLE), or any step where steps do not overlap."""
+        outputs, st = self.whole.step()
+        self._account(st)
+        return outputs
+
+    def _account(self, st: StepStats) -> None:
+        """A finished step's stats become the last, its counts join the totals."""
+        self.last_stats = st
+        self.num_drafted_total += st.num_drafted
+        self.num_accepted_total += st.num_accepted
+        self.num_prompt_tokens_total += st.num_prompt_tokens
+        self.num_cached_tokens_total += st.num_cached_tokens
 
     def empty_step(self) -> "PlannedStep | spec_overlap.MTPStep":
         """A lockstep rank's planned step without work (plan_step said None): its forward
@@ -252,8 +352,8 @@ class LLMEngine(Admission, KVHandoff):
         step.stats = st
         sid = step.step_id
         if self.snapshots is not None:  # before a fork takes the parent's ring
-            step.restores = self._restores(chunks)
-            step.snapshots = self._snapshot_plan(chunks, [(c.start + c.q_len,) * 2 for c in chunks])
+            step.restores = self.prefix.restores(chunks)
+            step.snapshots = self.prefix.snapshot_plan(chunks, [(c.start + c.q_len,) * 2 for c in chunks])
         seqs, slots, params, rows = step.seqs, step.slots, step.params, []
         fill_rows, fill_from, register, forked = [], [], [], []
         bs = self.cfg.block_size
@@ -272,7 +372,7 @@ class LLMEngine(Admission, KVHandoff):
             if seq.forks:  # a parent samples nothing; once at P-1 it forks, and child 0 registers
                 forked += [rid for rid, _ in seq.forks]  # a worker's view: its children were scheduled
                 if end == seq.num_tokens - 1:
-                    children = self._fork(seq)
+                    children = self.admission.fork(seq)
                     step.ring_copies += ring_copies(children)
                     if register and register[-1][0] is seq:
                         register[-1] = (children[0], end)
@@ -294,10 +394,10 @@ class LLMEngine(Admission, KVHandoff):
             step.fill_rows = torch.tensor(fill_rows, dtype=torch.long, device=self.device)
             step.fill_from = torch.tensor(fill_from, dtype=torch.long, device=self.device)
         if any(p.seed is not None for p in params):
-            step.generators = [self._gen_at(s, slot) for s, slot in zip(seqs, slots)]
+            step.generators = [s.generator_at(slot) for s, slot in zip(seqs, slots)]
         if any(p.logprobs is not None for p in params):
             step.logprobs = [p.logprobs for p in params]
-        if self.constrained:
+        if self.admission.constrained:
             step.grammar = self.grammar_rows(sid)
         step.prev = inflight
         step.register = register
@@ -318,23 +418,14 @@ class LLMEngine(Admission, KVHandoff):
         if sched.empty:
             self.last_stats = st
             return None
-        return st, [self._chunk(s) for s in sched.scheduled]
-
-    def stop_reason(self, p, token: int, n_out: int, n_tokens: int) -> FinishReason | None:
-        """Why a request ends on `token`, its n_out-th output with n_tokens tokens in all
-        then; None: it goes on. p: its SamplingParams."""
-        if n_out >= p.min_tokens and ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
-            return FinishReason.STOP
-        if n_out >= p.max_tokens or n_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return st, [s.chunk() for s in sched.scheduled]
 
     def run_step(self, step: PlannedStep, before_wait=None) -> None:
         """The device part (forward, logits, sampling). Safe on another thread while the
         host plans or lands other steps; call it under torch.inference_mode(), which the
         device thread enters once. before_wait: see planned_step.run."""
         if isinstance(step, spec_overlap.MTPStep):
-            spec_overlap.run(step, self.model, self.kv.forward_arg, self._gen_at, before_wait)
+            spec_overlap.run(step, self.model, self.kv.forward_arg, before_wait)
             return
         run(step, self.model, self.kv.forward_arg, before_wait, self.graphs if step.chunks else None)
 
@@ -348,7 +439,9 @@ class LLMEngine(Admission, KVHandoff):
         """Write the step's sampled ids into its sequences, check stops, finish and hold
         requests. Host only: call after run_step has returned."""
         if isinstance(step, spec_overlap.MTPStep):
-            return spec_overlap.land(self, step)
+            out = spec_overlap.land(self, step)
+            self._account(step.stats)
+            return out
         t0 = time.perf_counter()
         st = step.stats
         toks = step.sampled.tolist() if step.seqs else []
@@ -360,15 +453,16 @@ class LLMEngine(Admission, KVHandoff):
             for seq, slot, t in zip(seqs, slots, toks):
                 if slot < len(seq.token_ids):
                     seq.token_ids[slot] = t
+        register = self.prefix.register
         for seq, end in step.register:
             if seq.status is SeqStatus.RUNNING:
-                self._register(seq, end)
+                register(seq, end)
         if step.release:  # the children's copies of their parent's tail block are made
             self.blocks.free(step.release)
         if step.restores:
-            self._unpin(step.restores)
+            self.prefix.unpin(step.restores)
         if step.snapshots:
-            self._file_snapshots(step.snapshots)
+            self.prefix.file_snapshots(step.snapshots)
         out = StepOutputs([s.request_id for s in seqs], toks,
                           positions=[slot - s.num_prompt_tokens for s, slot in zip(seqs, slots)])
         live = [s.status is SeqStatus.RUNNING for s in seqs]
@@ -379,7 +473,7 @@ class LLMEngine(Admission, KVHandoff):
         st.forward_s, st.logits_s, st.sample_s = step.forward_s, step.logits_s, step.sample_s
         st.forward_s += st.logits_s  # the LM head is model compute, not sampling
         st.total_s = st.schedule_s + st.prepare_s + step.forward_s + step.sample_s + st.land_s
-        self.last_stats = st
+        self._account(st)
         return out
 
     def _ends(self, step: PlannedStep, toks: list[int]) -> list[int]:
@@ -414,136 +508,29 @@ class LLMEngine(Admission, KVHandoff):
         extra = Finished(0)
         if slot == seq.num_prompt_tokens:  # its prompt is done (once for a parent's children)
             if not seq.fork_index:
-                self.num_prompt_tokens_total += seq.num_prompt_tokens
-                self.num_cached_tokens_total += seq.num_cached_tokens
+                step.stats.num_prompt_tokens += seq.num_prompt_tokens
+                step.stats.num_cached_tokens += seq.num_cached_tokens
             extra.num_prompt_tokens, extra.num_cached_tokens = seq.num_prompt_tokens, seq.num_cached_tokens
         if step.token_logprobs is not None and step.token_logprobs[i] is not None:
             extra.logprobs = [step.token_logprobs[i]]
         reason = self.stop_reason(p, t, n_out, slot + 1)
         if reason is not None:
             del seq.token_ids[slot + 1 :]  # a placeholder of the step in flight
-            self.scheduler.finish(seq, reason)
+            self.admission.finish(seq, reason)
             extra.finish_reason = reason
             if self.blocks.enable_caching:
                 extra.block_hashes = seq.block_hashes[: seq.num_registered]
-            self.seqs.pop(seq.request_id, None)
         elif self.cfg.role == "prefill":
-            self.scheduler.detach(seq)
-            self.seqs.pop(seq.request_id, None)
-            self.held[seq.request_id] = seq
+            self.admission.hold(seq)
             extra.prefill_done = True
         if reason is None and not extra.prefill_done and not extra.logprobs and not extra.num_prompt_tokens:
             return None
         return extra
 
     # ---- structured output (grammar.py) ---------------------------------------------------
-    def _matcher(self, seq: Sequence):
-        """A request's grammar state, fed the tokens it has generated (None: no grammar)."""
-        if seq.params.grammar is None:
-            return None
-        try:
-            return self.grammar.matcher(seq.params.grammar, seq.output_ids)
-        except GrammarError as e:
-            raise RequestError(f"response_format: {e}", "response_format") from None
-
     def grammar_rows(self, step_id: int) -> GrammarRows | None:
         """The constrained rows that the planned step step_id samples. Walks the
         constrained requests only."""
-        rows = [(seq.sample_row, seq.matcher) for seq in self.live_constrained() if seq.sample_step == step_id]
+        rows = [(seq.sample_row, seq.matcher) for seq in self.admission.live_constrained()
+                if seq.sample_step == step_id]
         return GrammarRows(self.grammar, rows) if rows else None
-
-    def live_constrained(self) -> list[Sequence]:
-        """The constrained requests that may still sample here; forgets those that are
-        over (finished, or held for a pull: a held request samples nothing more here)."""
-        live = []
-        for rid, seq in list(self.constrained.items()):
-            if seq.status is SeqStatus.FINISHED or seq.status is SeqStatus.HELD:
-                del self.constrained[rid]
-            else:
-                live.append(seq)
-        return live
-
-    def _last_slot(self, seq: Sequence) -> int:
-        n_out = 1 if self.cfg.role == "prefill" else seq.params.max_tokens
-        return min(seq.num_prompt_tokens + n_out, self.max_model_len) - 1
-
-    def _gen_at(self, seq: Sequence, slot: int) -> torch.Generator | None:
-        if seq.params.seed is None:
-            return None
-        return torch.Generator().manual_seed((seq.params.seed * 1_000_003 + slot - seq.num_prompt_tokens)
-                                             & (2**63 - 1))
-
-    def _chunk(self, s: ScheduledSeq) -> Chunk:
-        seq = s.seq
-        if s.num_new_tokens == 1 and not s.num_draft_tokens:
-            return Chunk(seq, seq.num_computed, [seq.token_ids[seq.num_computed]])
-        n_real = s.num_new_tokens - s.num_draft_tokens
-        ids = seq.token_ids[seq.num_computed : seq.num_computed + n_real] + seq.draft_ids[: s.num_draft_tokens]
-        return Chunk(seq, seq.num_computed, ids)
-
-    def _register(self, seq: Sequence, through: int | None = None, pending: list[int] = ()) -> None:
-        """Put the sequence's newly completed full blocks into the prefix cache. through:
-        positions computed (default num_computed); `pending`: tokens whose KV is computed
-        but that are not in seq.token_ids yet."""
-        if not self.blocks.enable_caching:
-            return
-        n_full = (seq.num_computed if through is None else through) // self.cfg.block_size
-        if n_full <= seq.num_registered:
-            return
-        tokens = seq.token_ids + list(pending) if pending else seq.token_ids
-        seq.block_hashes = chain(tokens, self.cfg.block_size, self.kv_identity, n_full, seq.block_hashes)
-        for i in range(seq.num_registered, n_full):
-            self.blocks.register(seq.block_ids[i], seq.block_hashes[i])
-        seq.num_registered = n_full
-
-    # ---- V4 boundary snapshots (snapshots.py) ---------------------------------------------
-    def _restores(self, chunks: list[Chunk]) -> list[tuple[int, int, bytes]]:
-        """(snapshot, ring, hash) copies that must precede this step's forward: sequences
-        that start on a cached prefix. The snapshots stay pinned until the step has run
-        (`_unpin`): an operation between steps may take any unpinned snapshot ring."""
-        out = []
-        for c in chunks:
-            seq = c.seq
-            if seq.restore_ring >= 0:
-                out.append((seq.restore_ring, seq.ring, seq.restore_hash))
-                seq.restore_ring, seq.restore_hash = -1, b""
-        return out
-
-    def _unpin(self, restores: list[tuple[int, int, bytes]]) -> None:
-        for _, _, h in restores:
-            self.snapshots.unpin(h)
-
-    def _snapshot_plan(self, chunks: list[Chunk], ends: list[tuple[int, int]],
-                       rings: list[int] | None = None) -> list[tuple[int, int, Sequence, int]]:
-        """(ring, snapshot ring, sequence, boundary) copies to make after this step.
-        ends: per chunk, positions computed and ring rows written up to (drafts included)."""
-        out, bs, ahead = [], self.cfg.block_size, self.kv.layout.ahead
-        for i, (c, (end, write_end)) in enumerate(zip(chunks, ends)):
-            b = boundary(c.start, end, write_end, bs, ahead)
-            if b and (dst := self.snapshots.take()) is not None:
-                out.append((c.seq.ring if rings is None else rings[i], dst, c.seq, b))
-        return out
-
-    def _file_snapshots(self, snaps: list[tuple[int, int, Sequence, int]]) -> None:
-        """Snapshots taken: kept under the hash of the block ending at their boundary when
-        that block is cached, else given back."""
-        bs = self.cfg.block_size
-        for _, dst, seq, b in snaps:
-            i = b // bs - 1
-            h = seq.block_hashes[i] if i < len(seq.block_hashes) else b""
-            if not h or not self.blocks.lookup([h]):
-                self.snapshots.give(dst)
-                continue
-            if not self.snapshots.put(h, dst, b):
-                continue
-            if b in seq.snap_targets:
-                seq.snap_targets.remove(b)
-            else:  # the newest boundary of its decode: it supersedes the one before
-                if seq.latest_snap:
-                    self.snapshots.demote(seq.latest_snap)
-                seq.latest_snap = h
-
-    def _gen(self, seq: Sequence) -> torch.Generator | None:
-        # Keyed by output position, so a seeded request draws the same numbers whether it
-        # is sampled here or on another worker, and however it was batched.
-        return self._gen_at(seq, seq.num_tokens)

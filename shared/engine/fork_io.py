@@ -74,7 +74,7 @@ def add(engine: LLMEngine, children: list[tuple[str, list[int], SamplingParams, 
         raise RequestError(f"KV buffer has shape {tuple(kv.shape)}, {want} expected for {m} children")
     live = [c for c in children if c[0] not in skip]
     for rid, toks, params, drafts in live:
-        engine.check_prefilled(rid, toks, num_prompt_tokens, params, drafts)
+        engine.admission.check_prefilled(rid, toks, num_prompt_tokens, params, drafts)
         if toks[:num_prompt_tokens] != live[0][1][:num_prompt_tokens]:
             raise RequestError("children moved together must share their prompt")
     if len({c[0] for c in live}) < len(live):
@@ -97,7 +97,7 @@ def add(engine: LLMEngine, children: list[tuple[str, list[int], SamplingParams, 
         if i:
             engine.blocks.share(shared)
         try:
-            engine.run_prefilled(rid, toks, num_prompt_tokens, params, list(shared) + [tail], ring, drafts)
+            engine.admission.run_prefilled(rid, toks, num_prompt_tokens, params, list(shared) + [tail], ring, drafts)
         except RequestError:  # its references went back with it; the children after it hold none on `shared`
             _give_back(engine, tails[i + 1 :], rings[i + 1 :])
             # All or none: the caller fails every child, so the ones started must not run on unseen.

@@ -87,6 +87,10 @@ class StepStats:
     host_exposed_s: float | None = None
     num_drafted: int = 0
     num_accepted: int = 0
+    # Prompts this step completed: their tokens, and those of them found in the prefix
+    # cache (a parent's children count their prompt once).
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     scheduled: list[str] = field(default_factory=list)  # request ids computed in this step
 

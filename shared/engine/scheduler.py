@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from moemesh.shared.engine.block_manager import BlockManager
+from moemesh.shared.engine.runner import Chunk
 from moemesh.shared.engine.sequence import FinishReason, SeqStatus, Sequence
 from moemesh.shared.engine.snapshots import SnapshotCache, targets
 
@@ -58,6 +59,15 @@ class ScheduledSeq:
     @property
     def start(self) -> int:
         return self.seq.num_computed
+
+    def chunk(self) -> Chunk:
+        """What the step computes of it: its next tokens, then the drafts it verifies."""
+        seq = self.seq
+        if self.num_new_tokens == 1 and not self.num_draft_tokens:
+            return Chunk(seq, seq.num_computed, [seq.token_ids[seq.num_computed]])
+        n_real = self.num_new_tokens - self.num_draft_tokens
+        ids = seq.token_ids[seq.num_computed : seq.num_computed + n_real] + seq.draft_ids[: self.num_draft_tokens]
+        return Chunk(seq, seq.num_computed, ids)
 
 
 @dataclass

@@ -37,6 +37,23 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+@dataclass(frozen=True, slots=True)
+class StopRule:
+    """Why a request ends on a token; one rule for every kind of step."""
+
+    eos_ids: frozenset[int]
+    max_model_len: int
+
+    def __call__(self, p: SamplingParams, token: int, n_out: int, n_tokens: int) -> FinishReason | None:
+        """The reason a request ends on `token`, its n_out-th output with n_tokens tokens
+        in all then; None: it goes on. p: its SamplingParams."""
+        if n_out >= p.min_tokens and ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
+            return FinishReason.STOP
+        if n_out >= p.max_tokens or n_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+
 @dataclass
 class Sequence:
     request_id: str
@@ -111,3 +128,12 @@ class Sequence:
     def in_decode(self) -> bool:
         """All tokens but the newest are cached: the next step computes one token."""
         return self.num_computed == self.num_tokens - 1 and self.num_output_tokens > 0
+
+    def generator_at(self, slot: int) -> torch.Generator | None:
+        """A seeded request's generator for the token at index `slot` of token_ids; None
+        unseeded. Keyed by output position, so a seeded request draws the same numbers
+        whether it is sampled here or on another worker, and however it was batched."""
+        if self.params.seed is None:
+            return None
+        return torch.Generator().manual_seed((self.params.seed * 1_000_003 + slot - self.num_prompt_tokens)
+                                             & (2**63 - 1))

@@ -43,7 +43,7 @@ from moemesh.shared.engine import host_copy, sampler
 from moemesh.shared.engine.outputs import RequestOutput, StepOutputs, StepStats, step_outputs
 from moemesh.shared.engine.planned_step import BLOCKED
 from moemesh.shared.engine.runner import Chunk, build_batch
-from moemesh.shared.engine.sequence import PLACEHOLDER, SeqStatus
+from moemesh.shared.engine.sequence import PLACEHOLDER, SeqStatus, StopRule
 from moemesh.shared.engine.spec_decode import verify_tensors
 from moemesh.shared.model.batch import ForwardBatch
 from moemesh.shared.protocol.sampling import SamplingParams
@@ -52,7 +52,7 @@ from moemesh.shared.protocol.sampling import SamplingParams
 
 
 class Whole:
-    """plan()'s answer for a step that must run whole (speculative_step): nothing in
+    """plan()'s answer for a step that must run whole (speculative.WholeStep): nothing in
     flight, and a chunk this path does not take."""
 
 
@@ -107,7 +107,7 @@ def plan(eng: "LLMEngine", inflight: MTPStep | None, step_id: int):
     t0 = time.perf_counter()
     if inflight is None:
         eng.drafter.resolve()  # a whole step's drafts, still pending: their ids, now
-    if eng.constrained and eng.live_constrained() and inflight is not None:
+    if eng.admission.constrained and eng.admission.live_constrained() and inflight is not None:
         return BLOCKED  # a grammar's rows run whole
     got = eng.schedule_chunks(inflight is None)
     if got is None or got is BLOCKED:
@@ -124,7 +124,6 @@ def plan(eng: "LLMEngine", inflight: MTPStep | None, step_id: int):
                    [prev_index.get(id(c.seq), -1) for c in chunks], st)
     for c in chunks:
         seq = c.seq
-        nd = c.q_len - 1
         # The worst case: every draft accepted, then the target's token.
         seq.num_computed = c.start + c.q_len
         seq.token_ids += [PLACEHOLDER] * c.q_len
@@ -149,10 +148,9 @@ def empty(eng, step_id: int) -> MTPStep:
     return MTPStep([], batch, step_id, [], [], [], eng.cfg.block_size, stats=StepStats())
 
 
-def run(step: MTPStep, model, kv, gen_at, before_wait=None) -> None:
+def run(step: MTPStep, model, kv, before_wait=None) -> None:
     """The device part: settle the step before's outcome into this step's rows, forward,
-    verify, draft, then wait once. gen_at(seq, position) -> a seeded request's generator
-    there.
+    verify, draft, then wait once.
 
     Verification and the draft pass are queued device work (verify_tensors reads nothing
     back): the one wait reads the outcome, as a plain step's reads its sampled ids."""
@@ -173,7 +171,7 @@ def run(step: MTPStep, model, kv, gen_at, before_wait=None) -> None:
     rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
     at = (rows_t[:, None] + 1 + torch.arange(K, device=dev)).clamp(max=max(T - 1, 0))
     draft_ids = batch.input_ids[at]  # [C, K]: each row's drafts (settled), past them ignored
-    gens = [gen_at(seq, start - sh + 1) if not p.greedy else None
+    gens = [seq.generator_at(start - sh + 1) if not p.greedy else None
             for (seq, start), sh, p in zip(step.seeded, step.shift, step.params)]
     accepted, bonus = verify_tensors(logits, rows, step.num_drafts, draft_ids, step.params, gens)
     # The MTP pass over the step's rows: each row's input is the next position's token.
@@ -237,7 +235,8 @@ def _settle(step: MTPStep, prev: MTPStep, batch: ForwardBatch) -> None:
 
 def land(eng: "LLMEngine", step: MTPStep) -> StepOutputs:
     """Write what the step accepted into its sequences (host; after run has returned).
-    The step planned after it (in flight now, if any) moves back with it."""
+    The step planned after it (in flight now, if any) moves back with it. Its stats are
+    step.stats, for the engine to add up."""
     t0 = time.perf_counter()
     st = step.stats
     nxt, step.next = step.next, None
@@ -245,6 +244,7 @@ def land(eng: "LLMEngine", step: MTPStep) -> StepOutputs:
     drafts = step.next_drafts
     outputs: list[RequestOutput] = []
     k = eng.num_spec
+    register, stop, admission = eng.prefix.register, eng.stop_reason, eng.admission
     for i, c in enumerate(step.chunks):
         seq = c.seq
         if seq.hold_step == step.step_id:
@@ -264,8 +264,8 @@ def land(eng: "LLMEngine", step: MTPStep) -> StepOutputs:
         n = later.get(id(seq))
         if n is not None:
             n.start -= back
-        eng._register(seq, through=start + 1 + a)
-        emitted, reason = _stops(eng, seq, start, toks)
+        register(seq, through=start + 1 + a)
+        emitted, reason = _stops(stop, seq, start, toks)
         lp = None
         if seq.params.logprobs is not None:
             lp = sampler.logprobs_of(step.logits[c.row : c.row + len(toks)], torch.tensor(toks),
@@ -274,30 +274,26 @@ def land(eng: "LLMEngine", step: MTPStep) -> StepOutputs:
                             position=start + 1 - seq.num_prompt_tokens)
         if reason is not None:
             del seq.token_ids[start + 1 + len(emitted) :]
-            eng.scheduler.finish(seq, reason)
+            admission.finish(seq, reason)
             out.finished, out.finish_reason = True, reason
             if eng.blocks.enable_caching:
                 out.block_hashes = seq.block_hashes[: seq.num_registered]
-            eng.seqs.pop(seq.request_id, None)
         elif n is None:  # not in the step in flight: its drafts are read, as a whole step leaves them
             seq.draft_ids = [drafts[i]][: min(k, eng.drafter.budget(seq))]
         outputs.append(out)
-    eng.num_drafted_total += st.num_drafted
-    eng.num_accepted_total += st.num_accepted
     st.land_s = time.perf_counter() - t0
     # Verification and the draft pass run on the device thread after the device's step:
     # the part the next step waits for is its exposed host time, not this step's forward.
     st.forward_s, st.sample_s, st.draft_s = step.forward_s, 0.0, step.sample_s
     st.total_s = st.schedule_s + st.prepare_s + step.forward_s + step.sample_s + st.land_s
-    eng.last_stats = st
     return step_outputs(outputs)
 
 
-def _stops(eng: "LLMEngine", seq, start: int, toks: list[int]):
+def _stops(stop: StopRule, seq, start: int, toks: list[int]):
     """(the tokens emitted, the finish reason or None), by the engine's stop rule, on
     token_ids that already hold them."""
     for j, t in enumerate(toks):
-        reason = eng.stop_reason(seq.params, t, start + 2 + j - seq.num_prompt_tokens, start + 2 + j)
+        reason = stop(seq.params, t, start + 2 + j - seq.num_prompt_tokens, start + 2 + j)
         if reason is not None:
             return toks[: j + 1], reason
     return toks, None
