@@ -25,6 +25,8 @@ from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 TIMED_OUT = "timed_out"
 DISCONNECTED = "disconnected"
+GAP = -1  # Handle.put: a row before this one went missing; it waits for the resend that fills the gap
+REFUSED = -2  # Handle.put: the sender does not serve the request
 
 
 class Handle:
@@ -72,6 +74,40 @@ class Handle:
             return
         self.closed = True
         self._on_close(self.request_id, abort)
+
+    def put(self, worker_id: str, ids: list[int], start: int, n: int, pos: int, now: float) -> int:
+        """The one rule of what a stream takes from a worker's token row: n ids from
+        ids[start], the first at output position pos (a worker that does not number its rows:
+        pass next_pos, and they are taken as they come). Only a worker that serves the
+        request is heard: the prefill worker it went to, or the decode worker it was handed
+        to. Of a row sent again, only the ids the stream lacks are taken. Returns how many
+        ids were new, GAP or REFUSED."""
+        if worker_id != self.decode_id and worker_id != self.prefill_id:
+            return REFUSED
+        want = self.next_pos
+        if pos == want:  # the common case
+            if n == 1:
+                self.ids.append(ids[start])
+            elif n:
+                self.ids += ids[start : start + n]
+            else:
+                return 0
+            new = n
+        elif pos > want:
+            return GAP if n else 0  # a row without ids shows no gap
+        else:
+            new = pos + n - want
+            if new <= 0:
+                return 0
+            self.ids += ids[start + n - new : start + n]
+        self.next_pos = pos + n
+        self.last_seen = now
+        w = self._waiter  # wake(), inline: this runs once per token
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+        return new
 
     def wake(self, why: object = None) -> None:
         w = self._waiter
