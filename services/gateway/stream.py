@@ -10,6 +10,10 @@ aborted on the workers (a stop string, the inactivity timeout, the client gone).
 
 Nothing here runs per token but the detokenizer and the event's bytes: no task, no
 queue and no timer per token. A stream that falls behind gets several events per write.
+
+A request's group is what its reader waits on and closes: its Handle for n = 1 (a group
+of one), its Choices for n > 1. Both answer handles, wait, close, closed, cached_tokens
+and decode_id alike, so one response writer (choices.py) serves every n.
 """
 
 from __future__ import annotations
@@ -152,6 +156,11 @@ class Handle:
     @property
     def ready(self) -> bool:
         return bool(self.ids) or self.finish is not None
+
+    @property
+    def handles(self) -> list[Handle]:
+        """As Choices.handles: a request of n = 1 is the group of its one handle."""
+        return [self]
 
     def watch(self, fut: asyncio.Future | None) -> None:
         """Wake `fut` when something arrives: the one wait of a request's n handles (Choices)."""
