@@ -20,7 +20,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 from opentelemetry import trace
@@ -72,42 +72,19 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette):
         provider = setup_tracing("moemesh-gateway", cfg.trace_file or None, cfg.otlp_endpoint or None)
-        tok = Tokenizer(cfg.model)
-        mcfg = ModelConfig.from_dir(cfg.model)
-        metrics = Metrics(const_labels={"model_name": cfg.model_name})
-        mesh = MeshClient(cfg, gateway_id, metrics)
-        await mesh.start()
-        max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        st = GatewayState(cfg, mesh, tok, max_model_len, get_tracer(provider, "moemesh.gateway", root=True), metrics,
-                          mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len,
-                                                            cfg.max_n))
-        st.m = {
-            "requests": metrics.counter("requests_total", "HTTP requests by route and status",
-                                        ("route", "status")),
-            "ttft": metrics.histogram("ttft_seconds", "time to first token", buckets=REQUEST_LATENCY_BUCKETS),
-            "e2e": metrics.histogram("request_seconds", "request latency, end to end", buckets=REQUEST_LATENCY_BUCKETS),
-            "itl": metrics.histogram("inter_token_latency_seconds",
-                                     "a streamed request's mean gap between tokens after the first (one per request)"),
-            "tokens": metrics.counter("output_tokens_total", "tokens streamed to clients"),
-            "inflight": metrics.gauge("inflight_requests", "admitted requests in flight"),
-        }
+        st = await _start(cfg, gateway_id, provider)
         app.state.gw = st
         if cfg.decode_only_bench:
             log.warning("BENCH MODE: decode-only; requests skip prefill and get dummy KV. Outputs are meaningless.")
         if not api_keys and cfg.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("no API keys set and listening on %s: the API is open to anyone who can reach it", cfg.host)
-        metrics_http = None
-        if separate_metrics:
-            metrics_http = MetricsServer(metrics, lambda: {"status": "ok", **_readiness(st)},
-                                         cfg.metrics_host, cfg.metrics_port)
-            await metrics_http.start()
-            log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, metrics_http.port)
+        metrics_http = await _serve_metrics(st) if separate_metrics else None
         try:
             yield {"gw": st}
         finally:
             if metrics_http is not None:
                 await metrics_http.close()
-            await mesh.close()
+            await st.mesh.close()
             shutdown_tracing(provider)
 
     return Starlette(
@@ -125,6 +102,37 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, api.ApiError: _api_error},
     )
+
+
+async def _start(cfg: GatewayConfig, gateway_id: str | None, provider) -> GatewayState:
+    """The gateway's state, its mesh client connected."""
+    tok = Tokenizer(cfg.model)
+    mcfg = ModelConfig.from_dir(cfg.model)
+    metrics = Metrics(const_labels={"model_name": cfg.model_name})
+    mesh = MeshClient(cfg, gateway_id, metrics)
+    await mesh.start()
+    max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    st = GatewayState(cfg, mesh, tok, max_model_len, get_tracer(provider, "moemesh.gateway", root=True), metrics,
+                      mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len, cfg.max_n))
+    st.m = {
+        "requests": metrics.counter("requests_total", "HTTP requests by route and status", ("route", "status")),
+        "ttft": metrics.histogram("ttft_seconds", "time to first token", buckets=REQUEST_LATENCY_BUCKETS),
+        "e2e": metrics.histogram("request_seconds", "request latency, end to end", buckets=REQUEST_LATENCY_BUCKETS),
+        "itl": metrics.histogram("inter_token_latency_seconds",
+                                 "a streamed request's mean gap between tokens after the first (one per request)"),
+        "tokens": metrics.counter("output_tokens_total", "tokens streamed to clients"),
+        "inflight": metrics.gauge("inflight_requests", "admitted requests in flight"),
+    }
+    return st
+
+
+async def _serve_metrics(st: GatewayState) -> MetricsServer:
+    """/metrics and health on their own address, off the public port."""
+    server = MetricsServer(st.metrics, lambda: {"status": "ok", **_readiness(st)}, st.cfg.metrics_host,
+                           st.cfg.metrics_port)
+    await server.start()
+    log.info("metrics on http://%s:%d/metrics", st.cfg.metrics_host, server.port)
+    return server
 
 
 def _state(request: Request) -> GatewayState:
@@ -161,29 +169,8 @@ async def _generate(request: Request, kind: str) -> Response:
     try:
         req = await _admit(request, st, kind, span)
     except Exception as e:
-        err = e if isinstance(e, api.ApiError) else _internal(e, "admitting a request")
-        span.set_status(trace.StatusCode.ERROR, err.message)
-        span.set_attribute("http.status_code", err.status)
-        span.set_attributes(attrs.http_response(err.status))
-        span.end()
-        st.m["requests"].labels(route, str(err.status)).inc()
-        raise err from None
-    st.inflight += 1
-    st.m["inflight"].set(st.inflight)
-    handle_done = asyncio.Event()
-
-    def done(status: int) -> None:
-        if handle_done.is_set():
-            return
-        handle_done.set()
-        st.inflight -= 1
-        st.m["inflight"].set(st.inflight)
-        st.m["requests"].labels(route, str(status)).inc()
-        st.m["e2e"].observe(time.perf_counter() - t0)
-        span.set_attribute("http.status_code", status)
-        span.set_attributes(attrs.http_response(status))
-        span.end()
-
+        raise _refused(st, route, span, e) from None
+    done = _admitted(st, route, span, t0)
     handle = None
     try:
         headers = inject_headers(context=trace.set_span_in_context(span))
@@ -210,6 +197,40 @@ async def _generate(request: Request, kind: str) -> Response:
         if isinstance(e, Exception):
             raise _internal(e, "serving a request") from None
         raise
+
+
+def _refused(st: GatewayState, route: str, span, e: Exception) -> api.ApiError:
+    """A request that was not admitted (bad input, or a bug on the way): counted, its span
+    ended. Returns the error the client gets."""
+    err = e if isinstance(e, api.ApiError) else _internal(e, "admitting a request")
+    span.set_status(trace.StatusCode.ERROR, err.message)
+    span.set_attribute("http.status_code", err.status)
+    span.set_attributes(attrs.http_response(err.status))
+    span.end()
+    st.m["requests"].labels(route, str(err.status)).inc()
+    return err
+
+
+def _admitted(st: GatewayState, route: str, span, t0: float) -> Callable[[int], None]:
+    """Takes an in-flight slot for an admitted request. Returns done(status), its one way
+    out: the slot given back, the request counted and timed, its span ended, once."""
+    st.inflight += 1
+    st.m["inflight"].set(st.inflight)
+    handle_done = asyncio.Event()
+
+    def done(status: int) -> None:
+        if handle_done.is_set():
+            return
+        handle_done.set()
+        st.inflight -= 1
+        st.m["inflight"].set(st.inflight)
+        st.m["requests"].labels(route, str(status)).inc()
+        st.m["e2e"].observe(time.perf_counter() - t0)
+        span.set_attribute("http.status_code", status)
+        span.set_attributes(attrs.http_response(status))
+        span.end()
+
+    return done
 
 
 def _internal(e: Exception, doing: str) -> api.ApiError:
