@@ -7,7 +7,8 @@ Request lifecycle at the gateway:
    worker are chosen and the job sent to that prefill worker; when it does not answer,
    to the prefill queue group (503 when no worker is alive or takes it);
 3. streamed: the request's Handle (stream.py) collects the token ids the mesh client
-   hands it, and the reader here detokenizes them into SSE chunks, or collects them;
+   hands it, and its response (choices.py, for every n) detokenizes them into SSE
+   chunks, or gathers them into one answer;
 4. closed through the handle, exactly once: finished, or aborted on the workers (a
    stop string, the inactivity timeout, the client gone).
 """
@@ -19,7 +20,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 from opentelemetry import trace
@@ -37,9 +38,7 @@ from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
 from moemesh.services.gateway.openapi import openapi_document
 from moemesh.services.gateway.slow_clients import read_body
-from moemesh.services.gateway.sse import EventStream, unless_gone
-from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Reader
-from moemesh.services.gateway.tool_calls import ToolCallParser
+from moemesh.services.gateway.sse import EventStream
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.telemetry.metrics import REQUEST_LATENCY_BUCKETS, Metrics
@@ -73,42 +72,19 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette):
         provider = setup_tracing("moemesh-gateway", cfg.trace_file or None, cfg.otlp_endpoint or None)
-        tok = Tokenizer(cfg.model)
-        mcfg = ModelConfig.from_dir(cfg.model)
-        metrics = Metrics(const_labels={"model_name": cfg.model_name})
-        mesh = MeshClient(cfg, gateway_id, metrics)
-        await mesh.start()
-        max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        st = GatewayState(cfg, mesh, tok, max_model_len, get_tracer(provider, "moemesh.gateway", root=True), metrics,
-                          mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len,
-                                                            cfg.max_n))
-        st.m = {
-            "requests": metrics.counter("requests_total", "HTTP requests by route and status",
-                                        ("route", "status")),
-            "ttft": metrics.histogram("ttft_seconds", "time to first token", buckets=REQUEST_LATENCY_BUCKETS),
-            "e2e": metrics.histogram("request_seconds", "request latency, end to end", buckets=REQUEST_LATENCY_BUCKETS),
-            "itl": metrics.histogram("inter_token_latency_seconds",
-                                     "a streamed request's mean gap between tokens after the first (one per request)"),
-            "tokens": metrics.counter("output_tokens_total", "tokens streamed to clients"),
-            "inflight": metrics.gauge("inflight_requests", "admitted requests in flight"),
-        }
+        st = await _start(cfg, gateway_id, provider)
         app.state.gw = st
         if cfg.decode_only_bench:
             log.warning("BENCH MODE: decode-only; requests skip prefill and get dummy KV. Outputs are meaningless.")
         if not api_keys and cfg.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("no API keys set and listening on %s: the API is open to anyone who can reach it", cfg.host)
-        metrics_http = None
-        if separate_metrics:
-            metrics_http = MetricsServer(metrics, lambda: {"status": "ok", **_readiness(st)},
-                                         cfg.metrics_host, cfg.metrics_port)
-            await metrics_http.start()
-            log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, metrics_http.port)
+        metrics_http = await _serve_metrics(st) if separate_metrics else None
         try:
             yield {"gw": st}
         finally:
             if metrics_http is not None:
                 await metrics_http.close()
-            await mesh.close()
+            await st.mesh.close()
             shutdown_tracing(provider)
 
     return Starlette(
@@ -126,6 +102,37 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, api.ApiError: _api_error},
     )
+
+
+async def _start(cfg: GatewayConfig, gateway_id: str | None, provider) -> GatewayState:
+    """The gateway's state, its mesh client connected."""
+    tok = Tokenizer(cfg.model)
+    mcfg = ModelConfig.from_dir(cfg.model)
+    metrics = Metrics(const_labels={"model_name": cfg.model_name})
+    mesh = MeshClient(cfg, gateway_id, metrics)
+    await mesh.start()
+    max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    st = GatewayState(cfg, mesh, tok, max_model_len, get_tracer(provider, "moemesh.gateway", root=True), metrics,
+                      mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len, cfg.max_n))
+    st.m = {
+        "requests": metrics.counter("requests_total", "HTTP requests by route and status", ("route", "status")),
+        "ttft": metrics.histogram("ttft_seconds", "time to first token", buckets=REQUEST_LATENCY_BUCKETS),
+        "e2e": metrics.histogram("request_seconds", "request latency, end to end", buckets=REQUEST_LATENCY_BUCKETS),
+        "itl": metrics.histogram("inter_token_latency_seconds",
+                                 "a streamed request's mean gap between tokens after the first (one per request)"),
+        "tokens": metrics.counter("output_tokens_total", "tokens streamed to clients"),
+        "inflight": metrics.gauge("inflight_requests", "admitted requests in flight"),
+    }
+    return st
+
+
+async def _serve_metrics(st: GatewayState) -> MetricsServer:
+    """/metrics and health on their own address, off the public port."""
+    server = MetricsServer(st.metrics, lambda: {"status": "ok", **_readiness(st)}, st.cfg.metrics_host,
+                           st.cfg.metrics_port)
+    await server.start()
+    log.info("metrics on http://%s:%d/metrics", st.cfg.metrics_host, server.port)
+    return server
 
 
 def _state(request: Request) -> GatewayState:
@@ -162,13 +169,51 @@ async def _generate(request: Request, kind: str) -> Response:
     try:
         req = await _admit(request, st, kind, span)
     except Exception as e:
-        err = e if isinstance(e, api.ApiError) else _internal(e, "admitting a request")
-        span.set_status(trace.StatusCode.ERROR, err.message)
-        span.set_attribute("http.status_code", err.status)
-        span.set_attributes(attrs.http_response(err.status))
-        span.end()
-        st.m["requests"].labels(route, str(err.status)).inc()
-        raise err from None
+        raise _refused(st, route, span, e) from None
+    done = _admitted(st, route, span, t0)
+    handle = None
+    try:
+        headers = inject_headers(context=trace.set_span_in_context(span))
+        if req.n == 1:
+            handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
+        else:  # one handle per choice, read as one (choices.py)
+            handle = await st.mesh.submit_choices(req.request_id, req.prompt_ids, req.params, headers, req.n)
+        span.set_attribute("decode.id", handle.decode_id)
+        if req.stream:
+            return EventStream(choices.sse(st, req, handle, span, t0, done), handle, _headers(st, req, handle))
+        return await choices.collect(request, st, req, handle, span, t0, done, _headers(st, req, handle))
+    except NoWorkers as e:
+        done(503)
+        raise api.ApiError(503, str(e), type_="service_unavailable", code="no_workers",
+                           headers={"Retry-After": str(st.cfg.retry_after_s)}) from None
+    except Rejected as e:
+        done(400)
+        raise api.ApiError(400, str(e)) from None
+    except BaseException as e:
+        gone = isinstance(e, asyncio.CancelledError)
+        if handle is not None:
+            handle.close("client" if gone else "error")
+        done(499 if gone else 500)
+        if isinstance(e, Exception):
+            raise _internal(e, "serving a request") from None
+        raise
+
+
+def _refused(st: GatewayState, route: str, span, e: Exception) -> api.ApiError:
+    """A request that was not admitted (bad input, or a bug on the way): counted, its span
+    ended. Returns the error the client gets."""
+    err = e if isinstance(e, api.ApiError) else _internal(e, "admitting a request")
+    span.set_status(trace.StatusCode.ERROR, err.message)
+    span.set_attribute("http.status_code", err.status)
+    span.set_attributes(attrs.http_response(err.status))
+    span.end()
+    st.m["requests"].labels(route, str(err.status)).inc()
+    return err
+
+
+def _admitted(st: GatewayState, route: str, span, t0: float) -> Callable[[int], None]:
+    """Takes an in-flight slot for an admitted request. Returns done(status), its one way
+    out: the slot given back, the request counted and timed, its span ended, once."""
     st.inflight += 1
     st.m["inflight"].set(st.inflight)
     handle_done = asyncio.Event()
@@ -185,35 +230,7 @@ async def _generate(request: Request, kind: str) -> Response:
         span.set_attributes(attrs.http_response(status))
         span.end()
 
-    handle = None
-    try:
-        headers = inject_headers(context=trace.set_span_in_context(span))
-        if req.n == 1:
-            handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
-        else:  # one handle per choice, read as one (choices.py)
-            handle = await st.mesh.submit_choices(req.request_id, req.prompt_ids, req.params, headers, req.n)
-        span.set_attribute("decode.id", handle.decode_id)
-        if req.stream:
-            body = _sse(st, req, handle, span, t0, done) if req.n == 1 else choices.sse(st, req, handle, span, t0, done)
-            return EventStream(body, handle, _headers(st, req, handle))
-        if req.n > 1:
-            return await choices.collect(request, st, req, handle, span, t0, done, _headers(st, req, handle))
-        return await _collect(request, st, req, handle, span, t0, done)
-    except NoWorkers as e:
-        done(503)
-        raise api.ApiError(503, str(e), type_="service_unavailable", code="no_workers",
-                           headers={"Retry-After": str(st.cfg.retry_after_s)}) from None
-    except Rejected as e:
-        done(400)
-        raise api.ApiError(400, str(e)) from None
-    except BaseException as e:
-        gone = isinstance(e, asyncio.CancelledError)
-        if handle is not None:
-            handle.close("client" if gone else "error")
-        done(499 if gone else 500)
-        if isinstance(e, Exception):
-            raise _internal(e, "serving a request") from None
-        raise
+    return done
 
 
 def _internal(e: Exception, doing: str) -> api.ApiError:
@@ -263,166 +280,6 @@ def _parse(raw: bytes, st: GatewayState, kind: str) -> api.GenerateRequest:
 def _at_capacity(st: GatewayState) -> api.ApiError:
     return api.ApiError(429, f"server is at capacity ({st.cfg.max_inflight} requests in flight)",
                         type_="rate_limit_error", code="capacity", headers={"Retry-After": str(st.cfg.retry_after_s)})
-
-
-async def _sse(st: GatewayState, req: api.GenerateRequest, handle, span, t0: float, done):
-    """Everything that arrived for the stream since the last write goes out in one write,
-    one SSE event per token."""
-    n_out, first, status = 0, True, 499  # 499 until the stream ends (the client left first)
-    t_first, finished_as = 0.0, None
-    fast = api.ChunkBytes(req)
-    reader = Reader(st.tok, req.params.stop)
-    each = reader.detok.each
-    cont = req.continuous_usage
-    # the common case: no per-token extras
-    plain = not req.params.stop and req.logprobs is None and req.tools is None
-    calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
-    call_lps = api.ToolLogprobs(req, st.tok) if calls is not None else None
-    stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span))
-    try:
-        while True:
-            why = await handle.wait()
-            if why is DISCONNECTED:
-                break
-            if why is TIMED_OUT:
-                handle.close("timeout")
-                err = f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted"
-                stream_span.set_status(trace.StatusCode.ERROR, err)
-                status = 500
-                yield _sse_data({"error": api.ApiError(500, err, type_="server_error").body()["error"]})
-                break
-            ids, lps, finish, error = handle.take()
-            if ids and first:
-                t_first = time.perf_counter()
-                st.m["ttft"].observe(t_first - t0)
-                stream_span.add_event("first_token")
-            n_sent = n_out  # tokens in the chunks before this take (continuous usage counts on from it)
-            n_out += len(ids)
-            if plain and not first and finish is None and error is None:
-                if cont:
-                    cached = handle.cached_tokens
-                    yield b"".join([fast.counted(t, n_sent + i, cached) for i, t in enumerate(each(ids), 1)])
-                else:
-                    yield fast.texts(each(ids))
-                continue
-            if not ids and finish is None and error is None:
-                continue
-            parts, end = [], False
-            k = 0  # the id of each token event, for the tool-call parser (it finds the markers by id)
-            for ev in reader.events(ids, lps, finish, error):
-                if calls is not None and not ev.error:
-                    tid = -1
-                    if ev.token:
-                        tid, k = ids[k], k + 1
-                    n_sent += ev.token
-                    out = call_lps.put(api.tool_chunks(req, calls, tid, ev.text, ev.finish, first), ev.logprob)
-                    first = False
-                    if ev.finish:
-                        finished_as, end = api.tool_finish(ev.finish, calls.calls), True
-                    for c in out:
-                        if cont:
-                            c["usage"] = api.usage(len(req.prompt_ids), n_sent, handle.cached_tokens)
-                        parts.append(_sse_data(c))
-                    continue
-                if ev.error:
-                    stream_span.set_status(trace.StatusCode.ERROR, ev.error)
-                    status = 500
-                    parts.append(_sse_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]}))
-                    end = True
-                    break
-                n_sent += ev.token
-                if not (first or ev.finish or ev.logprob):
-                    parts.append(fast.counted(ev.text, n_sent, handle.cached_tokens) if cont else fast.text(ev.text))
-                else:
-                    lp = api.logprobs_payload(req, st.tok, [ev.logprob] if ev.logprob else [])
-                    c = api.chunk(req, ev.text, ev.finish, first, lp)
-                    if cont:
-                        c["usage"] = api.usage(len(req.prompt_ids), n_sent, handle.cached_tokens)
-                    parts.append(_sse_data(c))
-                first = False
-                end = ev.finish is not None
-                if end:
-                    finished_as = ev.finish
-            if end:
-                status = 200 if status == 499 else status
-                handle.close("stop_string" if reader.stopped_by_string else None)
-                if req.include_usage:
-                    parts.append(_sse_data(api.usage_chunk(req, len(req.prompt_ids), n_out, handle.cached_tokens)))
-                parts.append(b"data: [DONE]\n\n")
-                yield b"".join(parts)
-                break
-            yield b"".join(parts)
-    finally:
-        st.m["tokens"].inc(n_out)  # once per request, not per token
-        if status == 200 and n_out > 1:
-            st.m["itl"].observe((time.perf_counter() - t_first) / (n_out - 1))
-        if not handle.closed:  # the client went away (or the stream broke): stop the work
-            handle.close("client")
-            stream_span.add_event("client_disconnected")
-        stream_span.set_attribute("completion.tokens", n_out)
-        stream_span.end()
-        if span.is_recording():
-            span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, finished_as, handle.cached_tokens))
-        done(status)
-
-
-def _sse_data(obj: dict) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-async def _collect(request: Request, st: GatewayState, req: api.GenerateRequest, handle, span, t0, done):
-    async def gather():
-        reader = Reader(st.tok, req.params.stop)
-        text, n_out, lps, first = [], 0, [], True
-        calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
-        while True:
-            if await handle.wait() is TIMED_OUT:
-                handle.close("timeout")
-                return "".join(text), n_out, lps, "error", \
-                    f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted", None
-            ids, wire_lps, finish, error = handle.take()
-            if first and ids:
-                st.m["ttft"].observe(time.perf_counter() - t0)
-                first = False
-            n_out += len(ids)
-            k = 0
-            for ev in reader.events(ids, wire_lps, finish, error):
-                if calls is None:
-                    text.append(ev.text)
-                else:  # the content is what the parser finds outside the calls
-                    tid = -1
-                    if ev.token:
-                        tid, k = ids[k], k + 1
-                    text += [d.content for d in calls.feed(tid, ev.text) if d.content]
-                if ev.logprob is not None:
-                    lps.append(ev.logprob)
-                if ev.finish:
-                    handle.close("stop_string" if reader.stopped_by_string else None)
-                    if calls is not None:
-                        return "".join(text), n_out, lps, api.tool_finish(ev.finish, calls.calls), ev.error, calls.calls
-                    return "".join(text), n_out, lps, ev.finish, ev.error, None
-
-    gone, work = await unless_gone(request, gather(), handle)
-    if gone:
-        done(499)
-        return Response(status_code=499)
-    try:
-        text, n_out, lps, finish, error, tool_calls = work.result()
-    except Exception:
-        handle.close("client")
-        done(500)
-        raise
-    st.m["tokens"].inc(n_out)
-    if error:
-        done(500)
-        return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
-    if span.is_recording():
-        span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, finish, handle.cached_tokens))
-    done(200)
-    lp = api.logprobs_payload(req, st.tok, lps)
-    return JSONResponse(api.final(req, text, finish, len(req.prompt_ids), n_out, lp, handle.cached_tokens,
-                                  tool_calls),
-                        headers=_headers(st, req, handle))
 
 
 def _headers(st: GatewayState, req: api.GenerateRequest, handle) -> dict[str, str]:

@@ -1,16 +1,24 @@
-"""Responses of n > 1 choices (parallel sampling): the n streams of one request, each
-read through its own handle (stream.Choices waits on all of them at once), written as
-one SSE stream whose chunks carry their choice's `index`, or as one response with n
-choices. usage.completion_tokens counts the tokens of every choice.
+"""A request's response, for every n: its choices, written as one SSE stream or gathered
+into one answer. A request of n = 1 is a response of one choice, read through its handle
+(the group of one, stream.py); n > 1 (parallel sampling) has n, each read through its own
+handle, which stream.Choices waits on as one, and its chunks carry their choice's
+`index`. usage.completion_tokens counts the tokens of every choice.
 
 A choice ends on its own (its finish, or a stop string, which aborts only that child on
-the workers); the request ends when every choice has. An error, the inactivity timeout
-or the client going away ends them all.
+the workers); the response ends when every choice has. The inactivity timeout or the
+client going away ends them all. So does an error, which a stream of one choice and
+a stream of several end on differently, each as its clients have always read it: with
+one choice the error is that choice's end, and usage and [DONE] follow it; with several,
+the other children are aborted and the stream stops at the error chunk.
 
 With tools each choice has its own tool-call parser: it answers in text or in calls of
 its own (their index counts within the choice, their ids are unique), and ends in
 finish_reason tool_calls when it called one. A forced call holds for every choice: each
 child samples under its own state of the request's grammar (shared/engine/fork.py).
+
+The hot path is a plain stream of one choice (no stop strings, logprobs or tools) after
+its first chunk: `sse` writes each take's tokens straight from the detokenizer to bytes
+(api.ChunkBytes), with no event, dict or call per token beyond those.
 """
 
 from __future__ import annotations
@@ -24,179 +32,291 @@ from starlette.responses import JSONResponse, Response
 from moemesh.services.gateway import openai_api as api
 from moemesh.services.gateway import span_attrs as attrs
 from moemesh.services.gateway.sse import unless_gone
-from moemesh.services.gateway.stream import DISCONNECTED, TIMED_OUT, Choices, Reader
+from moemesh.services.gateway.stream import TIMED_OUT, Choices, Handle, Reader
 from moemesh.services.gateway.tool_calls import ToolCallParser
+
+_DONE = b"data: [DONE]\n\n"
 
 
 def _data(obj: dict) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _error(st, req) -> str:
-    return f"no tokens for {st.cfg.inactivity_timeout_s:.0f}s; request aborted"
+def _error_data(message: str) -> bytes:
+    return _data({"error": api.ApiError(500, message, type_="server_error").body()["error"]})
 
 
-async def sse(st, req: api.GenerateRequest, group: Choices, span, t0: float, done):
-    n = len(group.handles)
-    readers = [Reader(st.tok, req.params.stop) for _ in range(n)]
-    calls = _parsers(req, n)
-    call_lps = [api.ToolLogprobs(req, st.tok) for _ in range(n)] if calls else None
-    fast = [api.ChunkBytes(req, i) for i in range(n)]
-    first = [True] * n
-    finishes: list[str | None] = [None] * n
-    cont, n_prompt = req.continuous_usage, len(req.prompt_ids)
-    n_out, n_sent, status, open_, seen = 0, 0, 499, n, False  # n_sent: tokens in chunks written (all choices)
-    stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span),
-                                       attributes={"choices": n})
+class _Choice:
+    """One choice as it is read: its handle, its detokenizer (with the stop strings), its
+    tool-call parser, and what it has written or gathered so far."""
+
+    __slots__ = ("index", "handle", "reader", "calls", "first", "finish", "fast", "call_lps", "texts", "lps")
+
+    def __init__(self, req: api.GenerateRequest, tok, handle: Handle, index: int, streamed: bool):
+        self.index, self.handle = index, handle
+        self.reader = Reader(tok, req.params.stop)
+        self.calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
+        self.first = True  # nothing of it written yet: its first chunk carries the role
+        self.finish: str | None = None  # as the client reads it (tool_calls where it called one)
+        if streamed:
+            self.fast = api.ChunkBytes(req, index)
+            self.call_lps = api.ToolLogprobs(req, tok) if self.calls is not None else None
+        else:
+            self.texts: list[str] = []
+            self.lps: list = []
+
+
+class _Response:
+    """What the two shapes of a response share: the choices of the request's group, the
+    tokens taken of all of them, and how a choice, an error and a timeout end."""
+
+    def __init__(self, st, req: api.GenerateRequest, group: Choices | Handle, t0: float, streamed: bool):
+        self.req, self.tok, self.group, self.t0 = req, st.tok, group, t0
+        self.ttft = st.m["ttft"]
+        self.timeout_s = st.cfg.inactivity_timeout_s
+        self.choices = [_Choice(req, st.tok, h, i, streamed) for i, h in enumerate(group.handles)]
+        self.single = len(self.choices) == 1
+        self.num_open = len(self.choices)
+        self.n_prompt = len(req.prompt_ids)
+        self.n_out = 0  # tokens taken, all choices
+        self.t_first = 0.0  # when the first of them came (0: none yet)
+
+    def ready(self) -> list[_Choice]:
+        """The choices a wake of the group was for; with one, that one (its wake was for it)."""
+        if self.single:
+            return self.choices
+        return [c for c in self.choices if not c.handle.closed and c.handle.ready]
+
+    def took(self, ids: list[int]) -> None:
+        if ids and not self.t_first:
+            self.t_first = time.perf_counter()
+            self.ttft.observe(self.t_first - self.t0)
+            self.first_token()
+        self.n_out += len(ids)
+
+    def first_token(self) -> None:
+        """A stream marks it on its span."""
+
+    def ended(self, c: _Choice, finish: str) -> None:
+        c.finish = api.tool_finish(finish, c.calls.calls) if c.calls is not None else finish
+        c.handle.close("stop_string" if c.reader.stopped_by_string else None)
+        self.num_open -= 1
+
+    def failed(self) -> None:
+        """A choice's worker ended it with an error. With one choice nothing else runs;
+        with several the others still do: all are closed with an abort."""
+        self.group.close(None if self.single else "error")
+
+    def timed_out(self) -> str:
+        self.group.close("timeout")
+        return f"no tokens for {self.timeout_s:.0f}s; request aborted"
+
+    def usage_attrs(self, span) -> None:
+        if span.is_recording():
+            span.set_attributes(attrs.gen_ai_usage(self.n_prompt, self.n_out, None, self.group.cached_tokens))
+            finishes = [c.finish for c in self.choices]
+            if all(finishes):
+                span.set_attribute("gen_ai.response.finish_reasons", finishes)
+
+
+class _Stream(_Response):
+    """A response as SSE: each take of a choice as chunks, one per token event, and the
+    usage and [DONE] when the last choice ends. `over`: nothing more is written."""
+
+    def __init__(self, st, req: api.GenerateRequest, group: Choices | Handle, span, t0: float):
+        super().__init__(st, req, group, t0, streamed=True)
+        self.m, self.span = st.m, span
+        self.cont = req.continuous_usage
+        self.n_sent = 0  # tokens in the chunks written, all choices (continuous usage counts them)
+        self.status = 499  # until the stream ends (the client left first)
+        self.over = False
+        self.stream_span = st.tracer.start_span("stream", context=trace.set_span_in_context(span),
+                                                attributes=None if self.single else {"choices": len(self.choices)})
+
+    def first_token(self) -> None:
+        self.stream_span.add_event("first_token")
+
+    def write(self, c: _Choice, ids, lps, finish, error, parts: list[bytes]) -> bool:
+        """One choice's take as chunks onto parts. False: it failed, and no other choice's
+        take goes out after it."""
+        self.took(ids)
+        if self._events(c, ids, lps, finish, error, parts):
+            return True
+        self.status = 500
+        self.failed()
+        if self.single:  # the error is its end: usage and [DONE] follow, as on any end
+            self.num_open = 0
+        else:
+            self.over = True
+        return False
+
+    def written(self, parts: list[bytes]) -> bytes:
+        """The takes of one wake, in one write; with the usage and [DONE] once all ended."""
+        if not self.num_open:
+            self.status = 200 if self.status == 499 else self.status
+            if self.req.include_usage:
+                parts.append(_data(api.usage_chunk(self.req, self.n_prompt, self.n_out, self.group.cached_tokens)))
+            parts.append(_DONE)
+            self.over = True
+        return b"".join(parts)
+
+    def _events(self, c: _Choice, ids, lps, finish, error, parts: list[bytes]) -> bool:
+        """One choice's take as chunks onto parts. False: it failed (the error chunk is its last)."""
+        k = 0  # the id of each token event, for the tool-call parser (it finds the markers by id)
+        for ev in c.reader.events(ids, lps, finish, error):
+            if ev.error:
+                self.stream_span.set_status(trace.StatusCode.ERROR, ev.error)
+                parts.append(_error_data(ev.error))
+                return False
+            self.n_sent += ev.token
+            if c.calls is not None:
+                tid = -1
+                if ev.token:
+                    tid, k = ids[k], k + 1
+                chunks = api.tool_chunks(self.req, c.calls, tid, ev.text, ev.finish, c.first, c.index)
+                parts += [self._dumps(ch) for ch in c.call_lps.put(chunks, ev.logprob)]
+            elif not (c.first or ev.finish or ev.logprob):
+                parts.append(c.fast.counted(ev.text, self.n_sent, self.group.cached_tokens) if self.cont
+                             else c.fast.text(ev.text))
+            else:
+                lp = api.logprobs_payload(self.req, self.tok, [ev.logprob] if ev.logprob else [])
+                parts.append(self._dumps(api.chunk(self.req, ev.text, ev.finish, c.first, lp, c.index)))
+            c.first = False
+            if ev.finish is not None:
+                self.ended(c, ev.finish)
+                break
+        return True
+
+    def _dumps(self, chunk: dict) -> bytes:
+        if self.cont:  # counts so far, every choice's
+            chunk["usage"] = api.usage(self.n_prompt, self.n_sent, self.group.cached_tokens)
+        return _data(chunk)
+
+    def timed_out_chunk(self) -> bytes:
+        err = self.timed_out()
+        self.stream_span.set_status(trace.StatusCode.ERROR, err)
+        self.status = 500
+        return _error_data(err)
+
+    def close(self) -> None:
+        """However the stream ended: its counts, and its work stopped if the client left first."""
+        self.m["tokens"].inc(self.n_out)  # once per request, not per token
+        # Inter-token latency is one stream's: the tokens of several choices interleave.
+        if self.single and self.status == 200 and self.n_out > 1:
+            self.m["itl"].observe((time.perf_counter() - self.t_first) / (self.n_out - 1))
+        if not self.group.closed:  # the client went away (or the stream broke): stop the work
+            self.group.close("client")
+            self.stream_span.add_event("client_disconnected")
+        self.stream_span.set_attribute("completion.tokens", self.n_out)
+        self.stream_span.end()
+        self.usage_attrs(self.span)
+
+
+async def sse(st, req: api.GenerateRequest, group: Choices | Handle, span, t0: float, done):
+    """The response as one SSE stream. group: the request's handle (n = 1) or its Choices.
+    Everything that arrived since the last write goes out in one write."""
+    out = _Stream(st, req, group, span, t0)
+    one = out.choices[0] if out.single else None
+    plain = one is not None and not req.params.stop and req.logprobs is None and req.tools is None
+    hot = False  # the plain stream's first chunk is out: its tokens go on without events
+    if one is not None:
+        take, each, fast, cont = group.take, one.reader.detok.each, one.fast, req.continuous_usage
     try:
-        while open_:
+        while True:
             why = await group.wait()
-            if why is DISCONNECTED:
+            if why is not None:  # the client left, or the inactivity sweep gave up
+                if why is TIMED_OUT:
+                    yield out.timed_out_chunk()
                 break
-            if why is TIMED_OUT:
-                group.close("timeout")
-                stream_span.set_status(trace.StatusCode.ERROR, _error(st, req))
-                status = 500
-                yield _data({"error": api.ApiError(500, _error(st, req), type_="server_error").body()["error"]})
-                break
-            parts, failed = [], False
-            for i, h in enumerate(group.handles):
-                if h.closed or not h.ready:
-                    continue
-                ids, lps, finish, error = h.take()
-                if ids and not seen:
-                    seen = True
-                    st.m["ttft"].observe(time.perf_counter() - t0)
-                    stream_span.add_event("first_token")
-                n_out += len(ids)
-                k = 0  # the id of each token event, for the tool-call parser (it finds the markers by id)
-                for ev in readers[i].events(ids, lps, finish, error):
-                    if ev.error:
-                        stream_span.set_status(trace.StatusCode.ERROR, ev.error)
-                        parts.append(_data({"error": api.ApiError(500, ev.error, type_="server_error").body()["error"]}))
-                        failed = True
+            parts: list[bytes] = []
+            if one is None:
+                for c in out.ready():
+                    if not out.write(c, *c.handle.take(), parts):
                         break
-                    n_sent += ev.token
-                    if calls is not None:
-                        tid = -1
-                        if ev.token:
-                            tid, k = ids[k], k + 1
-                        for c in call_lps[i].put(api.tool_chunks(req, calls[i], tid, ev.text, ev.finish, first[i], i),
-                                                 ev.logprob):
-                            if cont:
-                                c["usage"] = api.usage(n_prompt, n_sent, group.cached_tokens)
-                            parts.append(_data(c))
-                    elif not (first[i] or ev.finish or ev.logprob):
-                        parts.append(fast[i].counted(ev.text, n_sent, group.cached_tokens) if cont
-                                     else fast[i].text(ev.text))
+            else:
+                ids, lps, finish, error = take()
+                if hot and finish is None and error is None:
+                    n = out.n_out
+                    out.n_out = out.n_sent = n + len(ids)  # plain: each id taken is a token written
+                    if cont:
+                        cached = group.cached_tokens
+                        yield b"".join([fast.counted(t, n + i, cached) for i, t in enumerate(each(ids), 1)])
                     else:
-                        lp = api.logprobs_payload(req, st.tok, [ev.logprob] if ev.logprob else [])
-                        c = api.chunk(req, ev.text, ev.finish, first[i], lp, i)
-                        if cont:  # counts so far, every choice's
-                            c["usage"] = api.usage(n_prompt, n_sent, group.cached_tokens)
-                        parts.append(_data(c))
-                    first[i] = False
-                    if ev.finish is not None:
-                        finishes[i] = api.tool_finish(ev.finish, calls[i].calls) if calls else ev.finish
-                        h.close("stop_string" if readers[i].stopped_by_string else None)
-                        open_ -= 1
-                        break
-                if failed:
-                    break
-            if failed:
-                status = 500
-                group.close("error")
-                yield b"".join(parts)
-                break
-            if not open_:
-                status = 200
-                if req.include_usage:
-                    parts.append(_data(api.usage_chunk(req, n_prompt, n_out, group.cached_tokens)))
-                parts.append(b"data: [DONE]\n\n")
-            if parts:
-                yield b"".join(parts)
-    finally:
-        st.m["tokens"].inc(n_out)
-        if not group.closed:  # the client went away (or the stream broke): stop the work
-            group.close("client")
-            stream_span.add_event("client_disconnected")
-        stream_span.set_attribute("completion.tokens", n_out)
-        stream_span.end()
-        _usage_attrs(span, req, n_out, finishes, group)
-        done(status)
-
-
-def _parsers(req: api.GenerateRequest, n: int) -> list[ToolCallParser] | None:
-    """One tool-call parser per choice, when the answers may hold calls."""
-    return None if req.tools is None else [ToolCallParser(req.tools.markers) for _ in range(n)]
-
-
-def _usage_attrs(span, req: api.GenerateRequest, n_out: int, finishes: list[str | None], group: Choices) -> None:
-    if span.is_recording():
-        span.set_attributes(attrs.gen_ai_usage(len(req.prompt_ids), n_out, None, group.cached_tokens))
-        if all(finishes):
-            span.set_attribute("gen_ai.response.finish_reasons", list(finishes))
-
-
-async def collect(request, st, req: api.GenerateRequest, group: Choices, span, t0: float, done,
-                  headers: dict[str, str]) -> Response:
-    n = len(group.handles)
-
-    async def gather():
-        readers = [Reader(st.tok, req.params.stop) for _ in range(n)]
-        calls = _parsers(req, n)
-        texts: list[list[str]] = [[] for _ in range(n)]
-        lps: list[list] = [[] for _ in range(n)]
-        finish: list[str | None] = [None] * n
-        n_out, seen = 0, False
-        while not all(finish):
-            if await group.wait() is TIMED_OUT:
-                group.close("timeout")
-                return None, n_out, _error(st, req)
-            for i, h in enumerate(group.handles):
-                if finish[i] is not None or not h.ready:
+                        yield fast.texts(each(ids))
                     continue
-                ids, wire_lps, fin, error = h.take()
-                if ids and not seen:
-                    seen = True
-                    st.m["ttft"].observe(time.perf_counter() - t0)
-                n_out += len(ids)
-                k = 0
-                for ev in readers[i].events(ids, wire_lps, fin, error):
-                    if ev.error:
-                        group.close("error")
-                        return None, n_out, ev.error
-                    if calls is None:
-                        texts[i].append(ev.text)
-                    else:  # the content is what the parser finds outside the calls
-                        tid = -1
-                        if ev.token:
-                            tid, k = ids[k], k + 1
-                        texts[i] += [d.content for d in calls[i].feed(tid, ev.text) if d.content]
-                    if ev.logprob is not None:
-                        lps[i].append(ev.logprob)
-                    if ev.finish:
-                        h.close("stop_string" if readers[i].stopped_by_string else None)
-                        finish[i] = api.tool_finish(ev.finish, calls[i].calls) if calls else ev.finish
-                        break
-        return [("".join(t), f, api.logprobs_payload(req, st.tok, lp), calls[i].calls if calls else None)
-                for i, (t, f, lp) in enumerate(zip(texts, finish, lps))], n_out, None
+                out.write(one, ids, lps, finish, error, parts)
+                hot = plain and not one.first
+            chunk = out.written(parts)
+            if chunk:
+                yield chunk
+            if out.over:
+                break
+    finally:
+        out.close()
+        done(out.status)
 
-    gone, work = await unless_gone(request, gather(), group)
+
+class _Answer(_Response):
+    """A response as one answer: each choice's text, calls and logprobs, gathered."""
+
+    async def gather(self) -> str | None:
+        """Until every choice has ended. Returns the error that ended them all, if one did."""
+        while self.num_open:
+            if await self.group.wait() is TIMED_OUT:
+                return self.timed_out()
+            for c in self.ready():
+                ids, lps, finish, error = c.handle.take()
+                self.took(ids)
+                failure = self._events(c, ids, lps, finish, error)
+                if failure is not None:
+                    self.failed()
+                    return failure
+        return None
+
+    def _events(self, c: _Choice, ids, lps, finish, error) -> str | None:
+        """One choice's take into what it gathered. Returns the error that failed it, if one did."""
+        k = 0
+        for ev in c.reader.events(ids, lps, finish, error):
+            if ev.error:
+                return ev.error
+            if c.calls is None:
+                c.texts.append(ev.text)
+            else:  # the content is what the parser finds outside the calls
+                tid = -1
+                if ev.token:
+                    tid, k = ids[k], k + 1
+                c.texts += [d.content for d in c.calls.feed(tid, ev.text) if d.content]
+            if ev.logprob is not None:
+                c.lps.append(ev.logprob)
+            if ev.finish:
+                self.ended(c, ev.finish)
+                break
+        return None
+
+    def body(self) -> dict:
+        answers = [("".join(c.texts), c.finish, api.logprobs_payload(self.req, self.tok, c.lps),
+                    c.calls.calls if c.calls is not None else None) for c in self.choices]
+        return api.final_choices(self.req, answers, self.n_prompt, self.n_out, self.group.cached_tokens)
+
+
+async def collect(request, st, req: api.GenerateRequest, group: Choices | Handle, span, t0: float, done,
+                  headers: dict[str, str]) -> Response:
+    """The response as one answer, unless the client leaves first (499)."""
+    answer = _Answer(st, req, group, t0, streamed=False)
+    gone, work = await unless_gone(request, answer.gather(), group)
     if gone:
         done(499)
         return Response(status_code=499)
     try:
-        choices, n_out, error = work.result()
+        error = work.result()
     except Exception:
         group.close("client")
         done(500)
         raise
-    st.m["tokens"].inc(n_out)
+    st.m["tokens"].inc(answer.n_out)
     if error:
         done(500)
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
-    _usage_attrs(span, req, n_out, [c[1] for c in choices], group)
+    answer.usage_attrs(span)
     done(200)
-    return JSONResponse(api.final_choices(req, choices, len(req.prompt_ids), n_out, group.cached_tokens),
-                        headers=headers)
+    return JSONResponse(answer.body(), headers=headers)

@@ -45,7 +45,7 @@ from moemesh.services.gateway.kv_index import KVIndex
 from moemesh.services.gateway.link import LinkState
 from moemesh.services.gateway.migration import Migration, NoWorkers, Rejected
 from moemesh.services.gateway.router import pick_decode, route_prefill
-from moemesh.services.gateway.stream import Choices, Handle, sweep_inactive
+from moemesh.services.gateway.stream import GAP, REFUSED, Choices, Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
     Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, TokenEnd, TokenResend,
     WireSampling, WorkerLoad,
@@ -291,82 +291,72 @@ class MeshClient(Migration):
         self.ask_resend(list(self.handles.values()))
 
     async def _on_tokens(self, batch: TokenBatch, msg, ctx) -> None:
-        handles, rids, pos, w = self.handles, batch.request_ids, batch.positions, batch.worker_id
+        """One worker step's rows: each goes to its stream by Handle.put (whose rule says
+        from whom and which ids), then the rows' ends, then the resends any gap needs."""
         now = asyncio.get_running_loop().time()
         if batch.handoffs:
             self._take_handoffs(batch)
-        if not pos:  # a worker that does not number its rows: taken as they come
-            return self._take_unnumbered(batch, now)
         gaps: list[Handle] = []
-        toks, counts = batch.token_ids, batch.counts
-        refused = 0
-        if counts is None and not batch.ends:  # most steps: one id per row, nothing ends
-            for rid, t, p in zip(rids, toks, pos):
-                h = handles.get(rid)
-                if h is not None:
-                    if w != h.decode_id and w != h.prefill_id:
-                        refused += 1
-                    elif p == h.next_pos:
-                        h.ids.append(t)
-                        h.next_pos = p + 1
-                        h.last_seen = now
-                        h.wake()
-                    elif p > h.next_pos:  # a batch went missing
-                        gaps.append(h)
-            if gaps:
-                self.c_gaps.inc(len(gaps))
-                self.ask_resend(gaps)
-            if refused:
-                self._refuse(w, refused)
-            return
-        ends = {e.row for e in batch.ends}
-        took: dict[int, int] = {}  # for rows with an end: how many of its ids were new (-1: a gap)
-        i = 0
-        for row, rid in enumerate(rids):
-            n = 1 if counts is None else counts[row]
-            h = handles.get(rid)
-            if h is not None and w != h.decode_id and w != h.prefill_id:
-                refused += 1
-            elif h is not None and n:
-                p, want = pos[row], h.next_pos
-                if p == want:  # the common case
-                    if n == 1:
-                        h.ids.append(toks[i])
-                    else:
-                        h.ids += toks[i : i + n]
-                    h.next_pos = p + n
-                    h.last_seen = now
-                    h.wake()
-                    new = n
-                elif p > want:  # a batch went missing: these wait for the resend that fills it
-                    gaps.append(h)
-                    new = -1
-                else:  # sent again: only what it does not have yet
-                    new = max(0, p + n - want)
-                    if new:
-                        h.ids += toks[i + n - new : i + n]
-                        h.next_pos = p + n
-                        h.last_seen = now
-                        h.wake()
-                if ends and row in ends:
-                    took[row] = new
-            i += n
-        for e in batch.ends:
-            h = handles.get(rids[e.row])
-            if h is None or (w != h.decode_id and w != h.prefill_id):
-                continue
-            new = took.get(e.row, 0)
-            if new < 0:
-                continue
-            if e.logprobs and new < len(e.logprobs):
-                e.logprobs = e.logprobs[len(e.logprobs) - new :] if new else None
-            h.last_seen = now
-            _end(h, e, batch.worker_id)
+        if batch.counts is None and not batch.ends and batch.positions:
+            refused = self._take_steps(batch, now, gaps)
+        else:
+            took, refused = self._take_rows(batch, now, gaps)
+            self._take_ends(batch, took, now)
         if gaps:
             self.c_gaps.inc(len(gaps))
             self.ask_resend(gaps)
         if refused:
-            self._refuse(w, refused)
+            self._refuse(batch.worker_id, refused)
+
+    def _take_steps(self, batch: TokenBatch, now: float, gaps: list[Handle]) -> int:
+        """Most steps: one id per numbered row, and nothing ends. Returns the rows refused."""
+        get, toks, pos, w = self.handles.get, batch.token_ids, batch.positions, batch.worker_id
+        refused = 0
+        for i, rid in enumerate(batch.request_ids):
+            h = get(rid)
+            if h is not None:
+                new = h.put(w, toks, i, 1, pos[i], now)
+                if new < 0:
+                    if new == GAP:
+                        gaps.append(h)
+                    else:
+                        refused += 1
+        return refused
+
+    def _take_rows(self, batch: TokenBatch, now: float, gaps: list[Handle]) -> tuple[dict[int, int], int]:
+        """Rows of any count, numbered or not (a worker that does not number them: taken as
+        they come). Returns (what put said of each row with an end, the rows refused)."""
+        get, toks, counts, pos, w = self.handles.get, batch.token_ids, batch.counts, batch.positions, batch.worker_id
+        ends = {e.row for e in batch.ends}
+        took: dict[int, int] = {}
+        refused = i = 0
+        for row, rid in enumerate(batch.request_ids):
+            n = 1 if counts is None else counts[row]
+            h = get(rid)
+            if h is not None:
+                new = h.put(w, toks, i, n, pos[row] if pos else h.next_pos, now)
+                if new < 0:
+                    if new == GAP:
+                        gaps.append(h)
+                    else:
+                        refused += 1
+                if ends and row in ends:
+                    took[row] = new
+            i += n
+        return took, refused
+
+    def _take_ends(self, batch: TokenBatch, took: dict[int, int], now: float) -> None:
+        """The ends of the rows taken. A row after a gap keeps its end back with its ids,
+        for the resend; a numbered row sent again keeps the logprobs of its new ids only."""
+        for e in batch.ends:
+            h = self.handles.get(batch.request_ids[e.row])
+            new = took.get(e.row, REFUSED)
+            if h is None or new < 0:
+                continue
+            if batch.positions and e.logprobs and new < len(e.logprobs):
+                e.logprobs = e.logprobs[len(e.logprobs) - new :] if new else None
+            h.last_seen = now
+            _end(h, e, batch.worker_id)
 
     def _take_handoffs(self, batch: TokenBatch) -> None:
         """A prefill worker handed these requests' KV to other decode workers than the
@@ -392,29 +382,6 @@ class MeshClient(Migration):
             self._refused_from.add(worker_id)
             log.warning("dropped %d token rows from %s, which serves none of their requests (logged once per "
                         "sender; token_rows_refused_total counts them all)", num_rows, worker_id)
-
-    def _take_unnumbered(self, batch: TokenBatch, now: float) -> None:
-        handles, rids, w = self.handles, batch.request_ids, batch.worker_id
-        refused = 0
-        i = 0
-        for row, rid in enumerate(rids):
-            n = 1 if batch.counts is None else batch.counts[row]
-            h = handles.get(rid)
-            if h is not None and w != h.decode_id and w != h.prefill_id:
-                refused += 1
-            elif h is not None and n:
-                h.ids += batch.token_ids[i : i + n]
-                h.next_pos += n
-                h.last_seen = now
-                h.wake()
-            i += n
-        for e in batch.ends:
-            h = handles.get(rids[e.row])
-            if h is not None and (w == h.decode_id or w == h.prefill_id):
-                h.last_seen = now
-                _end(h, e, w)
-        if refused:
-            self._refuse(w, refused)
 
     def ask_resend(self, handles: list[Handle]) -> None:
         """Ask the workers serving these streams to send again from what each lacks (at

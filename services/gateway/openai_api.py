@@ -114,15 +114,32 @@ def _n(body: dict, max_n: int) -> int:
 
 def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
             grammar: GrammarSpec | None = None) -> tuple[SamplingParams, dict]:
-    """grammar: a constraint the caller built (forced tool calls); response_format gives
-    one otherwise, and the two together are refused."""
-    for name, ok in UNSUPPORTED.items():
-        if name in body and not _honoured(body[name], ok):
-            raise ApiError(400, f"'{name}' is not supported by this server (use {ok!r} or leave it out)", name)
+    """What completions and chat share: the sampling parameters and the stream options.
+    grammar: a constraint the caller built (forced tool calls). The fields are checked in
+    one order, so that a body with several faults always gets the same 400."""
+    _unsupported(body)
     try:
         trace_attrs = caller_attributes(body)
     except FieldError as e:
         raise ApiError(400, str(e), e.param) from None
+    grammar = _grammar(body, grammar)
+    stop = _stop(body)
+    stream_opts = _stream_options(body)
+    max_tokens, min_tokens = _token_limits(body, default_max_tokens, max_key)
+    params = _sampling(body, max_key, max_tokens, min_tokens, stop, grammar)
+    return params, {"stream": _get(body, "stream", (bool,), False),
+                    "include_usage": stream_opts.get("include_usage", False),
+                    "continuous_usage": stream_opts.get("continuous_usage_stats", False), "trace_attrs": trace_attrs}
+
+
+def _unsupported(body: dict) -> None:
+    for name, ok in UNSUPPORTED.items():
+        if name in body and not _honoured(body[name], ok):
+            raise ApiError(400, f"'{name}' is not supported by this server (use {ok!r} or leave it out)", name)
+
+
+def _grammar(body: dict, grammar: GrammarSpec | None) -> GrammarSpec | None:
+    """The caller's grammar, or response_format's; the two together are refused."""
     try:
         fmt = grammar_of(body.get("response_format"))
     except FormatError as e:
@@ -130,12 +147,19 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
     if fmt is not None and grammar is not None:
         raise ApiError(400, "'response_format' cannot be combined with a tool_choice that forces a tool call",
                        "response_format", code="tool_mismatch")
-    grammar = grammar or fmt
+    return grammar or fmt
+
+
+def _stop(body: dict) -> list[str]:
     stop = _get(body, "stop", (str, list), [])
     if isinstance(stop, str):
         stop = [stop]
     if not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "'stop' must be a string or an array of non-empty strings", "stop")
+    return stop
+
+
+def _stream_options(body: dict) -> dict:
     stream_opts = _get(body, "stream_options", (dict,), {})
     for k, v in stream_opts.items():
         if k not in STREAM_OPTIONS:
@@ -143,6 +167,12 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
                                 f"{' and '.join(STREAM_OPTIONS)})", "stream_options")
         if not isinstance(v, bool):
             raise ApiError(400, f"'stream_options.{k}' must be a boolean", "stream_options")
+    return stream_opts
+
+
+def _token_limits(body: dict, default_max_tokens: int, max_key: str) -> tuple[Any, int]:
+    """(max_tokens, min_tokens). max_key: the name the endpoint reads first; chat falls back
+    to max_tokens. SamplingParams checks max_tokens itself."""
     max_tokens = _get(body, max_key, (int,), None)
     if max_key != "max_tokens":  # checked even when max_completion_tokens wins over it
         legacy = _get(body, "max_tokens", (int,), None)
@@ -155,8 +185,13 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
         raise ApiError(400, f"'min_tokens' must be in [0, {INT32_MAX}]", "min_tokens")
     if _is_int(max_tokens):
         min_tokens = min(min_tokens, max_tokens)  # "at least n, but no more than max_tokens"
+    return max_tokens, min_tokens
+
+
+def _sampling(body: dict, max_key: str, max_tokens, min_tokens: int, stop: list[str],
+              grammar: GrammarSpec | None) -> SamplingParams:
     try:
-        params = SamplingParams(
+        return SamplingParams(
             max_tokens=max_tokens,
             temperature=float(_get(body, "temperature", (int, float), 1.0)),
             top_p=float(_get(body, "top_p", (int, float), 1.0)),
@@ -173,9 +208,6 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
         if param == "max_tokens":  # the client may have spelled it max_completion_tokens
             param, message = max_key, message.replace("max_tokens", max_key, 1)
         raise ApiError(400, message, param) from None
-    return params, {"stream": _get(body, "stream", (bool,), False),
-                    "include_usage": stream_opts.get("include_usage", False),
-                    "continuous_usage": stream_opts.get("continuous_usage_stats", False), "trace_attrs": trace_attrs}
 
 
 def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,

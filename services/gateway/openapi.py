@@ -120,46 +120,57 @@ _STREAM = {"text/event-stream": {"schema": {
 _POST_ERRORS = _errors(400, 404, 408, 413, 429, 500, 503)
 
 
-def openapi_document(model_name: str, vocab_size: int, max_model_len: int, max_n: int = 1) -> dict:
-    model = {"type": "string", "enum": [model_name]}
+# A chat message, as openai_api._message reads it.
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+    "content": {"oneOf": [{"type": "string"},
+                          {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+                              "type": {"const": "text"}, "text": {"type": "string"}}}},
+                          {"type": "null"}]},
+    "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "an assistant turn's calls"},
+    "tool_call_id": {"type": "string", "description": "a tool result's call"}}}
+
+
+def _completion(model: dict, vocab_size: int, max_model_len: int, max_n: int) -> dict:
     ids = {"type": "array", "minItems": 1, "items": _int(0, vocab_size - 1)}
-    text_part = {"type": "object", "required": ["type", "text"],
-                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]},
-        "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "an assistant turn's calls"},
-        "tool_call_id": {"type": "string", "description": "a tool result's call"}}}
-    completion = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
+    return {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
         "model": model,
         "prompt": {"oneOf": [{"type": "string"}, ids,
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]},
         "logprobs": _opt(_int(0, 20)), **_sampling("max_tokens", max_model_len, max_n),
         **{k: {"type": "null", "description": "chat only"} for k in _TOOLS}}}
-    chat = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
+
+
+def _chat(model: dict, max_model_len: int, max_n: int) -> dict:
+    return {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
         "model": model,
-        "messages": {"type": "array", "minItems": 1, "items": message},
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "logprobs": _opt({"type": "boolean"}),
         "top_logprobs": _opt(_int(0, 20)),
         **_sampling("max_completion_tokens", max_model_len, max_n), **_TOOLS, **_CALLER,
         "max_tokens": _opt(_int(1, max_model_len, description="used when max_completion_tokens is absent"))}}
 
-    def post(summary: str, op: str, schema: dict) -> dict:
-        return {"post": {
-            "summary": summary, "operationId": op,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-            "responses": {"200": {"description": "the completion, or an SSE stream when stream is true",
-                                  "content": {"application/json": {"schema": {"type": "object"}}, **_STREAM}},
-                          **_POST_ERRORS}}}
 
+def _post(summary: str, op: str, schema: dict) -> dict:
+    return {"post": {
+        "summary": summary, "operationId": op,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {"200": {"description": "the completion, or an SSE stream when stream is true",
+                              "content": {"application/json": {"schema": {"type": "object"}}, **_STREAM}},
+                      **_POST_ERRORS}}}
+
+
+def openapi_document(model_name: str, vocab_size: int, max_model_len: int, max_n: int = 1) -> dict:
+    model = {"type": "string", "enum": [model_name]}
     return {
         "openapi": "3.1.0",
         "info": {"title": "moemesh gateway", "version": "0.1.0",
                  "description": "OpenAI-compatible completions over a disaggregated MoE serving mesh."},
         "paths": {
-            "/v1/completions": post("Text completion", "createCompletion", completion),
-            "/v1/chat/completions": post("Chat completion", "createChatCompletion", chat),
+            "/v1/completions": _post("Text completion", "createCompletion",
+                                     _completion(model, vocab_size, max_model_len, max_n)),
+            "/v1/chat/completions": _post("Chat completion", "createChatCompletion", _chat(model, max_model_len, max_n)),
             "/v1/models": {"get": {"summary": "Served models", "operationId": "listModels",
                                    "responses": {"200": {"description": "model list"}}}},
             "/v1/models/{model}": {"get": {

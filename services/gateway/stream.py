@@ -10,6 +10,10 @@ aborted on the workers (a stop string, the inactivity timeout, the client gone).
 
 Nothing here runs per token but the detokenizer and the event's bytes: no task, no
 queue and no timer per token. A stream that falls behind gets several events per write.
+
+A request's group is what its reader waits on and closes: its Handle for n = 1 (a group
+of one), its Choices for n > 1. Both answer handles, wait, close, closed, cached_tokens
+and decode_id alike, so one response writer (choices.py) serves every n.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 TIMED_OUT = "timed_out"
 DISCONNECTED = "disconnected"
+GAP = -1  # Handle.put: a row before this one went missing; it waits for the resend that fills the gap
+REFUSED = -2  # Handle.put: the sender does not serve the request
 
 
 class Handle:
@@ -73,6 +79,40 @@ class Handle:
         self.closed = True
         self._on_close(self.request_id, abort)
 
+    def put(self, worker_id: str, ids: list[int], start: int, n: int, pos: int, now: float) -> int:
+        """The one rule of what a stream takes from a worker's token row: n ids from
+        ids[start], the first at output position pos (a worker that does not number its rows:
+        pass next_pos, and they are taken as they come). Only a worker that serves the
+        request is heard: the prefill worker it went to, or the decode worker it was handed
+        to. Of a row sent again, only the ids the stream lacks are taken. Returns how many
+        ids were new, GAP or REFUSED."""
+        if worker_id != self.decode_id and worker_id != self.prefill_id:
+            return REFUSED
+        want = self.next_pos
+        if pos == want:  # the common case
+            if n == 1:
+                self.ids.append(ids[start])
+            elif n:
+                self.ids += ids[start : start + n]
+            else:
+                return 0
+            new = n
+        elif pos > want:
+            return GAP if n else 0  # a row without ids shows no gap
+        else:
+            new = pos + n - want
+            if new <= 0:
+                return 0
+            self.ids += ids[start + n - new : start + n]
+        self.next_pos = pos + n
+        self.last_seen = now
+        w = self._waiter  # wake(), inline: this runs once per token
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+        return new
+
     def wake(self, why: object = None) -> None:
         w = self._waiter
         if w is not None:
@@ -116,6 +156,11 @@ class Handle:
     @property
     def ready(self) -> bool:
         return bool(self.ids) or self.finish is not None
+
+    @property
+    def handles(self) -> list[Handle]:
+        """As Choices.handles: a request of n = 1 is the group of its one handle."""
+        return [self]
 
     def watch(self, fut: asyncio.Future | None) -> None:
         """Wake `fut` when something arrives: the one wait of a request's n handles (Choices)."""
