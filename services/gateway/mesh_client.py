@@ -53,7 +53,8 @@ from moemesh.shared.protocol.messages import (
 from moemesh.shared.protocol.forks import fork_ids, fork_params
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.service.heartbeat import Heartbeater, WorkerRegistry
+from moemesh.shared.protocol.registry import WorkerRegistry
+from moemesh.shared.service.heartbeat import Heartbeater
 from moemesh.shared.service.nats_io import (
     LinkEvents, RemoteError, Unreachable, connect, disconnect, publish, request, subscribe,
 )

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Awaitable, Callable, Iterable
 
-from moemesh.shared.service.heartbeat import WorkerRegistry
+from moemesh.shared.protocol.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 BATCH_S = 0.05  # the events of several steps go out as one message

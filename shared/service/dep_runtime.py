@@ -23,7 +23,7 @@ from moemesh.shared.model.skew import apply_skew
 from moemesh.shared.protocol.messages import Ack, ErrorReply, ExpertLoad, Heartbeat, MoveAbort, MoveCommit, MoveDone, MovePlan, MoveStaged
 from moemesh.shared.service.engine_loop import EngineLoop
 from moemesh.shared.service.expert_moves import MoveAgent
-from moemesh.shared.service.heartbeat import WorkerRegistry
+from moemesh.shared.protocol.registry import WorkerRegistry
 from moemesh.shared.service.lockstep import Lockstep
 from moemesh.shared.service.nats_io import Spawn
 from moemesh.shared.service.parts import Bus

@@ -11,7 +11,7 @@ import logging
 from typing import Awaitable, Callable
 
 from moemesh.shared.protocol.messages import Heartbeat
-from moemesh.shared.service.heartbeat import WorkerRegistry
+from moemesh.shared.protocol.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 # Silent for two of its beats (at least 1 s): gone, as the gateway judges workers. Checked

@@ -1,6 +1,6 @@
 from moemesh.services.gateway.router import pick_decode
 from moemesh.shared.protocol.messages import Heartbeat, WorkerLoad
-from moemesh.shared.service.heartbeat import WorkerRegistry
+from moemesh.shared.protocol.registry import WorkerRegistry
 
 
 def _hb(wid, out, free=100, role="decode", interval=1.0, draining=False):
