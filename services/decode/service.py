@@ -37,7 +37,7 @@ from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.kv.spec import compatible
 from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
-    ALREADY_SERVED, Abort, Ack, ErrorReply, Heartbeat, KVReady, KVReadyReply, KVRelease, KVSendFailed, PrefillJob,
+    ALREADY_SERVED, Abort, Ack, ErrorReply, KVReady, KVReadyReply, KVRelease, KVSendFailed, PrefillJob,
 )
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
@@ -97,7 +97,7 @@ class DecodeService(AsyncService):
                         "meaningless. Never use this for serving.", s.decode_bench_job(rt.worker_id))
             self._job_subs.append(await rt.sub(s.decode_bench_job(rt.worker_id), PrefillJob, self._on_bench_job))
         await rt.sub(s.abort, Abort, self._on_abort)
-        await rt.sub(s.heartbeat("gateway", "*"), Heartbeat, self.gateways.on_heartbeat)
+        await rt.bus.on_heartbeat(self.gateways.observe)
         rt.spawn(self.gateways.run(), "gateway-watch")
         m = rt.metrics
         self.m_pull = m.histogram("kv_pull_seconds", "time to pull one request's KV")

@@ -44,7 +44,6 @@ from moemesh.shared.protocol.messages import (
     Abort,
     Ack,
     ErrorReply,
-    Heartbeat,
     KVFork,
     KVReady,
     KVReadyItem,
@@ -120,7 +119,8 @@ class PrefillService(AsyncService):
         self._job_subs.append(await rt.sub(s.prefill_direct(rt.worker_id), PrefillJob, self._on_job))
         await rt.sub(s.kv_release(rt.worker_id), KVRelease, self._on_release)
         await rt.sub(s.abort, Abort, self._on_abort)
-        await rt.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
+        await rt.bus.on_heartbeat(self.gateways.observe)
+        await rt.bus.on_heartbeat(self.peers.observe)
         rt.spawn(self._reap_leases(), "lease-reaper")
         rt.spawn(self.gateways.run(), "gateway-watch")
         m = rt.metrics
@@ -368,12 +368,6 @@ class PrefillService(AsyncService):
             return str(e)
 
     # ---- peers, leases ----------------------------------------------------------------
-    async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
-        if hb.role == "gateway":
-            await self.gateways.on_heartbeat(hb, msg, ctx)
-            return
-        self.peers.observe(hb)
-
     async def _on_release(self, r: KVRelease, msg, ctx) -> Ack:
         if self.leases.get(r.request_id, r.lease_id) is not None:
             await self._free_lease(r.request_id)

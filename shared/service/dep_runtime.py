@@ -100,7 +100,7 @@ class DepRuntime:
         if self.ep is None:
             return
         inst, s = self.cfg.instance, bus.subjects
-        await bus.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
+        await bus.on_heartbeat(self._on_heartbeat)
         await bus.sub(s.eplb(inst, "plan"), MovePlan, self._on_plan)
         await bus.sub(s.eplb(inst, "commit"), MoveCommit, self._on_commit)
         await bus.sub(s.eplb(inst, "abort"), MoveAbort, self._on_abort)
@@ -153,7 +153,7 @@ class DepRuntime:
                 log.debug("expert load not published: %s", e)
 
     # ---- moves --------------------------------------------------------------------------
-    async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
+    def _on_heartbeat(self, hb: Heartbeat) -> None:
         if hb.instance_id == self.cfg.instance:
             self.peers.observe(hb)
 

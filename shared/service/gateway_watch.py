@@ -28,8 +28,9 @@ class GatewayWatch:
         self._on_gone, self._every = on_gone, check_every_s
         self.registry = WorkerRegistry(miss_factor=MISS_FACTOR, min_timeout_s=MIN_SILENCE_S)
 
-    async def on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
-        self.registry.observe(hb)
+    def observe(self, hb: Heartbeat) -> None:
+        if hb.role == "gateway":
+            self.registry.observe(hb)
 
     async def run(self) -> None:
         """Check for silent gateways until cancelled."""

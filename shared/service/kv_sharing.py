@@ -29,7 +29,7 @@ from moemesh.shared.kv.events import KVEventPublisher, KVPeers, first_beat_wait_
 from moemesh.shared.kv.receive import StagedReceive
 from moemesh.shared.kv.spec import KVSpec, compatible
 from moemesh.shared.protocol.messages import (
-    Heartbeat, KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, KVSnapshotRequest, KVSource,
+    KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, KVSnapshotRequest, KVSource,
 )
 from moemesh.shared.protocol.prefix_hash import snapshot_key
 from moemesh.shared.protocol.subjects import Subjects
@@ -90,7 +90,7 @@ class KVSharing:
     async def start(self) -> None:
         p, s = self.parts, self.parts.subjects
         p.loop.after_step.append(self._drain)
-        await p.bus.sub(s.heartbeat_all, Heartbeat, self._on_heartbeat)
+        await p.bus.on_heartbeat(self.peers.observe)
         await p.bus.sub(s.kv_snapshot(p.worker_id), KVSnapshotRequest, self._on_snapshot)
         # Concurrent: one fetch that waits (on a send, or for its fetcher's first beat)
         # holds up no other; staging memory bounds how many send at once.
@@ -99,9 +99,6 @@ class KVSharing:
 
     def _drain(self) -> None:
         self.events.add(*self.parts.engine.blocks.drain_events())
-
-    async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
-        self.peers.observe(hb)
 
     async def _on_snapshot(self, req: KVSnapshotRequest, msg, ctx) -> KVEvents:
         def snap(e):

@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 from opentelemetry.sdk.trace import TracerProvider
 
 from moemesh.shared.config.common import ServiceConfig
+from moemesh.shared.protocol.messages import Heartbeat
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.engine_loop import EngineLoop
 from moemesh.shared.service.nats_io import Handler, LinkEvents, connect, disconnect, publish, subscribe
@@ -36,6 +37,7 @@ class Bus:
         self._cfg, self._name, self.subjects, self._tasks = cfg, name, subjects, tasks
         self.nc: NATS | None = None
         self.link = LinkEvents()
+        self._beat_listeners: list[Callable[[Heartbeat], None]] = []
 
     async def __aenter__(self) -> "Bus":
         self.nc = await connect(self._cfg, self._name, self.link)
@@ -51,6 +53,18 @@ class Bus:
 
     async def publish(self, subject: str, obj) -> None:
         await publish(self.nc, subject, obj)
+
+    async def on_heartbeat(self, listener: Callable[[Heartbeat], None]) -> None:
+        """Hear every heartbeat of the mesh. All of a worker's listeners (its gateways,
+        its KV peers, its DEP instance's ranks) share one subscription, and each beat is
+        decoded once."""
+        self._beat_listeners.append(listener)
+        if len(self._beat_listeners) == 1:
+            await self.sub(self.subjects.heartbeat_all, Heartbeat, self._fan_out)
+
+    async def _fan_out(self, hb: Heartbeat, msg, ctx) -> None:
+        for listener in self._beat_listeners:
+            listener(hb)
 
 
 def ucx_transport(cfg: ServiceConfig) -> TransportFactory:
