@@ -24,6 +24,7 @@ from moemesh.shared.engine.grammar import GrammarRuntime
 from moemesh.shared.engine.prefix_cache import PrefixCache
 from moemesh.shared.engine.scheduler import Scheduler
 from moemesh.shared.engine.sequence import FinishReason, Sequence, SeqStatus
+from moemesh.shared.engine.snapshots import usable_depth
 from moemesh.shared.grammar.compile import GrammarError
 from moemesh.shared.protocol.sampling import SamplingParams
 
@@ -86,9 +87,8 @@ class Admission:
             bs = self.blocks.block_size
             if len(cached_blocks) * bs >= len(seq.token_ids):
                 raise RequestError("cached blocks must leave at least one prompt token to compute")
-            if self.hybrid:  # V4: usable only as deep as a boundary snapshot
-                snapshots = self.prefix.snapshots
-                d = snapshots.usable(seq.block_hashes[: len(cached_blocks)]) if snapshots else 0
+            d = usable_depth(self.prefix.snapshots, seq.block_hashes[: len(cached_blocks)], self.hybrid)
+            if d < len(cached_blocks):  # V4: usable only as deep as a boundary snapshot
                 self.blocks.free(list(cached_blocks[d:]))
                 cached_blocks = cached_blocks[:d]
         if cached_blocks:

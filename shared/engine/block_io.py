@@ -24,14 +24,14 @@ import zlib
 import torch
 
 from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.engine.snapshots import usable_depth
 
 
 def acquire_prefix(engine: LLMEngine, hashes: list[bytes]) -> list[int]:
     """Blocks of the longest locally cached prefix of `hashes` that can be started on (V4:
     up to its deepest boundary snapshot), with a reference taken."""
     blocks = engine.blocks.lookup(hashes)
-    if engine.hybrid:
-        blocks = blocks[: engine.snapshots.usable(hashes[: len(blocks)])] if engine.snapshots else []
+    blocks = blocks[: usable_depth(engine.snapshots, hashes[: len(blocks)], engine.hybrid)]
     engine.blocks.acquire(blocks)
     return blocks
 
@@ -39,10 +39,7 @@ def acquire_prefix(engine: LLMEngine, hashes: list[bytes]) -> list[int]:
 def depth(engine: LLMEngine, hashes: list[bytes]) -> int:
     """How many leading blocks of `hashes` are cached here and can be served (V4: up to
     the deepest boundary snapshot among them)."""
-    n = len(engine.blocks.lookup(hashes))
-    if engine.hybrid:
-        n = engine.snapshots.usable(hashes[:n]) if engine.snapshots else 0
-    return n
+    return usable_depth(engine.snapshots, hashes[: len(engine.blocks.lookup(hashes))], engine.hybrid)
 
 
 def acquire_deepest(engine: LLMEngine, hashes: list[bytes]) -> list[int]:

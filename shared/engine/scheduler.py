@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.runner import Chunk
 from moemesh.shared.engine.sequence import FinishReason, SeqStatus, Sequence
-from moemesh.shared.engine.snapshots import SnapshotCache, targets
+from moemesh.shared.engine.snapshots import SnapshotCache, targets, usable_depth
 
 
 @dataclass(frozen=True)
@@ -252,9 +252,9 @@ class Scheduler:
         # A parent's own last position to compute is P-2 (its children compute P-1).
         usable = (seq.num_tokens - (2 if seq.forks else 1)) // self.blocks.block_size
         blocks = self.blocks.lookup(seq.block_hashes[:usable])
-        if self.snapshots is None:
-            return blocks, len(blocks)
-        return blocks[: self.snapshots.usable(seq.block_hashes[: len(blocks)])], len(blocks)
+        # Only a V4 engine has snapshots (one without them caches nothing, so finds nothing).
+        return blocks[: usable_depth(self.snapshots, seq.block_hashes[: len(blocks)], self.snapshots is not None)], \
+            len(blocks)
 
     @staticmethod
     def _cut(seq: Sequence, num_new: int) -> int:

@@ -134,3 +134,13 @@ def boundary(start: int, end: int, write_end: int, block_size: int, ahead: int) 
     Rows of b - lookback .. b - 1 are still in the ring while write_end - b <= ahead."""
     b = end // block_size * block_size
     return b if b > start and write_end - b <= ahead else 0
+
+
+def usable_depth(snapshots: "SnapshotCache | None", hashes: list[bytes], hybrid: bool) -> int:
+    """How many leading blocks of `hashes` (cached ones) a sequence can start on: on MLA
+    all of them, a cached block being all the state there is; on V4 (hybrid) as deep as
+    its deepest boundary snapshot, and none without snapshots. The one rule for the
+    scheduler, admission and the blocks a worker serves its peers."""
+    if not hybrid:
+        return len(hashes)
+    return snapshots.usable(hashes) if snapshots is not None else 0
