@@ -316,15 +316,15 @@ class PrefillService(AsyncService):
                 if e.reply.code != "unavailable":
                     break
             log.warning("decode worker %s did not take %d requests: %s", candidate, len(group), err)
-        sent = await self._send(taken_by, reply, group) if taken_by is not None and reply.tag else None
+        send_error = await self._send(taken_by, reply, group) if taken_by is not None and reply.tag else None
         refused = reply.refused
         for h in group:
             for m in (h, *h.forks):
                 rid = m.job.request_id
                 if taken_by is not None and rid not in refused:
                     m.span.add_event("kv_ready_sent", {"decode.id": taken_by, "kv.bytes": h.lease.nbytes})
-                    if sent:
-                        m.span.add_event("kv_send_failed", {"error": sent})
+                    if send_error:
+                        m.span.add_event("kv_send_failed", {"error": send_error})
                     m.span.end()
                     continue
                 why = refused.get(rid) or f"decode worker {decode_id} unavailable: {err}"

@@ -91,10 +91,9 @@ def verify_tensors(
         last[g] = best.gather(1, a[:, None]).squeeze(1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        a, t = _verify_sampled(logits, [starts[i] for i in sampled], [num_drafts[i] for i in sampled],
-                               draft_ids[torch.tensor(sampled, dtype=torch.long, device=dev)],
-                               [params[i] for i in sampled], [generators[i] for i in sampled])
         s = torch.tensor(sampled, dtype=torch.long, device=dev)
+        a, t = _verify_sampled(logits, [starts[i] for i in sampled], [num_drafts[i] for i in sampled], draft_ids[s],
+                               [params[i] for i in sampled], [generators[i] for i in sampled])
         accepted[s], last[s] = a, t
     return accepted, last
 
