@@ -100,6 +100,11 @@ class KVReceiver:
     def address(self) -> bytes:
         return self._transport.address
 
+    @property
+    def in_flight(self) -> int:
+        """Hand-offs whose bytes are on their way."""
+        return len(self._waiting)
+
     def post(self, batch: PullBatch) -> int:
         """Reserve the batch's staging and post its receive. Returns its tag, or 0 when
         it cannot be received (staging full: the batch is FAILED, and nothing is to be sent)."""

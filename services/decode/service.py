@@ -42,6 +42,7 @@ from moemesh.shared.protocol.messages import (
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
 from moemesh.shared.service.gateway_watch import GatewayWatch
+from moemesh.shared.service.phase_log import PhaseLog
 from moemesh.shared.service.tombstones import Tombstones
 from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime, end_fields
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 # a long generation does not pay several microseconds per token for them.
 MAX_STEP_EVENTS = 32
 DRAIN_HANDOFF_GRACE_S = 0.5
+# For this long after a hand-off, more are expected: steps are planned late for them to join.
+ARRIVING_S = 0.25
 
 
 @dataclass
@@ -61,6 +64,11 @@ class Active:
     span: trace.Span
     t0: float
     steps: int = 0
+    # The hand-off's phases (PhaseLog): dispatch and transfer once the bytes are in, and
+    # when they were (perf_counter), until the first step it runs in has landed.
+    dispatch_s: float = 0.0
+    transfer_s: float = 0.0
+    landed_at: float = 0.0
 
 
 class DecodeService(AsyncService):
@@ -69,7 +77,9 @@ class DecodeService(AsyncService):
         transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
         self.rt = WorkerRuntime(cfg, "decode", self._on_outputs, engine, transport,
-                                lambda: {"num_transfers": len(self.pulls), "requests_by_gateway": dict(self._gateways)})
+                                lambda detail: {"num_transfers": len(self.pulls),
+                                                "requests_by_gateway": dict(self._gateways),
+                                                **self.phases.stats_fields(detail)})
         self.pulls: dict[str, Pull] = {}
         self.receiver: KVReceiver | None = None  # once the transport is up (start)
         self.aborted = Tombstones()
@@ -79,6 +89,14 @@ class DecodeService(AsyncService):
         self._step_events = False
         self._dummy: dict[tuple[int, ...], torch.Tensor] = {}  # bench_dummy_kv
         self._job_subs = []
+        # dispatch: the prefill worker's first token -> its KVReady here; transfer: -> the
+        # bytes in staging; import: -> into the cache and a step that ran; first_step: that
+        # step. Together, what the hand-off adds before the second token.
+        self.phases = PhaseLog(self.rt.metrics, "handoff_phase_seconds",
+                               "a request's hand-off from prefill to its first decode step, by phase",
+                               ("dispatch", "transfer", "import", "first_step"))
+        self._joining: dict[str, Active] = {}  # imported, its first step not landed yet
+        self._last_ready = -ARRIVING_S  # monotonic time of the last KVReady
 
     async def start(self) -> None:
         rt = self.rt
@@ -90,6 +108,8 @@ class DecodeService(AsyncService):
         # Not a job subscription: a draining worker still takes the hand-off of a request that
         # was routed to it before it announced the drain (its prompt is already computed).
         self.receiver = KVReceiver(rt.transport, rt.staging, self.cfg.transfer_timeout_s)
+        # While hand-offs come in, the next step is planned late enough for them to join it.
+        rt.loop.arriving = self._arriving
         await rt.sub(s.decode_kv_ready(rt.worker_id), KVReady, self._on_ready)
         await rt.sub(s.decode_kv_failed(rt.worker_id), KVSendFailed, self._on_send_failed)
         if self.cfg.bench_dummy_kv:
@@ -123,6 +143,8 @@ class DecodeService(AsyncService):
     # ---- hand-off from prefill --------------------------------------------------------
     async def _on_ready(self, r: KVReady, msg, ctx):
         rt = self.rt
+        dispatch_s = max(0.0, time.time() - r.first_token_at) if r.first_token_at else 0.0
+        self._last_ready = time.monotonic()
         if not (c := compatible(rt.kv_spec, r.layout)):
             return ErrorReply(f"incompatible KV layout: {c.reason}", "bad_request")
         batch, refused, off = PullBatch(r), {}, 0
@@ -144,7 +166,7 @@ class DecodeService(AsyncService):
                 span = rt.tracer.start_span("decode", context=extract_context({"traceparent": traceparent}),
                                             attributes={"request.id": rid, "worker.id": rt.worker_id,
                                                         "prompt.tokens": len(item.prompt_ids)})
-                self._activate(rid, Active(item.gateway_id, span, time.monotonic()))
+                self._activate(rid, Active(item.gateway_id, span, time.monotonic(), dispatch_s=dispatch_s))
                 self.pulls[rid] = pull
             batch.pulls.append(pull)
             off += item.nbytes
@@ -157,6 +179,9 @@ class DecodeService(AsyncService):
             return KVReadyReply(refused)
         return KVReadyReply(refused, self.receiver.address, tag, [p.request_id for p in batch.pulls],
                             [traceparent_of(sp) for sp in spans])
+
+    def _arriving(self) -> bool:
+        return bool(self.receiver.in_flight) or time.monotonic() - self._last_ready < ARRIVING_S
 
     async def _on_send_failed(self, m: KVSendFailed, msg, ctx) -> None:
         self.receiver.sender_failed(m.tag, f"{m.prefill_id}: {m.error}")
@@ -189,7 +214,8 @@ class DecodeService(AsyncService):
     async def _receive_and_import(self, batch: PullBatch, spans: list[trace.Span]) -> None:
         t0 = time.perf_counter()
         await self.receiver.wait(batch)
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        dt = t1 - t0
         for span, p in zip(spans, batch.pulls):
             span.set_attribute("kv.seconds", dt)
             if p.state == TransferState.FAILED:
@@ -200,6 +226,9 @@ class DecodeService(AsyncService):
             self.m_pull_bytes.inc(batch.nbytes)
         for p in batch.pulls:
             if p.state == TransferState.SUCCESS:
+                for rid in p.request_ids:
+                    if (act := self.active.get(rid)) is not None:
+                        act.transfer_s, act.landed_at = dt, t1
                 self._import(p)
             else:
                 await self._pull_failed(p)
@@ -246,6 +275,7 @@ class DecodeService(AsyncService):
             try:
                 engine.add_prefilled(item.request_id, item.prompt_ids + item.output_ids, len(item.prompt_ids),
                                      params, pull.staging().typed(dtype, shape), item.draft_ids)
+                self._joined([item.request_id])
             except RequestError as e:
                 rt.spawn(self._fail(item.request_id, f"import refused: {e}"), "fail")
             finally:
@@ -272,6 +302,7 @@ class DecodeService(AsyncService):
                 return False  # wait for blocks to free up
             try:
                 fork_io.add(engine, members, n_prompt, pull.staging().typed(dtype, shape), skip)
+                self._joined([m[0] for m in members if m[0] not in skip])
             except RequestError as e:
                 for rid, *_ in members:
                     if rid not in skip:
@@ -281,6 +312,20 @@ class DecodeService(AsyncService):
             return True
 
         rt.loop.retry_each_step(attempt)
+
+    def _joined(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if (act := self.active.get(rid)) is not None and act.landed_at:
+                self._joining[rid] = act
+
+    def _landed_first_steps(self, out: StepOutputs) -> None:
+        """Record the hand-off of each request this step was the first to run."""
+        a, now = self.rt.last_account, time.perf_counter()
+        step_s = a.total_s if a is not None else 0.0
+        rows = set(out.request_ids)
+        for rid in [r for r in self._joining if r in rows]:
+            act = self._joining.pop(rid)
+            self.phases.record(act.dispatch_s, act.transfer_s, max(0.0, now - act.landed_at - step_s), step_s)
 
     def _drop_pull(self, pull: Pull) -> None:
         KVReceiver.finish(pull)
@@ -300,6 +345,7 @@ class DecodeService(AsyncService):
         self._gateways[act.gateway_id] += 1
 
     def _deactivate(self, request_id: str) -> Active | None:
+        self._joining.pop(request_id, None)
         act = self.active.pop(request_id, None)
         if act is not None:
             self._gateways[act.gateway_id] -= 1
@@ -370,6 +416,8 @@ class DecodeService(AsyncService):
                     e = ends.get(i)
                     rt.tokens.add(act.gateway_id, rid, ids, *(end_fields(e) if e is not None else (None,) * 3),
                                   position=out.positions[i])
+        if self._joining:
+            self._landed_first_steps(out)
         if self._step_events:
             self._add_step_events(out, stats)
         for e in out.extras:

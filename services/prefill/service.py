@@ -57,6 +57,7 @@ from moemesh.shared.kv.events import KVPeers
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request
 from moemesh.shared.service.gateway_watch import GatewayWatch
+from moemesh.shared.service.phase_log import PhaseLog
 from moemesh.shared.service.tombstones import Tombstones
 from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
@@ -88,6 +89,7 @@ class JobState:
     phase: trace.Span  # "queue.wait" until first scheduled, then "prefill.batch"
     scheduled: bool = False
     queued_ns: int = 0
+    scheduled_ns: int = 0  # wall clock: when a step first computed it
     parent: str = ""  # a child's: the job it was forked from (its prompt's KV may move with its siblings')
 
 
@@ -97,7 +99,8 @@ class PrefillService(AsyncService):
         transport (default UCX; tests give the loopback double)."""
         self.cfg = cfg
         self.rt = WorkerRuntime(cfg, "prefill", self._on_outputs, engine, transport,
-                                lambda: {"num_held": len(self.leases), "requests_by_gateway": self._by_gateway()})
+                                lambda detail: {"num_held": len(self.leases), "requests_by_gateway": self._by_gateway(),
+                                                **self.phases.stats_fields(detail)})
         self.jobs: dict[str, JobState] = {}
         self.aborted = Tombstones()
         self.gateways = GatewayWatch(self._gateway_gone)
@@ -105,6 +108,9 @@ class PrefillService(AsyncService):
         self.peers = KVPeers("decode")  # decode workers, to vet the UCX addresses we send to
         self.sender: KVSender | None = None  # once the transport is up (start)
         self._job_subs = []
+        # queue: the job's arrival -> a step first computes it; prefill: -> its first token
+        self.phases = PhaseLog(self.rt.metrics, "prefill_phase_seconds",
+                               "a prompt's time on the prefill worker, by phase", ("queue", "prefill"))
 
     async def start(self) -> None:
         rt = self.rt
@@ -244,12 +250,13 @@ class PrefillService(AsyncService):
             if st is not None and not st.scheduled:
                 st.scheduled = True
                 # The step may have started before the job's span did (it arrived mid-step).
-                t = max(start_time_ns(stats), st.queued_ns)
+                t = st.scheduled_ns = max(start_time_ns(stats), st.queued_ns)
                 st.phase.end(t)
                 st.phase = self.rt.tracer.start_span(
                     "prefill.batch", context=trace.set_span_in_context(st.span), start_time=t,
                     attributes={"batch.num_tokens": stats.num_tokens, "batch.num_seqs": stats.num_seqs})
         held: dict[str, list[Handoff]] = {}  # by the job they move with (children of one prompt move as one)
+        now = time.time()
         for out in outputs:
             st = self.jobs.pop(out.request_id, None)
             if st is None:
@@ -257,6 +264,8 @@ class PrefillService(AsyncService):
             job, span = st.job, st.span
             st.phase.end()
             self.m_prefill.observe(time.monotonic() - st.t0)
+            if st.scheduled_ns:
+                self.phases.record((st.scheduled_ns - st.queued_ns) / 1e9, now - st.scheduled_ns / 1e9)
             span.set_attribute("prefill.first_token", out.new_token_ids[0] if out.new_token_ids else -1)
             reason = out.finish_reason.value if out.finished else None
             rt.tokens.add(job.gateway_id, job.request_id, out.new_token_ids, reason,
@@ -278,9 +287,9 @@ class PrefillService(AsyncService):
             handoffs.setdefault(h.job.decode_id, []).append(h)
         await rt.tokens.flush()
         for decode_id, group in handoffs.items():
-            rt.spawn(self._hand_off(decode_id, group), f"handoff-{decode_id}")
+            rt.spawn(self._hand_off(decode_id, group, now), f"handoff-{decode_id}")
 
-    async def _hand_off(self, decode_id: str, group: list["Handoff"]) -> None:
+    async def _hand_off(self, decode_id: str, group: list["Handoff"], first_token_at: float = 0.0) -> None:
         """Tell a decode worker that the KV of these requests (one step's, routed to it)
         is ready, in one message; its reply posts the receive, and the bytes go. If it has
         gone, or is draining, another live decode worker takes them instead."""
@@ -290,7 +299,7 @@ class PrefillService(AsyncService):
                         h.lease.lease_id, h.lease.num_blocks, h.lease.nbytes, traceparent_of(h.span), h.draft_ids,
                         [KVFork(f.job.request_id, f.output_ids, f.job.sampling, traceparent_of(f.span), f.draft_ids)
                          for f in h.forks])
-            for h in group], self.cfg.lease_timeout_s)
+            for h in group], self.cfg.lease_timeout_s, first_token_at)
         for h in group:
             h.lease.pulling = True  # held for the hand-off: an abort meanwhile frees it after
         others = [hb.worker_id for hb in self.peers.live("decode") if hb.worker_id != decode_id]

@@ -114,6 +114,9 @@ class KVReady:
     layout: KVLayout
     items: list[KVReadyItem]
     lease_expires_in_s: float = 30.0
+    # Unix time at which the prefill worker had the items' first tokens: the decode worker
+    # measures the hand-off's dispatch from it (clocks of different hosts assumed in sync).
+    first_token_at: float = 0.0
 
 
 # KVReadyReply.refused's reason for a request the decode worker serves already, from another
@@ -317,6 +320,10 @@ class WorkerStats:
     # gateway -> the requests this worker holds for it (queued, running, handed over, pulling):
     # what a dead gateway's clients can no longer read (`moemesh bench chaos` counts these orphans)
     requests_by_gateway: dict[str, int] = field(default_factory=dict)
+    # with detail: the last requests' phases (shared/service/phase_log.py), as [unix time at the
+    # last phase's end, seconds of each phase named in request_phases, in that order]
+    request_phases: list[str] = field(default_factory=list)
+    recent_requests: list[list[float]] = field(default_factory=list)
 
 
 # ---- expert-parallel load balancing (balancer <-> the ranks of a DEP instance) ----------

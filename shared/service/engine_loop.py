@@ -37,6 +37,11 @@ from moemesh.shared.engine.planned_step import PlannedStep
 
 log = logging.getLogger(__name__)
 
+# While requests come in, the next step is planned this long (or twice the recent planning
+# time, if more) before the running one is due to end: an event loop's timer may fire up to
+# a millisecond late.
+JOIN_MARGIN_S = 0.0015
+
 Op = Callable[[LLMEngine], Any]
 OutputSink = Callable[[StepOutputs, StepStats], Awaitable[None]]
 
@@ -61,6 +66,11 @@ class EngineLoop:
         self._ops_s = 0.0  # host time applying operations since the last step was accounted
         self._immediate = False  # ops run as submitted (planned steps), not between steps
         self._publish_s = 0.0  # host time publishing the previous step's outputs
+        # Whether requests are coming in (a decode worker's hand-offs): then the step after
+        # the running one is planned late, for them to join it (_await_joiners). None: never.
+        self.arriving: Callable[[], bool] | None = None
+        self._device_ewma_s = 0.0  # recent planned steps' device time
+        self._plan_ewma_s = 0.0  # recent time to plan a step
 
     def submit(self, op: Op) -> asyncio.Future:
         """Run op(engine); the future gets its result or exception. With planned steps the
@@ -159,8 +169,14 @@ class EngineLoop:
         try:
             while not self._stopping:
                 t0 = time.perf_counter()
+                if len(out) == 1 and self.arriving is not None and self.arriving():
+                    await self._await_joiners(device_end)
+                    t0 = time.perf_counter()
                 self._apply_ops()
+                tp = time.perf_counter()
                 plan = eng.plan_step(out[-1][0] if out else None) if len(out) < 2 else None
+                if plan is not None:
+                    self._plan_ewma_s += 0.2 * (time.perf_counter() - tp - self._plan_ewma_s)
                 if plan is BLOCKED:  # only a preemption would make room: land first, plan again
                     plan = None
                 if plan is WHOLE:  # an MTP step spec_overlap does not take (nothing is in flight)
@@ -185,6 +201,19 @@ class EngineLoop:
                     pass
             device.close()
 
+    async def _await_joiners(self, device_end: float | None) -> None:
+        """One step runs and requests are coming in: planned now, the next step would leave
+        whatever lands while this one runs to the step after, a whole step later. Plan it
+        as late as is safe instead: the margin (or twice the recent planning time, if
+        more) before the running step is due to end, reckoned from when the device began
+        it (the step before it ended) and its recent device time."""
+        if self._device_ewma_s <= 0:
+            return
+        start = device_end if device_end is not None else time.perf_counter()
+        left = start + self._device_ewma_s - max(JOIN_MARGIN_S, 2 * self._plan_ewma_s) - time.perf_counter()
+        if left > 0 and not self._stopping:
+            await asyncio.sleep(left)
+
     async def _land_oldest(self, out: deque, device_end: float | None, host_s: float = 0.0) -> float | None:
         """Wait for the oldest step out, land it and publish its outputs. device_end: when
         the device finished the step before it (None: it was idle since). Returns the
@@ -194,6 +223,8 @@ class EngineLoop:
         await fut
         eng.blocks.end_step(landed.step_id)
         t1 = time.perf_counter()
+        if landed.t_end > landed.t_start > 0:
+            self._device_ewma_s += 0.2 * (landed.t_end - landed.t_start - self._device_ewma_s)
         outputs = eng.land_step(landed)
         st = landed.stats
         st.host_exposed_s = max(0.0, landed.t_start - device_end) if device_end is not None else 0.0

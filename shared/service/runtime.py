@@ -57,10 +57,10 @@ log = logging.getLogger(__name__)
 
 class WorkerRuntime:
     def __init__(self, cfg: WorkerConfig, role: str, on_outputs: OutputSink, engine: LLMEngine | None = None,
-                 transport: TransportFactory | None = None, extra_stats: Callable[[], dict] = dict):
+                 transport: TransportFactory | None = None, extra_stats: Callable[[bool], dict] = lambda detail: {}):
         """on_outputs: the service's handler of every step's outputs. engine: one built
         already (tests), else made from cfg. transport: makes this worker's KVTransport
-        (default UCX). extra_stats: the service's fields of its stats replies."""
+        (default UCX). extra_stats(detail): the service's fields of its stats replies."""
         self.cfg = cfg
         self.role = role
         self.worker_id = cfg.worker_id
@@ -189,7 +189,7 @@ class WorkerRuntime:
                     "kv_pulled_tokens": float(self.kv_sharing.pulled_tokens if self.kv_sharing else 0)}
         return WorkerStats(self.worker_id, self.role, self.steps.load, staging_bytes_used=self.staging.bytes_used,
                            recent_steps=steps, placement_version=self.dep.placement_version, counters=counters,
-                           **self._extra_stats())
+                           **self._extra_stats(req.detail))
 
     async def begin_drain(self, job_subs) -> None:
         """Stop taking new work and tell the mesh so, at once."""

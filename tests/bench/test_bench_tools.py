@@ -83,6 +83,11 @@ def test_stream_with_the_mock_engine(tmp_path, tiny_model):
     [p] = res["points"]
     _check_overhead_point(p, 4, 8, 5.0, {"gateway", "prefill", "decode", "nats"})
     assert p["goal"] == "-" and res["goal"]["share_of_ideal_min"] == 0.94
+    # Where the first tokens' time went, from the workers' phase rows (tracing is off).
+    assert "request phases" in out and "hand-off" in out
+    ph = p["request_phases"]
+    assert ph["prefill"]["requests"] >= 1 and ph["prefill"]["queue"]["p50"] >= 0
+    assert ph["decode"]["handoff"]["p50"] > 0 and ph["decode"]["handoff_steps"]["p90"] > 0
 
 
 def test_decode_on_the_mock_engine(tmp_path, tiny_model):

@@ -106,6 +106,30 @@ def test_32_concurrent_streams_match_the_offline_engine(mesh, offline):
     assert got == want
 
 
+def test_workers_report_each_requests_phases_with_tracing_off_in_their_stats(mesh):
+    """Prefill: queue and prefill; decode: the hand-off's dispatch, transfer and import,
+    then its first decode step: a row per request, stamped when its last phase ended."""
+    from tests.mesh.conftest import worker_stats
+
+    t0 = time.time()
+    r = httpx.post(mesh.url + "/v1/completions", json={"model": "tiny", "prompt": "phases", "max_tokens": 4,
+                                                      "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200
+    pre = asyncio.run(worker_stats(mesh.nats_url, mesh.prefill_id, detail=True))
+    deadline = time.monotonic() + 10
+    while True:  # the decode row lands with the first decode step's outputs, before the last token
+        dec = asyncio.run(worker_stats(mesh.nats_url, mesh.decode_id, detail=True))
+        if any(row[0] >= t0 for row in dec.recent_requests) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert pre.request_phases == ["queue", "prefill"]
+    assert dec.request_phases == ["dispatch", "transfer", "import", "first_step"]
+    for st in (pre, dec):
+        rows = [row for row in st.recent_requests if row[0] >= t0]
+        assert rows and all(len(row) == 1 + len(st.request_phases) and min(row[1:]) >= 0 for row in rows)
+    assert asyncio.run(worker_stats(mesh.nats_url, mesh.decode_id)).recent_requests == []  # only with detail
+
+
 def test_logprobs_stop_strings_and_seeds(mesh, offline, request_cleanup):
     c = _client(mesh)
     request_cleanup(c)

@@ -28,3 +28,58 @@ def test_operations_after_the_loop_stops_still_run(tiny_engine_factory, spec, ov
 
     free, late = asyncio.run(go())
     assert free == engine.blocks.num_blocks and late == "late"
+
+
+@pytest.mark.parametrize("arriving", [False, True], ids=["planned-at-once", "planned-late"])
+def test_a_request_arriving_mid_step_joins_the_next_step_when_planned_late(tiny_model, arriving):
+    """While requests come in (a decode worker's hand-offs), the step after the running one
+    is planned near the running one's end, so a request that arrives meanwhile runs in
+    that next step; planned at once, it waits a whole step more. B is added from the
+    loop's own wait (scheduled when the loop asks whether requests are coming, while the
+    second step runs), so the order does not depend on how fast this machine is."""
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.engine import LLMEngine
+    from moemesh.shared.engine.mock_model import MockModel
+    from moemesh.shared.model.config import ModelConfig
+    from moemesh.shared.protocol.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=64, max_num_seqs=4),
+                       model=MockModel(ModelConfig.from_dir(tiny_model), 0.1))
+    assert engine.can_overlap
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    steps: list[list[str]] = []
+
+    async def go():
+        done = asyncio.Event()
+        loop: EngineLoop | None = None
+        asked = 0
+
+        def b_arrives() -> None:  # at the loop's next wait
+            asyncio.get_running_loop().call_soon(lambda: loop.submit(lambda e: e.add_request("B", [7, 8, 9], params)))
+
+        async def on_outputs(out, stats):
+            steps.append(list(out.request_ids))
+            if len(steps) == 1 and not arriving:  # the second step runs from the loop's next wait on
+                b_arrives()
+            if not engine.has_unfinished():
+                done.set()
+
+        def coming() -> bool:
+            nonlocal asked
+            asked += 1
+            if asked == 2:  # the first step has landed, the second runs: the loop waits to plan the third
+                b_arrives()
+            return True
+
+        loop = EngineLoop(engine, on_outputs)
+        if arriving:
+            loop.arriving = coming
+        engine.add_request("A", [1, 2, 3, 4], params)
+        task = asyncio.create_task(loop.run())
+        await asyncio.wait_for(done.wait(), 30)
+        loop.stop()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())
+    first_b = next(i for i, rows in enumerate(steps) if "B" in rows)
+    assert first_b == (2 if arriving else 3), steps

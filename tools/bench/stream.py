@@ -159,6 +159,8 @@ def _points(cfg: StreamBenchConfig, mesh: Mesh, model: str, pids: dict, phase: s
         ratio, loads = ratios.pop("instance", None), ratios.pop("loads", None)
         row = overhead.point_row(res, cfg.mock_step_ms, overhead.MESH_ROLES, steps, cfg.tokens_per_step, ratio)
         row["phase"], row["balance_ratios"], row["loads"] = phase, ratios, loads
+        row["request_phases"] = overhead.phase_figures(overhead.worker_phases(mesh), res["started_at"],
+                                                       res["ended_at"], cfg.mock_step_ms)
         row["goal"] = goal_check(row, cfg.mock_step_ms)
         rows.append(row)
     return rows
@@ -208,11 +210,40 @@ def table(r: dict) -> str:
             out.append(f"-- {phase}: balance ratio target/draft "
                        + ", ".join(_ratio_pair(p) for p in pts))
         out.append(overhead.table(pts, overhead.MESH_ROLES, "streams", extra="goal"))
+        out.append(phase_table(pts, c["mock_step_ms"]))
     for m in r.get("moves", []):
         out.append(f"rebalance: {'ok' if m['ok'] else 'FAILED ' + m['error']}, {m['seconds']:.2f} s, move "
                    f"{m['move_s']:.3f} s, {m['bytes_moved'] / 1e6:.2f} MB, {m['slots_changed']} slots; in-window "
                    f"ratio {m['ratio_in_window_before']:.3f} -> {m['ratio_in_window_expected']:.3f} expected")
     return "\n".join(out)
+
+
+def phase_table(points: list[dict], step_ms: float) -> str:
+    """Where the first two tokens' time went, per point, p50/p90 ms: on the prefill worker
+    (queue, prefill; the rest of TTFT is the gateway, NATS and the client), then the
+    hand-off to the decode worker (dispatch, transfer, import: the second token's wait
+    beyond one decode step) and its first decode step. Decode host p99: all host work of a
+    step / the part the step waited for."""
+    def q(fig: dict | None) -> str:
+        return "-" if not fig else f"{fig['p50']:.1f}/{fig['p90']:.1f}"
+
+    lines = [f"{'streams':>7} {'TTFT':>6} {'queue':>10} {'prefill':>10} {'dispatch':>10} {'transfer':>10} "
+             f"{'import':>10} {'1st step':>10} {'hand-off ms':>12} {'steps':>9} {'host p99':>10}"]
+    for p in points:
+        ph = p.get("request_phases") or {}
+        pre, dec = ph.get("prefill", {}), ph.get("decode", {})
+        st = p["decode_steps"]
+        steps = dec.get("handoff_steps")
+        lines.append(f"{p['streams']:>7} {_f(p['ttft_ms_p50']):>6} {q(pre.get('queue')):>10} "
+                     f"{q(pre.get('prefill')):>10} {q(dec.get('dispatch')):>10} {q(dec.get('transfer')):>10} "
+                     f"{q(dec.get('import')):>10} {q(dec.get('first_step')):>10} {q(dec.get('handoff')):>12} "
+                     f"{'-' if not steps else format(steps['p50'], '.1f') + '/' + format(steps['p90'], '.1f'):>9} "
+                     f"{_f(st.get('host_ms_p99'), '.2f') + '/' + _f(st.get('host_exposed_ms_p99'), '.2f'):>10}")
+    return f"request phases (p50/p90 ms; hand-off in {step_ms:g} ms steps):\n" + "\n".join(lines)
+
+
+def _f(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def _ratio_pair(p: dict) -> str:
