@@ -50,8 +50,9 @@ from moemesh.shared.telemetry.tracing import exports_spans
 from moemesh.shared.transport.base import TransferState
 
 log = logging.getLogger(__name__)
-# Step events per request span: enough to profile steps (moemesh profile), few enough that
-# a long generation does not pay several microseconds per token for them.
+# Step events per request span: each step is told once, on the span of one request it ran
+# (the first of its rows whose span has room), which is all `moemesh profile` needs; a span
+# a token would cost every request of a batch several microseconds a step.
 MAX_STEP_EVENTS = 32
 DRAIN_HANDOFF_GRACE_S = 0.5
 # For this long after a hand-off, more are expected: steps are planned late for them to join.
@@ -64,6 +65,7 @@ class Active:
     span: trace.Span
     t0: float
     steps: int = 0
+    step_events: int = 0
     # The hand-off's phases (PhaseLog): dispatch and transfer once the bytes are in, and
     # when they were (perf_counter), until the first step it runs in has landed.
     dispatch_s: float = 0.0
@@ -436,19 +438,19 @@ class DecodeService(AsyncService):
         await rt.tokens.flush()
 
     def _add_step_events(self, out: StepOutputs, stats: StepStats) -> None:
-        a = self.rt.last_account
-        attrs = None
+        told = False
         for rid, ids in out.rows():
             act = self.active.get(rid)
             if act is None:
                 continue
             act.steps += 1
-            if act.steps <= MAX_STEP_EVENTS:
-                if attrs is None:
-                    attrs = {"batch.num_seqs": stats.num_seqs, "forward_ms": a.forward_s * 1e3,
-                             "host_ms": a.host_s * 1e3, "host_exposed_ms": a.exposed_s * 1e3,
-                             "rank_wait_ms": a.rank_wait_s * 1e3}
-                act.span.add_event("step", {"tokens": len(ids), **attrs})
+            if not told and act.step_events < MAX_STEP_EVENTS:
+                told = True
+                act.step_events += 1
+                a = self.rt.last_account
+                act.span.add_event("step", {"tokens": len(ids), "batch.num_seqs": stats.num_seqs,
+                                            "forward_ms": a.forward_s * 1e3, "host_ms": a.host_s * 1e3,
+                                            "host_exposed_ms": a.exposed_s * 1e3, "rank_wait_ms": a.rank_wait_s * 1e3})
 
     async def _gateway_gone(self, gateway_id: str) -> None:
         self.rt.tokens.forget(gateway_id)
