@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import (
     NonRecordingSpan, NoOpTracer, Span, SpanContext, TraceFlags, Tracer, get_current_span, use_span,
 )
@@ -33,6 +33,8 @@ from opentelemetry.trace import (
 from moemesh.shared.telemetry.jsonl_exporter import JsonLinesSpanExporter
 
 OTLP_TRACES_PATH = "v1/traces"
+JSONL_FLUSH_S = 0.2  # a request's spans are in the file this long after it ends, at most
+JSONL_QUEUE_SPANS = 65536  # ~40 s of spans at 200 requests/s: a slow disk does not lose any
 
 _shut_down: weakref.WeakSet[TracerProvider] = weakref.WeakSet()
 _exporting: weakref.WeakSet[TracerProvider] = weakref.WeakSet()
@@ -58,8 +60,12 @@ def setup_tracing(service_name: str, jsonl_path: str | os.PathLike | None = None
     named = {} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service_name}
     provider = TracerProvider(resource=Resource.create(named))
     if jsonl_path is not None:
-        # Synchronous on purpose: the file holds a request's spans as soon as the request ends.
-        provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(jsonl_path)))
+        # Batched, off the event loop: written as each span ended, a file append per span sat
+        # on the request's own path in every service, and at 32 streams on two cores it
+        # doubled the time to first token. Batches go every JSONL_FLUSH_S, and at shutdown.
+        provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(jsonl_path),
+                                                       max_queue_size=JSONL_QUEUE_SPANS,
+                                                       schedule_delay_millis=JSONL_FLUSH_S * 1e3))
     otlp = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") \
         or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     if otlp:

@@ -130,6 +130,24 @@ def test_workers_report_each_requests_phases_with_tracing_off_in_their_stats(mes
     assert asyncio.run(worker_stats(mesh.nats_url, mesh.decode_id)).recent_requests == []  # only with detail
 
 
+def test_bench_serve_with_the_mesh_nats_adds_the_workers_phases_to_each_point(mesh, tmp_path):
+    from moemesh.tools.bench.serve import report, runner
+    from moemesh.tools.bench.serve.client import ClientConfig
+    from moemesh.tools.bench.serve.workload import LengthDist, WorkloadConfig
+
+    work = WorkloadConfig(kind="fixed", num_requests=4, isl=LengthDist("fixed", 8), osl=LengthDist("fixed", 4))
+    cfg = runner.ServeBenchConfig(client=ClientConfig(url=mesh.url), workload=work, values=(2,), progress=False,
+                                  nats_url=mesh.nats_url)
+    [p] = runner.run(cfg)["points"]
+    ph = p["server_phases"]
+    assert ph["prefill"]["requests"] >= 4 and ph["prefill"]["queue"]["p50"] >= 0
+    assert ph["decode"]["requests"] >= 4 and ph["decode"]["handoff"]["p90"] > 0
+    assert "handoff_steps" not in ph["decode"]  # a real engine's steps are not of one length
+    assert "server phases: queue " in report.markdown({"config": runner.config_json(cfg) | {"model": "tiny"},
+                                                       "warmup": {"num_requests": 0, "num_errors": 0},
+                                                       "points": [p]}, [])
+
+
 def test_logprobs_stop_strings_and_seeds(mesh, offline, request_cleanup):
     c = _client(mesh)
     request_cleanup(c)

@@ -6,7 +6,7 @@ import pytest
 
 from moemesh.shared.service.phase_log import PhaseLog
 from moemesh.shared.telemetry.metrics import Metrics
-from moemesh.tools.bench.overhead import phase_figures
+from moemesh.tools.bench.request_phases import figures as phase_figures, line
 
 
 def test_a_phase_log_keeps_rows_for_stats_and_a_histogram_by_phase():
@@ -35,4 +35,6 @@ def test_phase_figures_pool_a_roles_workers_over_the_window_and_count_the_handof
     assert fig["decode"]["handoff_steps"]["p50"] == pytest.approx(1.6)
     assert fig["prefill"]["queue"]["p90"] == pytest.approx(2.0)
     assert "handoff" not in fig["prefill"]
+    assert "hand-off 8.0/" in line(fig) and "queue 2.0/" in line(fig)
+    assert "handoff_steps" not in phase_figures({"decode-0": (names, dec[:1])}, 9.0, 12.0)["decode"]
     assert phase_figures({"decode-0": (names, dec[2:])}, 9.0, 12.0, 5.0) == {}

@@ -15,7 +15,7 @@ from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown
 def two_services(tmp_path):
     path = tmp_path / "spans.jsonl"
     gateway, decode = setup_tracing("gateway", jsonl_path=path), setup_tracing("decode", jsonl_path=path)
-    yield get_tracer(gateway, "gateway"), get_tracer(decode, "decode"), path
+    yield get_tracer(gateway, "gateway"), get_tracer(decode, "decode"), path, (gateway, decode)
     shutdown(gateway)
     shutdown(decode)
 
@@ -27,7 +27,7 @@ def _receive(tracer, headers):
 
 
 def test_round_trip_joins_the_senders_trace(two_services):
-    gw, dec, path = two_services
+    gw, dec, path, providers = two_services
     with gw.start_as_current_span("http.request") as sent:
         headers = inject_headers({"request-id": "r1"})
     received = _receive(dec, json.loads(json.dumps(headers)))  # as bytes on the wire would
@@ -36,6 +36,8 @@ def test_round_trip_joins_the_senders_trace(two_services):
     ctx, parent = received.get_span_context(), received.parent
     assert ctx.trace_id == sent.get_span_context().trace_id
     assert parent.span_id == sent.get_span_context().span_id and parent.is_remote
+    for p in providers:  # spans are written in batches: read once what ended has gone out
+        p.force_flush()
     recs = {r["name"]: r for r in map(json.loads, path.read_text().splitlines())}
     assert recs["decode"]["parent_span_id"] == recs["http.request"]["span_id"]
     assert recs["decode"]["trace_id"] == recs["http.request"]["trace_id"]
@@ -44,7 +46,7 @@ def test_round_trip_joins_the_senders_trace(two_services):
 
 
 def test_explicit_context_outside_the_span(two_services):
-    gw, dec, _ = two_services
+    gw, dec, *_ = two_services
     span = gw.start_span("queue.wait")
     headers = inject_headers(context=trace.set_span_in_context(span))
     span.end()
@@ -52,7 +54,7 @@ def test_explicit_context_outside_the_span(two_services):
 
 
 def test_header_name_case_and_bytes_values(two_services):
-    gw, dec, _ = two_services
+    gw, dec, *_ = two_services
     with gw.start_as_current_span("http.request") as sent:
         value = inject_headers()["traceparent"]
     want = sent.get_span_context().span_id
@@ -84,7 +86,7 @@ class _Exploding(Mapping):
     _Exploding(),
 ])
 def test_garbage_headers_give_an_empty_context(headers, two_services):
-    gw, dec, _ = two_services
+    gw, dec, *_ = two_services
     ctx = extract_context(headers)
     assert ctx == Context()
     with gw.start_as_current_span("unrelated"):  # empty means "new trace", even inside a span

@@ -34,7 +34,8 @@ def test_nested_span_tree_is_written_with_parent_links(tmp_path):
             batch.add_event("chunk", {"chunk.index": 1})
             with tracer.start_as_current_span("kv.transfer"):
                 pass
-    recs = _read(path)  # before shutdown: the file is complete when the request ends
+    provider.force_flush()  # batched off the request's path; what the batch timer does
+    recs = _read(path)  # the running service's file holds them
     shutdown(provider)
 
     assert [r["name"] for r in recs] == ["queue.wait", "kv.transfer", "prefill.batch", "request"]
@@ -102,7 +103,7 @@ def test_shutdown_is_idempotent_and_closes_the_file(tmp_path):
 
 def test_no_otlp_exporter_without_endpoint(tmp_path):
     provider = setup_tracing("gateway", jsonl_path=tmp_path / "s.jsonl")
-    assert [(cls, type(e)) for cls, e in _exporters(provider)] == [(SimpleSpanProcessor, JsonLinesSpanExporter)]
+    assert [(cls, type(e)) for cls, e in _exporters(provider)] == [(BatchSpanProcessor, JsonLinesSpanExporter)]
     shutdown(provider)
     bare = setup_tracing("bare")
     assert _exporters(bare) == []
@@ -115,7 +116,7 @@ def test_otlp_exporter_from_env(monkeypatch, tmp_path):
     exporters = _exporters(provider)
     shutdown(provider)  # no span was started, so nothing is sent
     assert [(cls, type(e)) for cls, e in exporters] == [
-        (SimpleSpanProcessor, JsonLinesSpanExporter), (BatchSpanProcessor, OTLPSpanExporter)]
+        (BatchSpanProcessor, JsonLinesSpanExporter), (BatchSpanProcessor, OTLPSpanExporter)]
     assert exporters[1][1]._endpoint == "http://collector.invalid:4318/v1/traces"
 
 

@@ -112,51 +112,6 @@ def step_figures(steps: list[list[float]], t0: float, t1: float) -> dict:
     return out
 
 
-def worker_phases(mesh: Mesh, roles: tuple[str, ...] = ("prefill", "decode")) -> dict[str, tuple[list, list]]:
-    """Each worker's recent per-request phase rows (WorkerStats.recent_requests), by
-    worker id: (the phase names, the rows)."""
-    from moemesh.shared.protocol.messages import StatsRequest, WorkerStats
-    from moemesh.shared.protocol.subjects import Subjects
-    from moemesh.shared.service.nats_io import request
-
-    async def ask() -> dict:
-        import nats
-
-        nc = await nats.connect(mesh.nats_url)
-        try:
-            out = {}
-            for name in mesh_pids(mesh):
-                if role_of(name) in roles:
-                    st = await request(nc, Subjects().stats(name), StatsRequest(detail=True), WorkerStats, 10)
-                    out[name] = (st.request_phases, st.recent_requests)
-            return out
-        finally:
-            await nc.close()
-
-    return asyncio.run(ask())
-
-
-def phase_figures(by_worker: dict[str, tuple[list, list]], t0: float, t1: float, step_ms: float) -> dict:
-    """p50/p90/p99 in ms of every phase over the requests whose rows ended in [t0, t1],
-    the workers of one role pooled; for the decode workers' hand-off also its sum
-    (dispatch + transfer + import) and that in mock steps."""
-    pooled: dict[str, tuple[list, list[list[float]]]] = {}  # role -> (phase names, rows)
-    for name, (phases, rows) in by_worker.items():
-        pooled.setdefault(role_of(name), (phases, []))[1].extend(r for r in rows if t0 <= r[0] <= t1)
-    out = {}
-    for role, (names, rows) in pooled.items():
-        if not rows:
-            continue
-        cols = {n: [r[1 + i] for r in rows] for i, n in enumerate(names)}
-        if role == "decode" and {"dispatch", "transfer", "import"} <= set(cols):
-            cols["handoff"] = [a + b + c for a, b, c in zip(cols["dispatch"], cols["transfer"], cols["import"])]
-        fig = {n: {f"p{q}": percentile(v, q) * 1e3 for q in (50, 90, 99)} for n, v in cols.items()}
-        if "handoff" in fig:
-            fig["handoff_steps"] = {k: v / step_ms for k, v in fig["handoff"].items()}
-        out[role] = {"requests": len(rows), **fig}
-    return out
-
-
 def draft_gain(spec_tokens: int, accept_rate: float) -> float:
     """What a sequence gains a step with the mock's drafts: 1 + A + ... + A^K (drafts are
     accepted in order). Raises ValueError on flags out of range."""

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import nats
 
-from moemesh.tools.bench import overhead
+from moemesh.tools.bench import overhead, request_phases
 from moemesh.tools.bench.env import environment
 from moemesh.shared.eplb.placement import Placement
 from moemesh.shared.protocol.messages import RebalanceReply, RebalanceRequest
@@ -63,6 +63,7 @@ class StreamBenchConfig:
     rebalance: bool = False  # run the points again after one live rebalance
     settle_s: float = 8.0  # after the rebalance: load before the points, so the window is fresh
     expert_share: float = 0.5  # mock_expert_share
+    trace_file: str = ""  # every service's spans go here (tracing on); "": tracing off
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1:
@@ -121,7 +122,8 @@ def run(cfg: StreamBenchConfig) -> dict:
                  "load_window_steps=128", "load_publish_interval_s=0.5")
     up = UpConfig(model=cfg.model, port=0, decode_dp=cfg.dep, service_args=sets,
                   gateway_args=(f"max_inflight={top * 2}",), balancer=cfg.rebalance,
-                  balancer_args=("auto=false", "move_timeout_s=60") if cfg.rebalance else ())
+                  balancer_args=("auto=false", "move_timeout_s=60") if cfg.rebalance else (),
+                  trace_file=cfg.trace_file)
     moves = []
     with Mesh(up) as mesh:
         model, pids = Path(mesh.model).name, overhead.mesh_pids(mesh)
@@ -159,8 +161,9 @@ def _points(cfg: StreamBenchConfig, mesh: Mesh, model: str, pids: dict, phase: s
         ratio, loads = ratios.pop("instance", None), ratios.pop("loads", None)
         row = overhead.point_row(res, cfg.mock_step_ms, overhead.MESH_ROLES, steps, cfg.tokens_per_step, ratio)
         row["phase"], row["balance_ratios"], row["loads"] = phase, ratios, loads
-        row["request_phases"] = overhead.phase_figures(overhead.worker_phases(mesh), res["started_at"],
-                                                       res["ended_at"], cfg.mock_step_ms)
+        workers = [n for n in pids if overhead.role_of(n) in request_phases.ROLES]
+        row["request_phases"] = request_phases.figures(asyncio.run(request_phases.fetch(mesh.nats_url, workers)),
+                                                       res["started_at"], res["ended_at"], cfg.mock_step_ms)
         row["goal"] = goal_check(row, cfg.mock_step_ms)
         rows.append(row)
     return rows
@@ -201,7 +204,8 @@ def table(r: dict) -> str:
     dep = ""
     if c.get("dep", 1) > 1:
         dep = f", DEP{c['dep']} (skew {c['skew'] or 'none'}, draft {c['draft_skew'] or 'none'})"
-    head = (f"mock step {c['mock_step_ms']} ms{mtp}{dep}, osl {c['osl']}, {c['seconds']:g} s per point; "
+    trace = ", tracing on" if c.get("trace_file") else ""
+    head = (f"mock step {c['mock_step_ms']} ms{mtp}{dep}{trace}, osl {c['osl']}, {c['seconds']:g} s per point; "
             f"CPU us per output token of each process (gw+pre+dec+nats = mesh), client apart")
     out = [head]
     for phase in dict.fromkeys(p.get("phase", "") for p in r["points"]):

@@ -71,6 +71,10 @@ def register(bsub) -> None:
     s.add_argument("--timeout-s", type=float, default=600.0, help="connect/read timeout per request")
     s.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                    help="recorded in the result's config, e.g. skew=zipf0.69 (repeatable)")
+    s.add_argument("--nats-url", default="",
+                   help="a moemesh server's NATS: add where each point's requests spent their time on the workers "
+                        "(queue, prefill, the hand-off to decode and its phases), with tracing off")
+    s.add_argument("--subject-prefix", default="mm", help="with --nats-url: the mesh's NATS subject prefix")
     s.add_argument("--out-dir", default=None, help="default bench-results/serve-<timestamp>")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=run)
@@ -128,7 +132,8 @@ def build_config(args: argparse.Namespace):
         client=client, workload=workload, mode=mode, values=values,
         max_concurrency=args.concurrency if mode == "rate" else None, warmup=args.warmup,
         seed=args.seed, tokenizer=args.tokenizer, slo_ttft_ms=args.slo_ttft_ms,
-        slo_tpot_ms=args.slo_tpot_ms, labels=parse_labels(args.label), progress=not args.no_progress)
+        slo_tpot_ms=args.slo_tpot_ms, labels=parse_labels(args.label), progress=not args.no_progress,
+        nats_url=args.nats_url, subject_prefix=args.subject_prefix)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out_dir or f"bench-results/serve-{time.strftime('%Y%m%d-%H%M%S')}"
     paths = report.write_all(result, out_dir)
     print(report.table(result))
+    for p in result["points"]:
+        ph = p.get("server_phases")
+        if ph:
+            print(f"{p['mode']}={p['value']:g} server phases: "
+                  + (ph["error"] if "error" in ph else report.request_phases.line(ph)))
     print(f"saved {', '.join(str(p) for p in paths)}", file=sys.stderr)
     # Failed requests are results, not crashes; only a run where nothing succeeded fails.
     return 0 if any(p["summary"]["num_ok"] for p in result["points"]) else 1

@@ -28,6 +28,8 @@ def register(bsub) -> None:
                    help="with --dep: run the points again after one live rebalance by the balancer")
     b.add_argument("--settle-s", type=float, default=8.0,
                    help="with --rebalance: load after the move before the points run again (a fresh window)")
+    b.add_argument("--trace-file", default="",
+                   help="tracing on: every service's spans to this JSON-lines file (what tracing costs)")
     b.add_argument("--out", default="bench-results/stream.json", help="JSON file for the results")
     b.set_defaults(func=run)
 
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
                                        spec_tokens=args.spec_tokens, accept_rate=args.accept_rate,
                                        dep=args.dep, skew=args.skew, draft_skew=args.draft_skew,
                                        rebalance=args.rebalance, expert_share=args.expert_share,
-                                       settle_s=args.settle_s)
+                                       settle_s=args.settle_s, trace_file=args.trace_file)
     except ValueError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2

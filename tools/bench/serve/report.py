@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from moemesh.tools.bench import request_phases
+
 
 def write_all(result: dict, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
@@ -86,6 +88,9 @@ def markdown(result: dict, images: list[str]) -> str:
         if "ttft_ms_by_turn" in s:
             b = s["ttft_ms_by_turn"]
             extra.append(f"TTFT p50 turn 1: {_f(b['1']['p50'])} ms, turns >= 2: {_f(b['2+']['p50'])} ms")
+        ph = p.get("server_phases")
+        if ph:
+            extra.append("server phases: " + (ph["error"] if "error" in ph else request_phases.line(ph)))
         if s["errors"]["count"]:
             kinds = ", ".join(f"{k}: {n}" for k, n in s["errors"]["by_status"].items())
             extra.append(f"errors ({kinds}): " + "; ".join(

@@ -40,6 +40,10 @@ class ServeBenchConfig:
     slo_tpot_ms: float | None = None
     labels: dict = field(default_factory=dict)
     progress: bool = True
+    # A moemesh server's NATS: each point adds where its requests' time went on the
+    # workers (tools/bench/request_phases.py), with tracing off. "": a server of any kind.
+    nats_url: str = ""
+    subject_prefix: str = "mm"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -178,10 +182,13 @@ async def run_async(cfg: ServeBenchConfig) -> dict:
                       f"{'; each agentic turn resends the session so far' if cfg.workload.kind == 'agentic' else ''})"
                       f": they will fail", file=sys.stderr)
             bar = Progress(work.num_requests, f"{cfg.mode}={value:g}", cfg.progress)
+            t0 = time.time()
             recs = await run_point(client, work, cfg.mode, value, cfg.max_concurrency, bar)
+            t1 = time.time()
             bar.close()
             points.append({"mode": cfg.mode, "value": value, "text_salt": i, "over_context_requests": over,
                            "summary": summarize(recs, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+                           **({"server_phases": await _server_phases(cfg, t0, t1)} if cfg.nats_url else {}),
                            "requests": [r.to_json() for r in recs]})
     return {
         "bench": "serve",
@@ -193,6 +200,18 @@ async def run_async(cfg: ServeBenchConfig) -> dict:
         "warmup": warm,
         "points": points,
     }
+
+
+async def _server_phases(cfg: ServeBenchConfig, t0: float, t1: float) -> dict:
+    """The workers' phase figures over [t0, t1]; {"error": why} when they cannot be had
+    (the load's own figures stand either way)."""
+    from moemesh.tools.bench import request_phases
+
+    try:
+        workers = await request_phases.live_workers(cfg.nats_url, cfg.subject_prefix)
+        return request_phases.figures(await request_phases.fetch(cfg.nats_url, workers, cfg.subject_prefix), t0, t1)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def run(cfg: ServeBenchConfig) -> dict:
@@ -208,7 +227,7 @@ def config_json(cfg: ServeBenchConfig) -> dict:
         "workload": cfg.workload.description, "mode": cfg.mode, "values": list(cfg.values),
         "max_concurrency": cfg.max_concurrency, "warmup": cfg.warmup, "seed": cfg.seed,
         "tokenizer": cfg.tokenizer, "slo_ttft_ms": cfg.slo_ttft_ms, "slo_tpot_ms": cfg.slo_tpot_ms,
-        "labels": dict(cfg.labels),
+        "labels": dict(cfg.labels), "nats_url": cfg.nats_url,
     }
 
 
