@@ -167,12 +167,29 @@ def credentials_env(worker_id: str, environ: dict) -> dict[str, str]:
 
 
 def ensure_tiny_model(home: Path) -> Path:
+    """The tiny model under home, made on first use. Made in a folder of its own and
+    renamed into place whole, so that two launchers starting at once never load a
+    half-written checkpoint: the first rename wins and the other copy is dropped."""
     path = home / "models" / "tiny"
     if not (path / "config.json").is_file():
+        import shutil
+        import tempfile
+
         from moemesh.shared.checkpoint.writer import init_model
 
         log.info("making the tiny model in %s", path)
-        init_model(path, "tiny")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=path.parent))
+        try:
+            init_model(tmp, "tiny")
+            try:
+                tmp.rename(path)
+            except OSError:  # made meanwhile by another launcher (or left half-made before: replace it)
+                if not (path / "config.json").is_file():
+                    shutil.rmtree(path, ignore_errors=True)
+                    tmp.rename(path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
