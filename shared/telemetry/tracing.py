@@ -13,7 +13,8 @@ Span names the services emit (attributes in brackets):
              "prefill.batch"  [batch.num_requests, batch.num_tokens]
              "kv.transfer"    [kv.num_blocks, kv.num_bytes]
     decode   "queue.wait", "kv.transfer"
-             "decode"         per request; events: one per engine step
+             "decode"         per request; events: "step", each engine step once, on
+                              the span of one request it ran
 """
 
 from __future__ import annotations
