@@ -37,9 +37,9 @@ from moemesh.shared.engine.planned_step import PlannedStep
 
 log = logging.getLogger(__name__)
 
-# While requests come in, the next step is planned this long (or twice the recent planning
-# time, if more) before the running one is due to end: an event loop's timer may fire up to
-# a millisecond late.
+# While requests come in, the next step is planned at least this long before the running one
+# is due to end (more for slow planning or late wake-ups: EngineLoop._join_margin_s): an
+# event loop's timer may fire up to a millisecond late.
 JOIN_MARGIN_S = 0.0015
 
 Op = Callable[[LLMEngine], Any]
@@ -71,6 +71,7 @@ class EngineLoop:
         self.arriving: Callable[[], bool] | None = None
         self._device_ewma_s = 0.0  # recent planned steps' device time
         self._plan_ewma_s = 0.0  # recent time to plan a step
+        self._late_peak_s = 0.0  # how late the loop's recent wake-ups for a late plan were (a decaying peak)
 
     def submit(self, op: Op) -> asyncio.Future:
         """Run op(engine); the future gets its result or exception. With planned steps the
@@ -204,15 +205,25 @@ class EngineLoop:
     async def _await_joiners(self, device_end: float | None) -> None:
         """One step runs and requests are coming in: planned now, the next step would leave
         whatever lands while this one runs to the step after, a whole step later. Plan it
-        as late as is safe instead: the margin (or twice the recent planning time, if
-        more) before the running step is due to end, reckoned from when the device began
-        it (the step before it ended) and its recent device time."""
+        as late as is safe instead: the margin before the running step is due to end,
+        reckoned from when the device began it (the step before it ended) and its recent
+        device time."""
         if self._device_ewma_s <= 0:
             return
         start = device_end if device_end is not None else time.perf_counter()
-        left = start + self._device_ewma_s - max(JOIN_MARGIN_S, 2 * self._plan_ewma_s) - time.perf_counter()
+        wake = start + self._device_ewma_s - self._join_margin_s()
+        left = wake - time.perf_counter()
         if left > 0 and not self._stopping:
             await asyncio.sleep(left)
+            # On a busy host a sleeper gets its core back late, sometimes by milliseconds:
+            # the margin grows with that, and shrinks back as wake-ups come on time.
+            self._late_peak_s = max(time.perf_counter() - wake, 0.98 * self._late_peak_s)
+
+    def _join_margin_s(self) -> float:
+        """How long before the running step's end the next one is planned: room for
+        planning it and for waking late, never more than half a step."""
+        want = max(JOIN_MARGIN_S, 2 * self._plan_ewma_s, JOIN_MARGIN_S / 2 + 1.5 * self._late_peak_s)
+        return min(want, self._device_ewma_s / 2)
 
     async def _land_oldest(self, out: deque, device_end: float | None, host_s: float = 0.0) -> float | None:
         """Wait for the oldest step out, land it and publish its outputs. device_end: when

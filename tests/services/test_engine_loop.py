@@ -83,3 +83,17 @@ def test_a_request_arriving_mid_step_joins_the_next_step_when_planned_late(tiny_
     asyncio.run(go())
     first_b = next(i for i, rows in enumerate(steps) if "B" in rows)
     assert first_b == (2 if arriving else 3), steps
+
+
+def test_the_late_plan_margin_grows_with_late_wake_ups_and_never_passes_half_a_step():
+    from moemesh.shared.service.engine_loop import JOIN_MARGIN_S
+
+    loop = EngineLoop(None, lambda out, stats: None)
+    loop._device_ewma_s = 0.005
+    assert loop._join_margin_s() == JOIN_MARGIN_S  # wake-ups on time: the base margin
+    loop._plan_ewma_s = 0.001
+    assert loop._join_margin_s() == pytest.approx(0.002)  # twice the planning time
+    loop._late_peak_s = 0.001
+    assert loop._join_margin_s() == pytest.approx(JOIN_MARGIN_S / 2 + 0.0015)  # room for waking as late as lately
+    loop._late_peak_s = 0.004
+    assert loop._join_margin_s() == pytest.approx(0.0025)  # at most half the step: planned no earlier than mid-step
