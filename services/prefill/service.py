@@ -289,7 +289,7 @@ class PrefillService(AsyncService):
         for decode_id, group in handoffs.items():
             rt.spawn(self._hand_off(decode_id, group, now), f"handoff-{decode_id}")
 
-    async def _hand_off(self, decode_id: str, group: list["Handoff"], first_token_at: float = 0.0) -> None:
+    async def _hand_off(self, decode_id: str, group: list["Handoff"], first_token_at: float) -> None:
         """Tell a decode worker that the KV of these requests (one step's, routed to it)
         is ready, in one message; its reply posts the receive, and the bytes go. If it has
         gone, or is draining, another live decode worker takes them instead."""

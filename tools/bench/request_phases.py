@@ -51,7 +51,7 @@ async def live_workers(nats_url: str, prefix: str = "mm", seconds: float = 2.5) 
 
     from moemesh.shared.protocol.messages import Heartbeat
     from moemesh.shared.protocol.subjects import Subjects
-    from moemesh.shared.protocol.wire import decode
+    from moemesh.shared.protocol.wire import ProtocolError, decode
 
     nc = await nats.connect(nats_url)
     seen: dict[str, str] = {}
@@ -59,7 +59,7 @@ async def live_workers(nats_url: str, prefix: str = "mm", seconds: float = 2.5) 
     async def on_beat(msg) -> None:
         try:
             hb = decode(msg.data, Heartbeat)
-        except Exception:
+        except ProtocolError:
             return
         if hb.role in ROLES:
             seen[hb.worker_id] = hb.role
@@ -94,11 +94,14 @@ def figures(by_worker: dict[str, tuple[list, list]], t0: float, t1: float, step_
     return out
 
 
+def p50_p90(x: dict | None) -> str:
+    """One phase's figures as "p50/p90" ("-" when it has none)."""
+    return "-" if not x else f"{x['p50']:.1f}/{x['p90']:.1f}"
+
+
 def line(fig: dict) -> str:
     """One point's figures as text: p50/p90 ms of each phase."""
-    def q(x: dict | None) -> str:
-        return "-" if not x else f"{x['p50']:.1f}/{x['p90']:.1f}"
-
+    q = p50_p90
     pre, dec = fig.get("prefill", {}), fig.get("decode", {})
     parts = [f"queue {q(pre.get('queue'))}", f"prefill {q(pre.get('prefill'))}",
              f"dispatch {q(dec.get('dispatch'))}", f"transfer {q(dec.get('transfer'))}",

@@ -228,20 +228,17 @@ def phase_table(points: list[dict], step_ms: float) -> str:
     hand-off to the decode worker (dispatch, transfer, import: the second token's wait
     beyond one decode step) and its first decode step. Decode host p99: all host work of a
     step / the part the step waited for."""
-    def q(fig: dict | None) -> str:
-        return "-" if not fig else f"{fig['p50']:.1f}/{fig['p90']:.1f}"
-
+    q = request_phases.p50_p90
     lines = [f"{'streams':>7} {'TTFT':>6} {'queue':>10} {'prefill':>10} {'dispatch':>10} {'transfer':>10} "
              f"{'import':>10} {'1st step':>10} {'hand-off ms':>12} {'steps':>9} {'host p99':>10}"]
     for p in points:
         ph = p.get("request_phases") or {}
         pre, dec = ph.get("prefill", {}), ph.get("decode", {})
         st = p["decode_steps"]
-        steps = dec.get("handoff_steps")
         lines.append(f"{p['streams']:>7} {_f(p['ttft_ms_p50']):>6} {q(pre.get('queue')):>10} "
                      f"{q(pre.get('prefill')):>10} {q(dec.get('dispatch')):>10} {q(dec.get('transfer')):>10} "
                      f"{q(dec.get('import')):>10} {q(dec.get('first_step')):>10} {q(dec.get('handoff')):>12} "
-                     f"{'-' if not steps else format(steps['p50'], '.1f') + '/' + format(steps['p90'], '.1f'):>9} "
+                     f"{q(dec.get('handoff_steps')):>9} "
                      f"{_f(st.get('host_ms_p99'), '.2f') + '/' + _f(st.get('host_exposed_ms_p99'), '.2f'):>10}")
     return f"request phases (p50/p90 ms; hand-off in {step_ms:g} ms steps):\n" + "\n".join(lines)
 
