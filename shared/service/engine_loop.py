@@ -298,8 +298,10 @@ class EngineLoop:
         """A DEP rank whose steps are planned (planned_step.py, spec_overlap.py with MTP): the next step is queued
         on the device thread behind the running one, so the ranks' devices step back to
         back; the agreement for the boundary after a step runs beside it, as below, and
-        must be in before the step after is queued. A boundary that switches the placement,
-        stops or pauses first lands every step out: the device is idle when experts move."""
+        must be in before the step after is queued. While hand-offs come in, the next step
+        is planned late, as without lockstep (_await_joiners). A boundary that switches the
+        placement, stops or pauses first lands every step out: the device is idle when
+        experts move."""
         loop = asyncio.get_running_loop()
         ls, eng = self.lockstep, self.engine
         ctrl = ThreadPoolExecutor(1, thread_name_prefix="engine-agree")
@@ -310,6 +312,11 @@ class EngineLoop:
         self._immediate = True
         try:
             while True:
+                if (len(out) == 1 and d is not None and d.run and not (d.commit or d.stop)
+                        and self.arriving is not None and self.arriving()):
+                    # The ranks' steps start together: one rank waking late delays them all,
+                    # which the margin (from this rank's own late wake-ups) is there to cover.
+                    await self._await_joiners(device_end)
                 t0 = time.perf_counter()
                 self._apply_ops()
                 if d is None:

@@ -30,21 +30,31 @@ def test_operations_after_the_loop_stops_still_run(tiny_engine_factory, spec, ov
     assert free == engine.blocks.num_blocks and late == "late"
 
 
+class _OneRank:
+    """The agreement of an instance of one rank: its own values are everyone's."""
+
+    def exchange(self, values: list[int]) -> list[list[int]]:
+        return [values]
+
+
+@pytest.mark.parametrize("lockstep", [False, True], ids=["one-worker", "lockstep-rank"])
 @pytest.mark.parametrize("arriving", [False, True], ids=["planned-at-once", "planned-late"])
-def test_a_request_arriving_mid_step_joins_the_next_step_when_planned_late(tiny_model, arriving):
+def test_a_request_arriving_mid_step_joins_the_next_step_when_planned_late(tiny_model, arriving, lockstep):
     """While requests come in (a decode worker's hand-offs), the step after the running one
     is planned near the running one's end, so a request that arrives meanwhile runs in
     that next step; planned at once, it waits a whole step more. B is added from the
     loop's own wait (scheduled when the loop asks whether requests are coming, while the
-    second step runs), so the order does not depend on how fast this machine is."""
+    second step runs), so the order does not depend on how fast this machine is. A DEP
+    rank's loop (its steps agreed with the other ranks') plans late the same way."""
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.engine import LLMEngine
     from moemesh.shared.engine.mock_model import MockModel
     from moemesh.shared.model.config import ModelConfig
     from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.service.lockstep import Lockstep
 
     engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=64, max_num_seqs=4),
-                       model=MockModel(ModelConfig.from_dir(tiny_model), 0.1))
+                       model=MockModel(ModelConfig.from_dir(tiny_model), 0.1), lockstep=lockstep)
     assert engine.can_overlap
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     steps: list[list[str]] = []
@@ -71,7 +81,8 @@ def test_a_request_arriving_mid_step_joins_the_next_step_when_planned_late(tiny_
                 b_arrives()
             return True
 
-        loop = EngineLoop(engine, on_outputs)
+        loop = EngineLoop(engine, on_outputs,
+                          lockstep=Lockstep(_OneRank(), lambda: 0, lambda: None) if lockstep else None)
         if arriving:
             loop.arriving = coming
         engine.add_request("A", [1, 2, 3, 4], params)
