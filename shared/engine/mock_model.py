@@ -19,9 +19,9 @@ before, does not stretch the step; a host that queues late still leaves the devi
 As a rank of a DEP-N instance (built with MockRanks) the mock has MoE layers: each row's
 experts are drawn with the project's routing (and any skew), counted by the load tracker,
 and dealt to the instance's expert slots as the real dispatcher deals them. The step's
-all-to-alls are device work: one exchange of (start, pairs sent to each rank) per step on
-the mock's own device thread, as NCCL or DeepEP run on a GPU's stream, never on the host's
-path. From it every rank derives the same step: a rank's expert part scales with its share
+all-to-alls are device work: one exchange of (start, pairs sent to each rank) per step,
+queued as an asynchronous collective, as NCCL or DeepEP run on a GPU's stream, never on the
+host's path. From it every rank derives the same step: a rank's expert part scales with its share
 of the pairs, and since every layer's all-to-all waits for the slowest rank, the instance
 runs at the pace of the most loaded rank of each layer, from the latest rank's start.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -74,38 +73,44 @@ def lockstep_step(step_s: float, expert_share: float, starts: torch.Tensor, sent
 class MockRanks:
     """The mock's side of a DEP instance: which rank it is, and its device's exchange.
 
-    The exchange runs on one thread per rank, in submission order, like a stream: the host
-    queues it and goes on. Its collective is a gloo all-gather on `group` (the instance's
-    main group, which the mock's MoE layers would otherwise use; the lockstep agreement has
-    its own), bounded by the group's timeout: a dead peer fails the step, it never hangs."""
+    The exchange is queued, like a stream's work: an asynchronous gloo all-gather on `group`
+    (the instance's main group, which the mock's MoE layers would otherwise use; the
+    lockstep agreement has its own), run by gloo's own worker in submission order while the
+    host goes on. It is bounded by the group's timeout: a dead peer fails the step, it never
+    hangs."""
 
     def __init__(self, rank: int, world: int, expert_share: float = 0.5, group=None, seed: int = 0):
         if not 0 <= expert_share <= 1:
             raise ValueError(f"mock_expert_share must be in [0, 1], got {expert_share}")
         self.rank, self.world, self.expert_share, self.group = rank, world, expert_share, group
         self.gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)  # routing draws, reproducible per rank
-        self._device = ThreadPoolExecutor(1, thread_name_prefix="mock-device") if world > 1 else None
 
-    def submit(self, step_s: float, start: float, sent: torch.Tensor) -> Future:
-        """sent: [L, N] pairs this rank sends to each rank. The future gives lockstep_step's
+    def submit(self, step_s: float, start: float, sent: torch.Tensor) -> "Exchange":
+        """sent: [L, N] pairs this rank sends to each rank. result() gives lockstep_step's
         (end, own_s, instance_s)."""
-        if self._device is None:
-            done: Future = Future()
-            done.set_result(lockstep_step(step_s, self.expert_share, torch.tensor([start]), sent[None], 0))
-            return done
-        return self._device.submit(self._exchange, step_s, start, sent)
-
-    def _exchange(self, step_s: float, start: float, sent: torch.Tensor):
         mine = torch.cat([torch.tensor([start], dtype=torch.float64), sent.reshape(-1).double()])
+        if self.world == 1:
+            return Exchange(self, step_s, sent.shape, [mine], None)
         got = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(got, mine, group=self.group)
-        every = torch.stack(got)  # [N, 1 + L*N]
-        return lockstep_step(step_s, self.expert_share, every[:, 0], every[:, 1:].view(self.world, *sent.shape),
-                             self.rank)
+        return Exchange(self, step_s, sent.shape, got, dist.all_gather(got, mine, group=self.group, async_op=True))
 
     def close(self) -> None:
-        if self._device is not None:
-            self._device.shutdown(wait=False, cancel_futures=True)
+        pass
+
+
+class Exchange:
+    """One step's exchange in flight: every rank's (start, pairs sent)."""
+
+    def __init__(self, ranks: MockRanks, step_s: float, shape, got: list[torch.Tensor], work):
+        self._ranks, self._step_s, self._shape, self._got, self._work = ranks, step_s, shape, got, work
+
+    def result(self) -> tuple[float, float, float]:
+        if self._work is not None:
+            self._work.wait()
+        r = self._ranks
+        every = torch.stack(self._got)  # [N, 1 + L*N]
+        return lockstep_step(self._step_s, r.expert_share, every[:, 0], every[:, 1:].view(r.world, *self._shape),
+                             r.rank)
 
 
 class _Gate:
@@ -139,18 +144,35 @@ class MockMoE(nn.Module):
         self.num_experts = cfg.n_routed_experts
 
     def route(self, num_rows: int, gen: torch.Generator) -> torch.Tensor:
-        """[N ranks] pairs this layer sends to each rank for num_rows rows. Router logits
-        are drawn at random; the choice is the real routing's, skew included."""
-        world = self.runner.world
-        if num_rows == 0:
-            return torch.zeros(world, dtype=torch.long)
-        logits = torch.randn(num_rows, self.num_experts, generator=gen)
-        _, ids = route_ref(logits, choice_bias=self.gate.choice_bias, **self._kw)
-        if self.on_route is not None:
-            self.on_route(self.layer_id, ids)
-        r = self.runner
-        phy = to_replicas(ids.reshape(-1), r.log2phy, r.counts, r.turn)
-        return torch.bincount(phy // r.slots_per_rank, minlength=world)
+        """[N ranks] pairs this layer sends to each rank for num_rows rows."""
+        return route_layers([self], num_rows, gen)[0]
+
+
+def route_layers(layers: list[MockMoE], num_rows: int, gen: torch.Generator) -> torch.Tensor:
+    """[L, N ranks] pairs each layer sends to each rank for num_rows rows. Router logits
+    are drawn at random; the choice is the real routing's, each layer's skew included.
+    The layers share one config, so one draw and one routing call serve them all: a mock
+    of a many-layer model costs the host what a few layers do."""
+    world = layers[0].runner.world
+    L, E = len(layers), layers[0].num_experts
+    if num_rows == 0:
+        return torch.zeros(L, world, dtype=torch.long)
+    logits = torch.randn(L * num_rows, E, generator=gen)
+    biases = [m.gate.choice_bias for m in layers]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.stack([torch.zeros(E) if b is None else b.float() for b in biases])
+        bias = bias.repeat_interleave(num_rows, dim=0) if L > 1 else bias[0]
+    _, ids = route_ref(logits, choice_bias=bias, **layers[0]._kw)
+    ids = ids.view(L, num_rows, -1)
+    sent = torch.empty(L, world, dtype=torch.long)
+    for i, m in enumerate(layers):
+        if m.on_route is not None:
+            m.on_route(m.layer_id, ids[i])
+        r = m.runner
+        phy = to_replicas(ids[i].reshape(-1), r.log2phy, r.counts, r.turn, r.one_each)
+        sent[i] = torch.bincount(phy // r.slots_per_rank, minlength=world)
+    return sent
 
 
 class MockModel(nn.Module):
@@ -178,7 +200,7 @@ class MockModel(nn.Module):
         self._target = [m for lid, m in self.moe.items() if lid < cfg.num_hidden_layers]
         self._mtp = self.moe.get(cfg.num_hidden_layers)
         self._draft_sent: torch.Tensor | None = None  # the last drafts' pairs, sent with the next step's
-        self._step: Future | None = None
+        self._step: Exchange | None = None
         self._wait_s = 0.0  # device time waiting for other ranks, since last taken
         self.last_own_s = self.last_instance_s = 0.0
 
@@ -192,7 +214,7 @@ class MockModel(nn.Module):
         self._started = min(now, max(queued, self._free_at))
         self._free_at = self._started + self.step_time_s
         if self.ranks is not None:
-            sent = torch.stack([m.route(batch.num_tokens, self.ranks.gen) for m in self._target])
+            sent = route_layers(self._target, batch.num_tokens, self.ranks.gen)
             if self._draft_sent is not None:
                 sent = torch.cat([sent, self._draft_sent])
             self._draft_sent = None

@@ -40,3 +40,15 @@ def test_the_deal_carries_across_steps_of_one_token():
         c = _slot_counts(steps, rank)
         assert (int(c[3]), int(c[9])) == (5, 5)
         assert int(c[5]) == 10  # one replica: every pair
+
+
+def test_with_one_replica_each_the_lookup_deals_as_the_round_robin_does():
+    phy2log = torch.tensor([4, 0, 7, 1, 3, 2, 6, 5])  # 8 experts, 2 ranks, no replicas
+    log2phy, counts = log2phy_of(phy2log, 8, 2)
+    g = torch.Generator().manual_seed(1)
+    dealt, looked_up = torch.full((8,), 1), torch.full((8,), 1)
+    for _ in range(3):
+        flat = torch.randint(0, 8, (40,), generator=g)
+        want = to_replicas(flat, log2phy, counts, dealt)
+        assert to_replicas(flat, log2phy, counts, looked_up, one_each=True).tolist() == want.tolist()
+        assert looked_up.tolist() == dealt.tolist()
