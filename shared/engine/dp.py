@@ -27,11 +27,30 @@ class DPGroup:
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """All-gather a short int vector; returns every rank's values, by rank."""
+        return self.start_exchange(values).result()
+
+    def start_exchange(self, values: list[int]) -> "PendingExchange":
+        """exchange(), started: gloo's own worker runs it while the caller goes on, so a
+        caller that asks once it is done (as the engine loop does, a step later) needs no
+        thread of its own, nor a wake-up to hear of it."""
         mine = torch.tensor(values, dtype=torch.long)
         out = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(out, mine, group=self.ctrl_group)
-        return [t.tolist() for t in out]
+        return PendingExchange(dist.all_gather(out, mine, group=self.ctrl_group, async_op=True), out)
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class PendingExchange:
+    def __init__(self, work, out: list[torch.Tensor]):
+        self._work, self._out = work, out
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+    def result(self) -> list[list[int]]:
+        """Every rank's values, by rank; blocks until they are in (at most the group's
+        timeout: a dead peer raises)."""
+        self._work.wait()
+        return [t.tolist() for t in self._out]

@@ -320,7 +320,7 @@ class EngineLoop:
                 t0 = time.perf_counter()
                 self._apply_ops()
                 if d is None:
-                    d = await loop.run_in_executor(ctrl, ls.agree, eng.has_unfinished())
+                    d = await _decided(ls.start(eng.has_unfinished()), ctrl)
                     ls.last_agree_s = time.perf_counter() - t0  # nothing ran beside it
                 if d.commit or d.stop or not d.run:
                     device_end = await self._land_all(out, device_end)
@@ -339,20 +339,20 @@ class EngineLoop:
                     plan = eng.plan_step(None)
                 if plan is WHOLE:
                     device_end = await self._land_all(out, device_end)
-                    nxt = loop.run_in_executor(ctrl, ls.agree, eng.has_unfinished())
+                    nxt = ls.start(eng.has_unfinished())
                     await self._whole_step(loop)
                     device_end = None
-                    d = await nxt
+                    d = await _decided(nxt, ctrl)
                     ls.last_agree_s = 0.0
                     continue
                 if plan is None:  # no work of its own: an empty step, as every rank runs this one
                     plan = eng.empty_step()
                 eng.blocks.begin_step(plan.step_id)
                 out.append((plan, device.submit(plan)))
-                nxt = loop.run_in_executor(ctrl, ls.agree, eng.has_unfinished())
+                nxt = ls.start(eng.has_unfinished())
                 if len(out) == 2:
                     device_end = await self._land_oldest(out, device_end, time.perf_counter() - t0)
-                d = await nxt
+                d = await _decided(nxt, ctrl)
                 ls.last_agree_s = 0.0  # beside the step: what the device waited for shows as exposed host
         finally:
             for _, fut in out:
@@ -364,9 +364,9 @@ class EngineLoop:
             ctrl.shutdown(wait=False)
 
     async def _run_lockstep(self) -> None:
-        """A DEP rank. The agreement for the boundary after a step runs beside that step, on
-        a thread of its own (its collective has a process group of its own, apart from the
-        step's all-to-alls), from this rank's state as the step starts: a rank whose last
+        """A DEP rank. The agreement for the boundary after a step runs beside that step, as
+        an asynchronous collective (on a process group of its own, apart from the step's
+        all-to-alls), from this rank's state as the step starts: a rank whose last
         request ends in the step runs one empty step more, and nothing else changes: every
         rank acts on the same decisions at the same boundaries (a placement switch too).
         Only the part of the agreement the step did not cover is rank wait."""
@@ -379,7 +379,7 @@ class EngineLoop:
                 self._apply_ops()
                 if d is None:
                     t = time.perf_counter()
-                    d = await loop.run_in_executor(ctrl, ls.agree, self.engine.has_unfinished())
+                    d = await _decided(ls.start(self.engine.has_unfinished()), ctrl)
                     ls.last_agree_s = time.perf_counter() - t
                 if d.commit:
                     ls.switch()  # every rank does this at this same boundary
@@ -390,10 +390,10 @@ class EngineLoop:
                     await self._idle(ls.idle_s)
                     continue
                 ls.step += 1
-                nxt = loop.run_in_executor(ctrl, ls.agree, self.engine.has_unfinished())
+                nxt = ls.start(self.engine.has_unfinished())
                 await self._step(loop)
                 t = time.perf_counter()
-                d = await nxt
+                d = await _decided(nxt, ctrl)
                 ls.last_agree_s = time.perf_counter() - t
         finally:
             ctrl.shutdown(wait=False)
@@ -462,6 +462,15 @@ class DeviceThread:
                 if not self._defer or self._queue.empty():
                     self._announce()  # no step behind it to announce it: now
         self._announce()
+
+
+async def _decided(agreement, ctrl: ThreadPoolExecutor):
+    """An agreement's decision. It ran beside a step, so it is usually in by the time it is
+    asked for: then it is taken at once, with no thread and no wake-up; otherwise waited
+    for on ctrl, off the event loop."""
+    if agreement.done():
+        return agreement.result()
+    return await asyncio.get_running_loop().run_in_executor(ctrl, agreement.result)
 
 
 def _resolve(fut: asyncio.Future, err: BaseException | None) -> None:

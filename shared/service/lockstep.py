@@ -43,7 +43,24 @@ class Lockstep:
 
     def agree(self, has_work: bool) -> Decision:
         """Blocking collective on the control group; call from one thread, in step order."""
-        return decide(self.dp.exchange([int(has_work), int(self.draining), self._ready()]))
+        return self.start(has_work).result()
+
+    def start(self, has_work: bool) -> "Agreement":
+        """The agreement for the next boundary, begun from this rank's state now. Start
+        them in step order, each after the one before has its result."""
+        return Agreement(self.dp.start_exchange([int(has_work), int(self.draining), self._ready()]))
 
     def switch(self) -> None:
         self._switch()
+
+
+class Agreement:
+    def __init__(self, pending):
+        self._pending = pending
+
+    def done(self) -> bool:
+        return self._pending.done()
+
+    def result(self) -> Decision:
+        """Blocks until every rank's values are in (bounded by the group's timeout)."""
+        return decide(self._pending.result())

@@ -31,10 +31,21 @@ def test_operations_after_the_loop_stops_still_run(tiny_engine_factory, spec, ov
 
 
 class _OneRank:
-    """The agreement of an instance of one rank: its own values are everyone's."""
+    """The agreement of an instance of one rank: its own values are everyone's, at once."""
 
-    def exchange(self, values: list[int]) -> list[list[int]]:
-        return [values]
+    def start_exchange(self, values: list[int]):
+        return _Done([values])
+
+
+class _Done:
+    def __init__(self, values):
+        self.values = values
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        return self.values
 
 
 @pytest.mark.parametrize("lockstep", [False, True], ids=["one-worker", "lockstep-rank"])
