@@ -14,7 +14,7 @@ class GatewayConfig(ServiceConfig):
     retry_after_s: int = 1
     prefill_timeout_s: float = 5.0  # for a prefill worker to accept a job
     # A new request's job waits this long for the gateway's NATS link to come back (and
-    # the workers to re-subscribe) before the request is a 503 (services/gateway/link.py).
+    # the workers to re-subscribe) before the request is a 503 (services/gateway/mesh/link.py).
     nats_outage_wait_s: float = 30.0
     max_migrations: int = 3  # times one request is moved to other workers when its worker dies
     inactivity_timeout_s: float = 60.0  # no token for this long: the request fails
@@ -32,7 +32,7 @@ class GatewayConfig(ServiceConfig):
     # Name the decode worker that served a response in an x-moemesh-worker header, for
     # `moemesh bench serve`'s per-worker throughput. Off: it tells clients internal names.
     worker_header: bool = False
-    # Bearer keys clients must send (services/gateway/auth.py); none given: the API is open.
+    # Bearer keys clients must send (services/gateway/http/auth.py); none given: the API is open.
     # Prefer api_keys_file or the environment: flags show up in `ps`. repr=False keeps keys
     # out of any log line that prints the config.
     api_keys: tuple[str, ...] = field(default=(), repr=False)

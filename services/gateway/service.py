@@ -8,10 +8,10 @@ import logging
 
 import uvicorn
 
-from moemesh.services.gateway.app import build_app
 from moemesh.services.gateway.config import GatewayConfig
-from moemesh.services.gateway.slow_clients import header_deadline_protocol
-from moemesh.services.gateway.sse import ServerSend
+from moemesh.services.gateway.http.app import build_app
+from moemesh.services.gateway.http.slow_clients import header_deadline_protocol
+from moemesh.services.gateway.streaming.sse import ServerSend
 from moemesh.shared.service.lifecycle import AsyncService
 
 log = logging.getLogger(__name__)

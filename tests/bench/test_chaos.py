@@ -85,7 +85,7 @@ def test_a_nats_outage_must_keep_every_token():
 
 
 def test_log_lines_metrics_and_the_table():
-    log = ("2026-11-30 19:20:01,250 WARNING moemesh.services.gateway.mesh_client: worker decode-1 stopped sending "
+    log = ("2026-11-30 19:20:01,250 WARNING moemesh.services.gateway.mesh.client: worker decode-1 stopped sending "
            "heartbeats: migrating its 50 requests\n2026-11-30 19:20:02,000 INFO x: something else\n")
     (t,) = report.log_times(log, "worker decode-1 stopped sending heartbeats")
     assert report.log_times(log, "worker decode-0 stopped") == []

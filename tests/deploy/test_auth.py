@@ -12,8 +12,8 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from moemesh.services.gateway import auth
-from moemesh.services.gateway.auth import ApiKeyError, ApiKeyMiddleware, load_api_keys
+from moemesh.services.gateway.http import auth
+from moemesh.services.gateway.http.auth import ApiKeyError, ApiKeyMiddleware, load_api_keys
 
 KEYS = ("sk-first-0123456789", "sk-second-abcdefghij")
 

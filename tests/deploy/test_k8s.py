@@ -230,8 +230,8 @@ def test_the_configmap_toml_is_valid_for_every_pod(objects, tmp_path):
 
 
 def test_probes_point_at_endpoints_the_services_serve(objects, tmp_path):
-    from moemesh.services.gateway.app import build_app
-    from moemesh.services.gateway.auth import OPEN_PATHS
+    from moemesh.services.gateway.http.app import build_app
+    from moemesh.services.gateway.http.auth import OPEN_PATHS
     from starlette.testclient import TestClient
 
     from moemesh.shared.service import metrics_http

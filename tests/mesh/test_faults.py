@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from moemesh.services.gateway.mesh_client import CLIENT_ERROR
+from moemesh.services.gateway.mesh.client import CLIENT_ERROR
 from moemesh.shared.protocol.sampling import SamplingParams
 from tests.mesh.conftest import start_mesh
 

@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from moemesh.services.gateway import openai_api
+from moemesh.services.gateway.api import openai_api
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.service import GatewayService
 from moemesh.shared.service.lifecycle import configure_logging
@@ -203,7 +203,7 @@ def test_the_serving_worker_is_named_in_a_header_only_when_asked_for():
     learn internal worker ids."""
     from types import SimpleNamespace
 
-    from moemesh.services.gateway.app import _headers
+    from moemesh.services.gateway.http.app import _headers
 
     req, handle = SimpleNamespace(request_id="cmpl-1"), SimpleNamespace(decode_id="decode-7")
     off = SimpleNamespace(cfg=GatewayConfig(model="m"))

@@ -1,8 +1,17 @@
 import subprocess
 import sys
+from pathlib import Path
 
-# What `python -m moemesh.services.gateway` loads before it serves.
-_GATEWAY = ("moemesh.services.gateway.__main__", "moemesh.services.gateway.service", "moemesh.services.gateway.app")
+# What `python -m moemesh.services.gateway` loads before it serves, and every other module of
+# the gateway, found in its folders: a module moved into a sub-package is still checked.
+_DIR = Path(__file__).resolve().parents[2] / "services" / "gateway"
+_GATEWAY = ("moemesh.services.gateway.__main__", "moemesh.services.gateway.service", "moemesh.services.gateway.http.app",
+            *sorted("moemesh.services.gateway." + ".".join(p.relative_to(_DIR).with_suffix("").parts)
+                    for p in _DIR.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")))
+
+
+def test_the_check_sees_the_whole_gateway():
+    assert {"moemesh.services.gateway.mesh.client", "moemesh.services.gateway.streaming.stream"} <= set(_GATEWAY)
 
 
 def test_the_gateway_loads_neither_torch_nor_the_engine():

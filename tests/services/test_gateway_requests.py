@@ -8,7 +8,7 @@ import nats
 import pytest
 
 from moemesh.services.gateway.config import GatewayConfig
-from moemesh.services.gateway.mesh_client import CLIENT_ERROR, MeshClient, Rejected
+from moemesh.services.gateway.mesh.client import CLIENT_ERROR, MeshClient, Rejected
 from moemesh.shared.protocol.messages import (Abort, Ack, ErrorReply, Heartbeat, PrefillJob, TokenBatch, TokenEnd,
                                               WorkerLoad)
 from moemesh.shared.protocol.sampling import SamplingParams

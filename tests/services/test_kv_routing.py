@@ -1,5 +1,5 @@
-from moemesh.services.gateway.kv_index import KVIndex
-from moemesh.services.gateway.router import pick_prefill, route_prefill
+from moemesh.services.gateway.routing.kv_index import KVIndex
+from moemesh.services.gateway.routing.router import pick_prefill, route_prefill
 from moemesh.shared.protocol.messages import Heartbeat, KVEvents, WorkerLoad
 from moemesh.shared.protocol.prefix_hash import chain
 

@@ -7,7 +7,7 @@ import pytest
 from openai.types import completion_create_params as completion_types
 from openai.types.chat import completion_create_params as chat_types
 
-from moemesh.services.gateway import openai_api as api
+from moemesh.services.gateway.api import openai_api as api
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}

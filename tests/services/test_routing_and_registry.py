@@ -1,4 +1,4 @@
-from moemesh.services.gateway.router import pick_decode
+from moemesh.services.gateway.routing.router import pick_decode
 from moemesh.shared.protocol.messages import Heartbeat, WorkerLoad
 from moemesh.shared.protocol.registry import WorkerRegistry
 

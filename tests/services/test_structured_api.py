@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 from opentelemetry import trace
 
-from moemesh.services.gateway import choices, openai_api as api
-from moemesh.services.gateway.stream import Choices, Handle
-from moemesh.services.gateway.tool_calls import MARKERS, ToolCallParser
+from moemesh.services.gateway.api import openai_api as api
+from moemesh.services.gateway.api.tool_calls import MARKERS, ToolCallParser
+from moemesh.services.gateway.streaming import choices
+from moemesh.services.gateway.streaming.stream import Choices, Handle
 from moemesh.shared.protocol.sampling import GrammarSpec
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 

@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from moemesh.services.gateway.request_fields import ONLY_AT, FieldError, caller_attributes, check_known
-from moemesh.services.gateway.structured import FormatError, grammar_of
-from moemesh.services.gateway.tool_calls import Delta, ToolCallParser, ToolError, Tools, parse_tools
+from moemesh.services.gateway.api.request_fields import ONLY_AT, FieldError, caller_attributes, check_known
+from moemesh.services.gateway.api.structured import FormatError, grammar_of
+from moemesh.services.gateway.api.tool_calls import Delta, ToolCallParser, ToolError, Tools, parse_tools
 from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParamError, SamplingParams
 from moemesh.shared.tokenizer.tokenizer import Tokenizer, TokenizerError
 

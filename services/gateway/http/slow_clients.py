@@ -15,7 +15,7 @@ import asyncio
 from starlette.requests import Request
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from moemesh.services.gateway.openai_api import ApiError
+from moemesh.services.gateway.api.openai_api import ApiError
 
 
 def header_deadline_protocol(header_timeout_s: float) -> type:

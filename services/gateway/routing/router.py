@@ -13,7 +13,7 @@ Prefill rule: see pick_prefill (KV-aware) and route_prefill (plus the KV sources
 
 from __future__ import annotations
 
-from moemesh.services.gateway.kv_index import KVIndex
+from moemesh.services.gateway.routing.kv_index import KVIndex
 from moemesh.shared.protocol.messages import Heartbeat, KVSource
 from moemesh.shared.protocol.prefix_hash import chain
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moemesh.services.gateway import openai_api as api
+from moemesh.services.gateway.api import openai_api as api
 
 
 def http_request(method: str, route: str, scheme: str, server: tuple[str, int] | None, kind: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import time
 
-from moemesh.services.gateway.stream import Handle
+from moemesh.services.gateway.streaming.stream import Handle
 from moemesh.shared.protocol.messages import TokenEnd
 
 log = logging.getLogger(__name__)

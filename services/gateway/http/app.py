@@ -3,11 +3,11 @@
 Request lifecycle at the gateway:
 1. parsed and validated (400 naming the parameter), model checked (404), context
    length checked (400 with the numbers), admitted (429 with Retry-After when full);
-2. routed (mesh_client.py with router.py): a decode worker and a KV-aware prefill
+2. routed (mesh/client.py with routing/router.py): a decode worker and a KV-aware prefill
    worker are chosen and the job sent to that prefill worker; when it does not answer,
    to the prefill queue group (503 when no worker is alive or takes it);
-3. streamed: the request's Handle (stream.py) collects the token ids the mesh client
-   hands it, and its response (choices.py, for every n) detokenizes them into SSE
+3. streamed: the request's Handle (streaming/stream.py) collects the token ids the mesh client
+   hands it, and its response (streaming/choices.py, for every n) detokenizes them into SSE
    chunks, or gathers them into one answer;
 4. closed through the handle, exactly once: finished, or aborted on the workers (a
    stop string, the inactivity timeout, the client gone).
@@ -31,14 +31,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from moemesh.services.gateway import choices, openai_api as api
-from moemesh.services.gateway import span_attrs as attrs
-from moemesh.services.gateway.auth import ApiKeyMiddleware, load_api_keys
+from moemesh.services.gateway.api import openai_api as api
+from moemesh.services.gateway.api import span_attrs as attrs
+from moemesh.services.gateway.api.openapi import openapi_document
 from moemesh.services.gateway.config import GatewayConfig
-from moemesh.services.gateway.mesh_client import MeshClient, NoWorkers, Rejected
-from moemesh.services.gateway.openapi import openapi_document
-from moemesh.services.gateway.slow_clients import read_body
-from moemesh.services.gateway.sse import EventStream
+from moemesh.services.gateway.http.auth import ApiKeyMiddleware, load_api_keys
+from moemesh.services.gateway.http.slow_clients import read_body
+from moemesh.services.gateway.mesh.client import MeshClient, NoWorkers, Rejected
+from moemesh.services.gateway.streaming import choices
+from moemesh.services.gateway.streaming.sse import EventStream
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.telemetry.metrics import REQUEST_LATENCY_BUCKETS, Metrics
@@ -176,7 +177,7 @@ async def _generate(request: Request, kind: str) -> Response:
         headers = inject_headers(context=trace.set_span_in_context(span))
         if req.n == 1:
             handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
-        else:  # one handle per choice, read as one (choices.py)
+        else:  # one handle per choice, read as one (streaming/choices.py)
             handle = await st.mesh.submit_choices(req.request_id, req.prompt_ids, req.params, headers, req.n)
         span.set_attribute("decode.id", handle.decode_id)
         if req.stream:

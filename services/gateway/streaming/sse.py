@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from moemesh.services.gateway.stream import Handle
+from moemesh.services.gateway.streaming.stream import Handle
 
 SERVER_SEND = "moemesh.server_send"  # scope key: the server's own send (see ServerSend)
 _HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]

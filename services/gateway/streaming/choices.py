@@ -29,11 +29,11 @@ import orjson
 from opentelemetry import trace
 from starlette.responses import JSONResponse, Response
 
-from moemesh.services.gateway import openai_api as api
-from moemesh.services.gateway import span_attrs as attrs
-from moemesh.services.gateway.sse import unless_gone
-from moemesh.services.gateway.stream import TIMED_OUT, Choices, Handle, Reader
-from moemesh.services.gateway.tool_calls import ToolCallParser
+from moemesh.services.gateway.api import openai_api as api
+from moemesh.services.gateway.api import span_attrs as attrs
+from moemesh.services.gateway.api.tool_calls import ToolCallParser
+from moemesh.services.gateway.streaming.sse import unless_gone
+from moemesh.services.gateway.streaming.stream import TIMED_OUT, Choices, Handle, Reader
 
 _DONE = b"data: [DONE]\n\n"
 

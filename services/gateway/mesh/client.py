@@ -2,7 +2,7 @@
 which KV blocks they hold (KV events and snapshots), sending a request's job, the token
 streams coming back, and aborts.
 
-Routing policy is not here: router.py chooses the workers from what this client knows.
+Routing policy is not here: routing/router.py chooses the workers from what this client knows.
 
 A request's job goes to the prefill worker router.route_prefill chose, on that worker's
 own subject, with the holders its worker may pull cached blocks from. When nobody
@@ -11,7 +11,7 @@ the job goes once more, without KV sources, to the prefill queue group, where an
 prefill worker may take it. In decode-only bench mode it goes straight to the chosen
 decode worker, with no fallback.
 
-Each admitted request gets a Handle (stream.py), which owns its stream and its end.
+Each admitted request gets a Handle (streaming/stream.py), which owns its stream and its end.
 Token batches from workers (one per worker step) are decoded once, and each row's ids
 are appended to its handle, which wakes the request's reader if it waits. A row is taken
 only from a worker that serves its request: the prefill worker it went to, the decode
@@ -41,11 +41,11 @@ from dataclasses import replace
 from nats.aio.client import Client as NATS
 
 from moemesh.services.gateway.config import GatewayConfig
-from moemesh.services.gateway.kv_index import KVIndex
-from moemesh.services.gateway.link import LinkState
-from moemesh.services.gateway.migration import Migration, NoWorkers, Rejected
-from moemesh.services.gateway.router import pick_decode, route_prefill
-from moemesh.services.gateway.stream import GAP, REFUSED, Choices, Handle, sweep_inactive
+from moemesh.services.gateway.mesh.link import LinkState
+from moemesh.services.gateway.mesh.migration import Migration, NoWorkers, Rejected
+from moemesh.services.gateway.routing.kv_index import KVIndex
+from moemesh.services.gateway.routing.router import pick_decode, route_prefill
+from moemesh.services.gateway.streaming.stream import GAP, REFUSED, Choices, Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
     Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, TokenEnd, TokenResend,
     WireSampling, WorkerLoad,

@@ -1,0 +1,1 @@
+"""Where a request goes: pure policy over heartbeats and the KV index of who holds which block."""
