@@ -113,6 +113,21 @@ class Exchange:
                              r.rank)
 
 
+class _DeviceState:
+    """The mock device's clock and what its running step has in flight."""
+
+    __slots__ = ("started", "late", "free_at", "draft_sent", "step", "wait_s", "last_own_s", "last_instance_s")
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.late = 0.0  # how late the sleep's wake-up has been, on average
+        self.free_at = 0.0  # when the step the device runs now is done
+        self.draft_sent: torch.Tensor | None = None  # the last drafts' pairs, sent with the next step's
+        self.step: Exchange | None = None
+        self.wait_s = 0.0  # device time waiting for other ranks, since last taken
+        self.last_own_s = self.last_instance_s = 0.0
+
+
 class _Gate:
     """What a skew sets on a router (shared/model/skew.py): a bias on the choice scores."""
 
@@ -189,9 +204,7 @@ class MockModel(nn.Module):
         self.accept_rate = accept_rate
         self.wants_row_keys = accept_rate is not None  # drafts are decided per (request, position)
         self.step_time_s = step_time_s
-        self._started = 0.0
-        self._late = 0.0  # how late the sleep's wake-up has been, on average
-        self._free_at = 0.0  # when the step the device runs now is done
+        self._dev = _DeviceState()  # set every step: a plain object, not nn.Module attributes (slow to set)
         self.ranks = ranks
         self.moe: dict[int, MockMoE] = {}
         if ranks is not None:
@@ -199,32 +212,36 @@ class MockModel(nn.Module):
             self.moe = {lid: MockMoE(cfg, lid, expert_slots(lid)) for lid in ids}
         self._target = [m for lid, m in self.moe.items() if lid < cfg.num_hidden_layers]
         self._mtp = self.moe.get(cfg.num_hidden_layers)
-        self._draft_sent: torch.Tensor | None = None  # the last drafts' pairs, sent with the next step's
-        self._step: Exchange | None = None
-        self._wait_s = 0.0  # device time waiting for other ranks, since last taken
-        self.last_own_s = self.last_instance_s = 0.0
+
+    @property
+    def last_own_s(self) -> float:
+        return self._dev.last_own_s
+
+    @property
+    def last_instance_s(self) -> float:
+        return self._dev.last_instance_s
 
     def moe_layers(self) -> dict:
         return dict(self.moe)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
-        now = time.perf_counter()
+        now, d = time.perf_counter(), self._dev
         queued = batch.queued_at or now
-        self._started = min(now, max(queued, self._free_at))
-        self._free_at = self._started + self.step_time_s
+        d.started = min(now, max(queued, d.free_at))
+        d.free_at = d.started + self.step_time_s
         if self.ranks is not None:
             sent = route_layers(self._target, batch.num_tokens, self.ranks.gen)
-            if self._draft_sent is not None:
-                sent = torch.cat([sent, self._draft_sent])
-            self._draft_sent = None
-            self._step = self.ranks.submit(self.step_time_s, self._started, sent)
+            if d.draft_sent is not None:
+                sent = torch.cat([sent, d.draft_sent])
+            d.draft_sent = None
+            d.step = self.ranks.submit(self.step_time_s, d.started, sent)
         return self._hidden(batch, 0)
 
     def take_comm_s(self) -> float:
         """Device time spent waiting for the instance's other ranks since last asked: for a
         later start, and for busier experts."""
-        w, self._wait_s = self._wait_s, 0.0
+        w, self._dev.wait_s = self._dev.wait_s, 0.0
         return w
 
     def synchronize(self) -> None:
@@ -241,23 +258,24 @@ class MockModel(nn.Module):
 
         As a DEP rank, the step ends when the instance's does (lockstep_step); waiting for
         the device's exchange is waiting for the slowest rank, as in a collective."""
-        end = self._started + self.step_time_s
-        if self._step is not None:
-            step, self._step = self._step, None
+        d = self._dev
+        end = d.started + self.step_time_s
+        if d.step is not None:
+            step, d.step = d.step, None
             end, own_s, inst_s = step.result()
-            self._free_at = end
-            self._wait_s += end - (self._started + own_s)
-            self.last_own_s, self.last_instance_s = own_s, inst_s
-        wake = end - self._late
+            d.free_at = end
+            d.wait_s += end - (d.started + own_s)
+            d.last_own_s, d.last_instance_s = own_s, inst_s
+        wake = end - d.late
         left = wake - time.perf_counter()
         if left > 0:
             time.sleep(left)
             late = min(time.perf_counter() - wake, self.step_time_s / 4)
-            self._late = 0.9 * self._late + 0.1 * late
+            d.late = 0.9 * d.late + 0.1 * late
 
     def device_window(self) -> tuple[float, float]:
         """(start, end) of the last step on the mock device's clock."""
-        return self._started, self._free_at
+        return self._dev.started, self._dev.free_at
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -272,10 +290,11 @@ class MockModel(nn.Module):
         with the next step's (the device runs them in turn). A draft pass queued after the
         step's time is up starts when it is queued: the device waited for the host.
         """
-        self._free_at = max(self._free_at, time.perf_counter())
+        d = self._dev
+        d.free_at = max(d.free_at, time.perf_counter())
         if self._mtp is not None:
             sent = self._mtp.route(batch.num_tokens, self.ranks.gen)[None]
-            self._draft_sent = sent if self._draft_sent is None else self._draft_sent + sent
+            d.draft_sent = sent if d.draft_sent is None else d.draft_sent + sent
         return self._hidden(batch, 1)
 
     @torch.inference_mode()
