@@ -22,6 +22,11 @@ class GatewayConfig(ServiceConfig):
     max_body_bytes: int = 8 << 20  # a larger request body is refused with 413
     body_timeout_s: float = 30.0  # a client that has not sent its whole body by then gets 408
     header_timeout_s: float = 10.0  # a connection whose request headers take longer is closed
+    # After an answer given before the body was all read (413, 408, 429), the rest of the
+    # body is read and discarded, so that a client still writing it gets the answer and not
+    # a reset; up to this many bytes and seconds (services/gateway/http/slow_clients.py).
+    linger_bytes: int = 128 << 20
+    linger_s: float = 5.0
     # Bodies larger than this are parsed and tokenized on a thread: a long prompt must not
     # hold up every other request (and /health) on the event loop.
     inline_parse_bytes: int = 16 << 10
@@ -55,3 +60,5 @@ class GatewayConfig(ServiceConfig):
             raise ValueError("max_body_bytes must be >= 1024")
         if self.body_timeout_s <= 0 or self.header_timeout_s <= 0:
             raise ValueError("body_timeout_s and header_timeout_s must be > 0")
+        if self.linger_bytes < 0 or self.linger_s <= 0:
+            raise ValueError("linger_bytes must be >= 0 and linger_s > 0")

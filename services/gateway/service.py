@@ -10,7 +10,7 @@ import uvicorn
 
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.http.app import build_app
-from moemesh.services.gateway.http.slow_clients import header_deadline_protocol
+from moemesh.services.gateway.http.slow_clients import slow_client_protocol
 from moemesh.services.gateway.streaming.sse import ServerSend
 from moemesh.shared.service.lifecycle import AsyncService
 
@@ -30,7 +30,8 @@ class GatewayService(AsyncService):
         self.app = build_app(cfg, gateway_id)
         self._server = _Server(uvicorn.Config(ServerSend(self.app), host=cfg.host, port=cfg.port, log_level="warning",
                                               lifespan="on", access_log=False, timeout_graceful_shutdown=5,
-                                              http=header_deadline_protocol(cfg.header_timeout_s)))
+                                              http=slow_client_protocol(cfg.header_timeout_s, cfg.linger_s,
+                                                                        cfg.linger_bytes)))
         self._task: asyncio.Task | None = None
         self.port = cfg.port
 

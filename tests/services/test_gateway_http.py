@@ -6,9 +6,13 @@ off."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
+import time
+import urllib.error
+import urllib.request
 
 import httpx
 import pytest
@@ -124,6 +128,114 @@ def test_a_body_over_the_limit_is_a_413(tiny_model, nats_url):
         assert svc.state.inflight == 0
 
     _serve(tiny_model, nats_url, body, max_body_bytes=4096)
+
+
+def _chat_body(n: int) -> bytes:
+    return b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * n + b'"}]}'
+
+
+def _read_response(s: socket.socket) -> tuple[bytes, bytes]:
+    """Head and body of a response on a connection the server closes after it; a reset
+    instead of that close raises."""
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def test_a_client_that_writes_its_whole_body_before_reading_gets_the_413(tiny_model, nats_url):
+    # Far more than the socket buffers hold: the server must read it to be heard.
+    big = _chat_body(16 << 20)
+
+    async def body(svc, client):
+        loop = asyncio.get_running_loop()
+
+        def with_urllib() -> tuple[int, dict]:  # sends Connection: close, declares the length
+            req = urllib.request.Request(f"http://127.0.0.1:{svc.port}/v1/chat/completions", data=big,
+                                         headers={"content-type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            return e.value.code, json.loads(e.value.read())
+
+        def chunked_keep_alive() -> tuple[bytes, bytes]:  # no declared length: counted as it comes
+            with _raw(svc.port) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Transfer-Encoding: chunked\r\n\r\n")
+                for i in range(0, len(big), 1 << 20):
+                    part = big[i:i + (1 << 20)]
+                    s.sendall(b"%x\r\n%s\r\n" % (len(part), part))
+                s.sendall(b"0\r\n\r\n")
+                return _read_response(s)
+
+        status, err = await loop.run_in_executor(None, with_urllib)
+        assert status == 413 and err["error"]["code"] == "body_too_large"
+        head, rest = await loop.run_in_executor(None, chunked_keep_alive)
+        assert head.startswith(b"HTTP/1.1 413 ") and b"connection: close" in head.lower()
+        assert json.loads(rest)["error"]["code"] == "body_too_large"
+        assert svc.state.inflight == 0
+
+    _serve(tiny_model, nats_url, body, max_body_bytes=4096)
+
+
+def _send_until_cut_off(s: socket.socket, most: int, pause_s: float = 0.0) -> int:
+    """Bytes sent before the server closed the connection; `most` if it never did."""
+    sent, part = 0, b"x" * (64 << 10 if not pause_s else 1024)
+    while sent < most:
+        try:
+            s.sendall(part)
+        except (BrokenPipeError, ConnectionResetError):
+            return sent
+        sent += len(part)
+        if pause_s:
+            time.sleep(pause_s)
+    return sent
+
+
+def test_a_client_that_keeps_sending_after_its_answer_is_cut_off(tiny_model, nats_url):
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000000000\r\n\r\n")
+
+    async def body(svc, client):
+        loop = asyncio.get_running_loop()
+
+        def fast() -> int:  # as fast as it can: cut off by bytes
+            with _raw(svc.port) as s:
+                s.sendall(head)
+                return _send_until_cut_off(s, 1 << 30)
+
+        def slow() -> tuple[bytes, int]:  # a trickle: cut off by time (within 10 s of 0.2 s)
+            with _raw(svc.port) as s:
+                s.sendall(head)
+                answer = s.recv(100)
+                return answer, _send_until_cut_off(s, 500 << 10, pause_s=0.02)
+
+        sent = await loop.run_in_executor(None, fast)
+        assert sent < 64 << 20  # 1 MiB lingered over, plus what the socket buffers held
+        answer, sent = await loop.run_in_executor(None, slow)
+        assert answer.startswith(b"HTTP/1.1 413 ") and sent < 500 << 10
+        assert svc.state.inflight == 0
+
+    _serve(tiny_model, nats_url, body, max_body_bytes=4096, linger_bytes=1 << 20, linger_s=0.2)
+
+
+def test_a_lingering_connection_does_not_hold_up_shutdown(tiny_model, nats_url):
+    async def main():
+        svc = GatewayService(GatewayConfig(model=tiny_model, served_model_name="tiny", nats_url=nats_url, port=0,
+                                           max_body_bytes=4096, linger_s=600))
+        await svc.start()
+        loop = asyncio.get_running_loop()
+        s = _raw(svc.port)
+        try:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+            assert (await loop.run_in_executor(None, s.recv, 100)).startswith(b"HTTP/1.1 413 ")
+            t0 = time.monotonic()
+            await svc.stop()
+            assert time.monotonic() - t0 < 5  # uvicorn waits for open connections, 10 s at most here
+        finally:
+            s.close()
+
+    asyncio.run(main())
 
 
 def test_a_large_prompt_is_parsed_off_the_event_loop(tiny_model, nats_url, monkeypatch):

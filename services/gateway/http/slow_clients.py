@@ -2,10 +2,17 @@
 trickles its request in must not hold them forever.
 
 - headers: uvicorn closes idle keep-alive connections, but once a request's first byte
-  has arrived it waits for the rest without limit. `HeaderDeadlineProtocol` closes a
-  connection whose request headers are not complete `header_timeout_s` after the
-  request began (for the first request, after the connection opened);
-- body: `read_body` reads at most `limit` bytes within `timeout_s`, else 413 or 408.
+  has arrived it waits for the rest without limit. The protocol closes a connection whose
+  request headers are not complete `header_timeout_s` after the request began (for the
+  first request, after the connection opened);
+- body: `read_body` reads at most `limit` bytes within `timeout_s`, else 413 or 408;
+- an answer given before the body was all read (413, 408, 429, 401...): the client may
+  still be writing it, as urllib and requests do before they read anything. Closing the
+  socket then with unread bytes queued makes the kernel send a reset, and the client sees
+  a network error instead of the status. So such a response says `connection: close`,
+  then the server lingers: it half-closes, reads and discards what still comes, and
+  closes once the client does, after `linger_bytes` more bytes, or `linger_s`, whichever
+  comes first (nginx's lingering close).
 """
 
 from __future__ import annotations
@@ -18,13 +25,15 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from moemesh.services.gateway.api.openai_api import ApiError
 
 
-def header_deadline_protocol(header_timeout_s: float) -> type:
-    class HeaderDeadlineProtocol(HttpToolsProtocol):
+def slow_client_protocol(header_timeout_s: float, linger_s: float, linger_bytes: int) -> type:
+    class SlowClientProtocol(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
+        _linger_left: int | None = None  # bytes still to discard; None: not lingering
+        _stopping = False
 
-        def _arm(self) -> None:
+        def _arm(self, delay: float) -> None:
             self._disarm()
-            self._deadline = self.loop.call_later(header_timeout_s, self._too_slow)
+            self._deadline = self.loop.call_later(delay, self._too_slow)
 
         def _disarm(self) -> None:
             if self._deadline is not None:
@@ -38,21 +47,63 @@ def header_deadline_protocol(header_timeout_s: float) -> type:
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._arm()
+            self._arm(header_timeout_s)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._arm()
+            self._arm(header_timeout_s)
 
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+            if self.cycle is not None and self.cycle.scope is self.scope:  # not an upgrade
+                # Set before the cycle's task first runs, so the app is handed this send.
+                self.cycle.send = self._early_answer_closes(self.cycle)
+
+        def _early_answer_closes(self, cycle):
+            send, early = cycle.send, False
+
+            def checked_send(message):  # returns send's awaitable: no extra await a chunk
+                nonlocal early
+                if message["type"] == "http.response.start":
+                    early = cycle.more_body  # still True until the parser saw the body's end
+                    if early:
+                        cycle.keep_alive = False  # uvicorn writes `connection: close`
+                elif early and not message.get("more_body", False) and not self._stopping:
+                    # The close is ours (on_response_complete), not uvicorn's abrupt one.
+                    cycle.keep_alive = True
+                    self._linger_left = linger_bytes
+                return send(message)
+
+            return checked_send
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._linger_left is not None and not self.transport.is_closing():
+                self._unset_keepalive_if_required()
+                if self.transport.can_write_eof():
+                    self.transport.write_eof()  # after the response: the client reads it, then EOF
+                self._arm(linger_s)
+
+        def data_received(self, data: bytes) -> None:
+            if self._linger_left is None:
+                super().data_received(data)
+                return
+            self._linger_left -= len(data)  # the rest of a body already answered: not parsed
+            if self._linger_left < 0:
+                self.transport.close()
+
+        def shutdown(self) -> None:
+            # uvicorn closes a lingering connection here, and waits for the others to finish
+            # their responses: one finishing now must not start lingering.
+            self._stopping = True
+            super().shutdown()
 
         def connection_lost(self, exc) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-    return HeaderDeadlineProtocol
+    return SlowClientProtocol
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
