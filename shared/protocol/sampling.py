@@ -66,7 +66,7 @@ class SamplingParams:
         need(_is_int(self.top_k) and 0 <= self.top_k <= INT32_MAX, "top_k",
              f"must be an integer in [0, {INT32_MAX}] (0 disables it)")
         need(self.seed is None or (_is_int(self.seed) and INT64[0] <= self.seed <= INT64[1]), "seed",
-             "must be a 64-bit signed integer")
+             f"must be an integer in [{INT64[0]}, {INT64[1]}]")
         need(all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids), "stop_token_ids",
              f"must be token ids in [0, {INT32_MAX}]")
         need(len(self.stop_token_ids) <= 1024, "stop_token_ids", "at most 1024 stop token ids")

@@ -68,6 +68,27 @@ def test_out_of_range_values_are_400s_naming_the_parameter(tiny_model, nats_url,
     _serve(tiny_model, nats_url, body)
 
 
+def test_seed_is_checked_against_both_int64_bounds(tiny_model, nats_url):
+    # orjson reads integers below -2^63 as floats, -2^63 - 1 as exactly -2^63: the low
+    # bound once let through what the high bound refused.
+    lo, hi = -(2 ** 63), 2 ** 63 - 1
+    bodies = {"/v1/completions": {"model": "tiny", "prompt": "hi"},
+              "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}}
+
+    async def body(svc, client):
+        for path, base in bodies.items():
+            for seed in (lo, hi):  # admitted; no workers to serve it
+                r = await client.post(path, json={**base, "seed": seed})
+                assert r.status_code == 503, (path, seed, r.text)
+            for seed in (lo - 1, lo - 1024, hi + 1, 2 ** 64):
+                r = await client.post(path, json={**base, "seed": seed})
+                assert r.status_code == 400, (path, seed, r.text)
+                assert r.json()["error"]["param"] == "seed"
+                assert str(lo) in r.json()["error"]["message"]
+
+    _serve(tiny_model, nats_url, body)
+
+
 def test_broken_json_is_a_400(tiny_model, nats_url):
     raw = [b'{"model": "tiny", "prompt": "\\ud800"}', b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
            b'{"model": "tiny", "prompt": "x", "temperature": 1e400}', b"\xff\xfe"]

@@ -88,7 +88,16 @@ def _get(body: dict, name: str, types: tuple, default=None, *, allow_none: bool 
 
 def _integral(v):
     """JSON has one number type: 3.0 is the integer 3 (as JSON Schema says), 3.5 is not."""
-    return int(v) if isinstance(v, float) and v.is_integer() else v
+    if not (isinstance(v, float) and v.is_integer()):
+        return v
+    # orjson reads an integer literal outside [-2^63, 2^64) as the nearest float, so
+    # -2^63 - 1 arrives as exactly -2^63. A float that far out stands for an integer we
+    # cannot know, past every range here: one step further out, the field's own range
+    # check refuses it (and -9223372036854775808.0, which we cannot tell apart, with it).
+    return int(v) - 1 if v <= _ORJSON_MIN_INT else int(v)
+
+
+_ORJSON_MIN_INT = -(1 << 63)
 
 
 def _ints(vs: list) -> list:
