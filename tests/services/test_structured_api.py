@@ -111,6 +111,44 @@ def test_bad_tool_settings_are_a_400_naming_them(tok, kw, param):
     assert _error(tok, **kw).param == param
 
 
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize("kw, verdict", [
+    ({"tools": [], "tool_choice": {"type": "function", "function": {"name": ""}}}, "refused"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ""}}}, "refused"),
+    ({"tool_choice": NAMED}, "refused"),
+    ({"tools": [], "tool_choice": "required"}, "refused"),
+    ({"tools": None, "tool_choice": "required"}, "refused"),
+    ({"tools": [CLOCK], "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "refused"),
+    ({"tools": [CLOCK], "tool_choice": "required", "response_format": {"type": "text"}}, "served"),
+    ({"tools": [CLOCK], "tool_choice": NAMED, "response_format": None}, "served"),
+    ({"tools": [], "tool_choice": "auto"}, "served"),
+    ({"tools": [], "tool_choice": "none", "response_format": {"type": "json_object"}}, "served"),
+    ({"tool_choice": None}, "served"),
+    # What a JSON schema cannot say, and the document says in words instead.
+    ({"tools": [WEATHER], "tool_choice": NAMED}, "unforeseeable"),
+    ({"tools": [CLOCK, CLOCK]}, "unforeseeable"),
+])
+def test_the_openapi_document_allows_the_tool_settings_the_parser_takes(tok, kw, verdict):
+    jsonschema = pytest.importorskip("jsonschema")
+    from moemesh.services.gateway.api.openapi import openapi_document
+
+    doc = openapi_document("tiny", 1000, 64, 4)
+    schema = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **kw}
+    allowed = jsonschema.Draft202012Validator(schema).is_valid(body)
+    try:
+        api.parse_chat(body, tok, 16)
+        served, code = True, None
+    except api.ApiError as e:
+        served, code = False, e.code
+    if verdict == "unforeseeable":
+        assert allowed and not served and code == "tool_mismatch"
+    else:
+        assert allowed == served == (verdict == "served"), (allowed, served, code)
+
+
 def test_tools_on_completions_are_refused(tok):
     with pytest.raises(api.ApiError) as e:
         api.parse_completion({"model": "tiny", "prompt": "x", "tools": [WEATHER]}, tok, 16)

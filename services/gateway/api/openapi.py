@@ -33,8 +33,8 @@ _RESPONSE_FORMAT = {"oneOf": [
             "name": _NAME, "strict": _opt({"type": "boolean"}),
             "schema": _opt({"type": "object", "description": _UNENFORCEABLE})}}}},
 ], "description": "structured output, enforced while sampling (docs/structured_outputs.md)"}
-_MISMATCH = ("a tool_choice naming a function not in tools, tool_choice required without tools, two tools of one "
-             "name, or response_format with a forced call, is a 400 with code tool_mismatch")
+_MISMATCH = ("a tool_choice naming a function not in tools, or two tools of one name, is a 400 with code "
+             "tool_mismatch")
 _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"const": "function"},
     "function": {"type": "object", "required": ["name"], "properties": {
@@ -47,9 +47,17 @@ _TOOLS = {
         {"enum": ["none", "auto", "required"]},
         {"type": "object", "required": ["type", "function"], "properties": {
             "type": {"const": "function"},
-            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
+            "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME}}}}]}),
     "parallel_tool_calls": _opt({"type": "boolean"}),
 }
+# A call that tool_choice forces (required, or a named function) needs a tool to call, and
+# no response_format grammar beside its own: tool_calls.parse_tools, openai_api._grammar.
+_FORCED_CALL = {"anyOf": [
+    {"properties": {"tool_choice": _opt({"enum": ["none", "auto"]})}},
+    {"required": ["tools"], "properties": {
+        "tools": {"type": "array", "minItems": 1},
+        "response_format": _opt({"type": "object", "properties": {"type": {"const": "text"}}})}},
+]}
 _TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
     "id": {"type": "string"}, "type": {"const": "function"},
     "function": {"type": "object", "required": ["name"], "properties": {
@@ -149,7 +157,8 @@ def _chat(model: dict, max_model_len: int, max_n: int) -> dict:
         "logprobs": _opt({"type": "boolean"}),
         "top_logprobs": _opt(_int(0, 20)),
         **_sampling("max_completion_tokens", max_model_len, max_n), **_TOOLS, **_CALLER,
-        "max_tokens": _opt(_int(1, max_model_len, description="used when max_completion_tokens is absent"))}}
+        "max_tokens": _opt(_int(1, max_model_len, description="used when max_completion_tokens is absent"))},
+        **_FORCED_CALL}
 
 
 def _post(summary: str, op: str, schema: dict) -> dict:
