@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParams
 from moemesh.shared.protocol.tokens import (
-    TokenLogprob, ids_from_wire, ids_to_wire, logprobs_from_plain, logprobs_to_plain,
+    PromptLogprobs, TokenLogprob, ids_from_wire, ids_to_wire, logprobs_from_plain, logprobs_to_plain,
+    prompt_logprobs_from_plain, prompt_logprobs_to_plain,
 )
 from moemesh.shared.protocol.wire import ProtocolError, register_codec
 
@@ -32,6 +33,7 @@ class WireSampling:
     # by feeding the grammar the tokens generated so far.
     grammar_kind: str = ""
     grammar: str = ""
+    prompt_logprobs: int | None = None  # the prefill worker scores the prompt (SamplingParams.prompt_logprobs)
 
     def to_params(self) -> SamplingParams:
         # Stop strings never reach workers: the gateway detokenizes and applies them.
@@ -40,13 +42,14 @@ class WireSampling:
             seed=self.seed, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
             logprobs=self.logprobs, min_tokens=self.min_tokens,
             grammar=GrammarSpec(self.grammar_kind, self.grammar) if self.grammar_kind else None,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> "WireSampling":
         g = p.grammar
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop_token_ids), p.ignore_eos,
-                   p.logprobs, p.min_tokens, g.kind if g else "", g.text if g else "")
+                   p.logprobs, p.min_tokens, g.kind if g else "", g.text if g else "", p.prompt_logprobs)
 
 
 @dataclass
@@ -174,6 +177,8 @@ class TokenEnd:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     cached_tokens: int | None = None  # with a request's first token: its prompt tokens found cached
+    # with a request's first token, when it asked for them: its prompt's tokens, scored
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -203,10 +208,21 @@ class TokenBatch:
 def _batch_to_plain(b: TokenBatch) -> list:
     out = [b.sent_at, b.worker_id, b.request_ids, ids_to_wire(b.token_ids),
            None if b.counts is None else ids_to_wire(b.counts),
-           [[e.row, e.finish_reason, e.error, None if e.logprobs is None else logprobs_to_plain(e.logprobs),
-             *(() if e.cached_tokens is None else (e.cached_tokens,))] for e in b.ends], ids_to_wire(b.positions)]
+           [_end_to_plain(e) for e in b.ends], ids_to_wire(b.positions)]
     if b.handoffs:  # rare; without them a batch stays readable by a build before handoffs
         out.append(b.handoffs)
+    return out
+
+
+def _end_to_plain(e: TokenEnd) -> list:
+    """[row, finish, error, logprobs], then [cached_tokens] when known, then the prompt's
+    logprobs (after cached_tokens, null if need be) when there are any: an end without
+    them reads as it did before they existed."""
+    out = [e.row, e.finish_reason, e.error, None if e.logprobs is None else logprobs_to_plain(e.logprobs)]
+    if e.cached_tokens is not None or e.prompt_logprobs is not None:
+        out.append(e.cached_tokens)
+    if e.prompt_logprobs is not None:
+        out.append(prompt_logprobs_to_plain(e.prompt_logprobs))
     return out
 
 
@@ -239,13 +255,15 @@ def _batch_from_plain(raw) -> TokenBatch:
         if positions and (len(positions) != len(rids) or min(positions) < 0):
             raise ValueError("positions do not match the rows")
         out = []
-        for row, finish, error, lps, *more in ends:  # more: [cached_tokens] when it is known
-            cached = more[0] if len(more) == 1 else None
+        for row, finish, error, lps, *more in ends:  # more: [cached_tokens[, prompt logprobs]]
+            cached = more[0] if more else None
             if not (type(row) is int and 0 <= row < len(rids) and (finish is None or isinstance(finish, str))
-                    and (error is None or isinstance(error, str)) and len(more) <= 1
+                    and (error is None or isinstance(error, str)) and len(more) <= 2
                     and (cached is None or (type(cached) is int and 0 <= cached <= INT32_MAX))):
                 raise TypeError(f"end of row {row!r}")
-            out.append(TokenEnd(row, finish, error, None if lps is None else logprobs_from_plain(lps), cached))
+            prompt = prompt_logprobs_from_plain(more[1]) if len(more) == 2 else None
+            out.append(TokenEnd(row, finish, error, None if lps is None else logprobs_from_plain(lps), cached,
+                                prompt))
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"TokenBatch: malformed ({e})") from None
     return TokenBatch(rids, token_ids, counts, out, worker, float(sent_at), positions, handoffs)

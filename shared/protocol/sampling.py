@@ -50,6 +50,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n >= 0 = chosen token plus n alternatives
+    # The prompt's own tokens scored (vLLM's prompt_logprobs), in the forward that computes
+    # their KV: None = off; n >= 0 = each prompt token's logprob plus n alternatives.
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     grammar: GrammarSpec | None = None  # structured output: sampled tokens must keep to it
     extra: dict = field(default_factory=dict, compare=False)
@@ -74,6 +77,8 @@ class SamplingParams:
         need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
         need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
              "must be an integer in [0, 20]")
+        need(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+             "prompt_logprobs", "must be an integer in [0, 20]")
         need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              "must be in [0, max_tokens]")
 

@@ -3,7 +3,7 @@ import pytest
 
 from moemesh.shared.protocol.messages import TokenBatch, TokenEnd
 from moemesh.shared.protocol.prefix_hash import chain, kv_identity
-from moemesh.shared.protocol.tokens import TokenLogprob, ids_from_wire, ids_to_wire
+from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob, ids_from_wire, ids_to_wire
 from moemesh.shared.protocol.wire import ProtocolError, decode, encode
 
 
@@ -58,3 +58,28 @@ def test_a_first_tokens_cached_count_travels_and_older_ends_still_decode():
         with pytest.raises(ProtocolError, match="end of row"):
             decode(msgpack.packb([0.0, "w", ["a"], ids_to_wire([5]), None, [[0, None, None, None, bad]]]),
                    TokenBatch)
+
+
+def test_prompt_logprobs_travel_with_the_first_token_by_column():
+    p = PromptLogprobs(2, [-0.5, -7.25], [1, 300], [9, 4, 3, 9], [-0.5, -1.5, -0.125, -2.0])
+    end = TokenEnd(0, None, None, None, None, p)  # no cached count: it still travels
+    got = decode(encode(TokenBatch(["a"], [5], None, [end], positions=[0])), TokenBatch).ends[0]
+    assert got.prompt_logprobs == p and got.cached_tokens is None
+    assert got.prompt_logprobs.top(1) == ([3, 9], [-0.125, -2.0])
+    one = PromptLogprobs.empty(1, 3)  # a one-token prompt scores nothing
+    assert len(one) == 0 and decode(encode(TokenBatch(["a"], [5], None, [TokenEnd(0, None, None, None, 0, one)])),
+                                    TokenBatch).ends[0].prompt_logprobs == one
+
+
+@pytest.mark.parametrize("plain,needle", [
+    ([1, b"\x00" * 4, ids_to_wire([1]), ids_to_wire([]), b""], "columns do not match 1 rows of 1"),
+    ([0, b"\x00" * 4, ids_to_wire([0]), b"", b""], "rank below 1"),
+    ([1, b"\x00" * 4, ids_to_wire([1]), ids_to_wire([-3]), b"\x00" * 4], "negative token id"),
+    ([0, b"\x00" * 3, b"", b"", b""], "float32 bytes"),
+    ([1.0, b"", b"", b"", b""], "num_top"),
+    ([0, b"", b""], "expected \\[num_top"),
+])
+def test_malformed_prompt_logprobs_are_one_protocol_error(plain, needle):
+    raw = msgpack.packb([0.0, "w", ["a"], ids_to_wire([5]), None, [[0, None, None, None, None, plain]]])
+    with pytest.raises(ProtocolError, match=needle):
+        decode(raw, TokenBatch)

@@ -70,6 +70,9 @@ def test_wire_sampling_validates_through_sampling_params():
         WireSampling(max_tokens=0).to_params()
     p = WireSampling(max_tokens=3, temperature=0.0, stop_token_ids=[9]).to_params()
     assert p.greedy and p.stop_token_ids == (9,)
+    with pytest.raises(SamplingParamError, match="prompt_logprobs"):
+        WireSampling(prompt_logprobs=21).to_params()
+    assert WireSampling.from_params(WireSampling(prompt_logprobs=3).to_params()).prompt_logprobs == 3
 
 
 def test_msgspec_writes_the_bytes_the_field_walk_wrote():
