@@ -27,6 +27,7 @@ from moemesh.shared.engine.sequence import FinishReason, Sequence, SeqStatus
 from moemesh.shared.engine.snapshots import usable_depth
 from moemesh.shared.grammar.compile import GrammarError
 from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.tokens import PromptLogprobs
 
 
 class Admission:
@@ -83,6 +84,11 @@ class Admission:
         seq.last_slot = self._last_slot(seq)
         seq.matcher = self._matcher(seq)
         seq.block_hashes = self.prefix.hashes(seq.token_ids)
+        if params.prompt_logprobs is not None and not output_ids:
+            seq.prompt_logprobs = PromptLogprobs.empty(len(prompt_ids), params.prompt_logprobs)
+            if cached_blocks:  # scored positions are computed here, never taken from a cache
+                self.blocks.free(list(cached_blocks))
+                cached_blocks = ()
         if cached_blocks:
             bs = self.blocks.block_size
             if len(cached_blocks) * bs >= len(seq.token_ids):

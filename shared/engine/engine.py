@@ -57,7 +57,7 @@ from moemesh.shared.engine.block_table import BlockTables
 from moemesh.shared.engine.runner import Chunk, Padding, build_batch
 from moemesh.shared.engine.scheduler import Scheduler, SchedulerConfig
 from moemesh.shared.engine.snapshots import SnapshotCache
-from moemesh.shared.engine import spec_overlap
+from moemesh.shared.engine import prompt_scores, spec_overlap
 from moemesh.shared.engine.speculative import WholeStep
 from moemesh.shared.engine.sequence import PLACEHOLDER, Sequence, SeqStatus, StopRule
 from moemesh.shared.model.batch import ForwardBatch
@@ -359,6 +359,8 @@ class LLMEngine:
         bs = self.cfg.block_size
         for c in chunks:
             seq = c.seq
+            if seq.prompt_logprobs is not None and (scored := prompt_scores.rows_of(c)) is not None:
+                step.scoring.append(scored)
             q = len(c.token_ids)
             if c.token_ids[-1] == PLACEHOLDER:  # its input is what the step in flight samples
                 fill_rows.append(c.row + q - 1)
@@ -444,6 +446,8 @@ class LLMEngine:
             return out
         t0 = time.perf_counter()
         st = step.stats
+        if step.scoring:  # before the rows: a first token takes its prompt's scores with it
+            prompt_scores.file(step.scoring, step.scores)
         toks = step.sampled.tolist() if step.seqs else []
         seqs, slots = step.seqs, step.slots
         try:
@@ -511,6 +515,7 @@ class LLMEngine:
                 step.stats.num_prompt_tokens += seq.num_prompt_tokens
                 step.stats.num_cached_tokens += seq.num_cached_tokens
             extra.num_prompt_tokens, extra.num_cached_tokens = seq.num_prompt_tokens, seq.num_cached_tokens
+            extra.prompt_logprobs = seq.prompt_logprobs
         if step.token_logprobs is not None and step.token_logprobs[i] is not None:
             extra.logprobs = [step.token_logprobs[i]]
         reason = self.stop_reason(p, t, n_out, slot + 1)

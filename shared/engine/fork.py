@@ -71,6 +71,7 @@ def make_children(parent: Sequence, blocks: BlockManager, last_slot: Callable[[S
         child.block_hashes = list(parent.block_hashes)
         child.num_registered = parent.num_registered
         child.num_cached_tokens = parent.num_cached_tokens
+        child.prompt_logprobs = parent.prompt_logprobs  # the parent computes every position it scores
         child.fork_index = i
         child.status = SeqStatus.RUNNING
         child.last_slot = last_slot(child)

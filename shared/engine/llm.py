@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.tokens import PromptLogprobs
 from moemesh.shared.engine.sequence import FinishReason
 from moemesh.shared.tokenizer.detokenizer import IncrementalDetokenizer
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
@@ -21,6 +22,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # when its params asked (engine/prompt_scores.py)
 
 
 class LLM:
@@ -47,6 +49,8 @@ class LLM:
                 c.token_ids += out.new_token_ids
                 if out.logprobs:
                     c.logprobs += out.logprobs
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
                 c.text += d.add(out.new_token_ids)
                 if d.stopped and not out.finished:
                     self.engine.abort(out.request_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moemesh.shared.engine.sequence import FinishReason
-from moemesh.shared.protocol.tokens import TokenLogprob
+from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob
 
 
 @dataclass
@@ -19,6 +19,7 @@ class Finished:
     block_hashes: list[bytes] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # with num_prompt_tokens: those of them found in the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token of a request that asked
 
 
 @dataclass
@@ -66,6 +67,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # of num_prompt_tokens, found in the prefix cache (first token only)
     block_hashes: list[bytes] | None = None  # on finish: hashes of its full computed blocks
     position: int = 0  # index in the request's output of new_token_ids[0]
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token of a request that asked
 
 
 @dataclass
@@ -110,6 +112,7 @@ def request_outputs(out: StepOutputs) -> list[RequestOutput]:
             o.finished, o.finish_reason = e.finish_reason is not None, e.finish_reason
             o.logprobs, o.prefill_done, o.block_hashes = e.logprobs, e.prefill_done, e.block_hashes
             o.num_prompt_tokens, o.num_cached_tokens = e.num_prompt_tokens, e.num_cached_tokens
+            o.prompt_logprobs = e.prompt_logprobs
         res.append(o)
     return res
 
@@ -122,7 +125,8 @@ def step_outputs(outs: list[RequestOutput]) -> StepOutputs:
         res.token_ids += o.new_token_ids
         res.counts.append(len(o.new_token_ids))
         res.positions.append(o.position)
-        if o.finished or o.logprobs or o.prefill_done or o.block_hashes or o.num_cached_tokens:
+        if (o.finished or o.logprobs or o.prefill_done or o.block_hashes or o.num_cached_tokens
+                or o.prompt_logprobs is not None):
             res.extras.append(Finished(i, o.finish_reason if o.finished else None, o.logprobs, o.prefill_done,
-                                       o.block_hashes, o.num_prompt_tokens, o.num_cached_tokens))
+                                       o.block_hashes, o.num_prompt_tokens, o.num_cached_tokens, o.prompt_logprobs))
     return res

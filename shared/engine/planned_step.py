@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moemesh.shared.engine import host_copy, sampler
+from moemesh.shared.engine import host_copy, prompt_scores, sampler
 from moemesh.shared.engine.fork import copy_blocks
 from moemesh.shared.engine.runner import Chunk
 from moemesh.shared.engine.sequence import Sequence
@@ -73,11 +73,13 @@ class PlannedStep:
     # V4: the rings of a parent's children 1.., copied from its own after the forward of its last chunk.
     ring_copies: list = field(default_factory=list)  # (source, destination) rings
     grammar: object = None  # GrammarRows: the constrained rows and their matchers; None: no constrained row
+    scoring: list = field(default_factory=list)  # prompt_scores.ScoreRows: prompt tokens this step scores
     stats: object = None  # the engine's StepStats for this step
     step_id: int = field(default_factory=next_step_id)
     # Set by run():
     sampled: torch.Tensor | None = None  # [rows] token ids, on the CPU
     token_logprobs: list[TokenLogprob | None] | None = None
+    scores: "prompt_scores.Scores | None" = None
     forward_s: float = 0.0
     logits_s: float = 0.0
     sample_s: float = 0.0
@@ -114,6 +116,8 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None, for
         kv_caches.copy_rings(step.ring_copies)
     if step.snapshots:
         kv_caches.copy_rings([s[:2] for s in step.snapshots])
+    if step.scoring:
+        step.scores = prompt_scores.score(model, hidden, step.scoring)
     t1 = time.perf_counter()
     if step.seqs:
         rows = hidden[: step.num_rows] if step.sample_rows is None else hidden[step.sample_rows]

@@ -247,8 +247,8 @@ class Scheduler:
         """Cached blocks a fresh sequence could start on (no references taken), and how
         many are cached (V4: more than it can start on where snapshots are missing); at
         least one token is left to compute, since sampling needs its logits."""
-        if seq.block_ids or seq.num_computed or not self.blocks.enable_caching:
-            return [], 0
+        if seq.block_ids or seq.num_computed or not self.blocks.enable_caching or seq.prompt_logprobs is not None:
+            return [], 0  # a scored prompt computes every position (engine/prompt_scores.py)
         # A parent's own last position to compute is P-2 (its children compute P-1).
         usable = (seq.num_tokens - (2 if seq.forks else 1)) // self.blocks.block_size
         blocks = self.blocks.lookup(seq.block_hashes[:usable])

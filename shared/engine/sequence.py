@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moemesh.shared.protocol.sampling import SamplingParams
-from moemesh.shared.protocol.tokens import TokenLogprob
+from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob
 
 _arrival = itertools.count()
 # Stands for a token that a step in flight is sampling; the step's landing overwrites it.
@@ -76,6 +76,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     draft_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Its prompt's scores when it asked for them (engine/prompt_scores.py), filled chunk by chunk.
+    prompt_logprobs: PromptLogprobs | None = None
     generator: torch.Generator | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
     num_preemptions: int = 0

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from moemesh.shared.engine import host_copy, sampler
+from moemesh.shared.engine import host_copy, prompt_scores, sampler
 from moemesh.shared.engine.admission import Admission
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.drafter import Drafter
@@ -69,7 +69,10 @@ class WholeStep:
         if cow:
             copy_blocks(kv.forward_arg, [take_copy(c.seq, self.blocks.block_size) for c in chunks
                                          if c.seq.cow_src >= 0])
+        scoring = [r for c in chunks if c.seq.prompt_logprobs is not None and (r := prompt_scores.rows_of(c))]
         hidden = self.model(batch, kv.forward_arg)
+        if scoring:  # before the update: a first token takes its prompt's scores with it
+            prompt_scores.file(scoring, prompt_scores.score(self.model, hidden, scoring))
         t3 = time.perf_counter()
         st.forward_s = t3 - t2
         outputs, mtp_work = self._update(chunks, hidden, st)
@@ -198,7 +201,8 @@ class WholeStep:
             emitted, reason = _append(self.stop, seq, toks)
             out = RequestOutput(seq.request_id, emitted, logprobs=lp[: len(emitted)] if lp else None,
                                 num_prompt_tokens=seq.num_prompt_tokens, position=seq.num_output_tokens - len(emitted),
-                                num_cached_tokens=seq.num_cached_tokens if first else 0)
+                                num_cached_tokens=seq.num_cached_tokens if first else 0,
+                                prompt_logprobs=seq.prompt_logprobs if first else None)
             if reason is not None:
                 out.finished, out.finish_reason = True, reason
                 if self.blocks.enable_caching:

@@ -46,7 +46,9 @@ class PromptLogprobs:
         n = max(num_prompt_tokens - 1, 0)
         return cls(num_top, [0.0] * n, [0] * n, [0] * (n * num_top), [0.0] * (n * num_top))
 
-    def __len__(self) -> int:
+    @property
+    def num_rows(self) -> int:
+        """P - 1: the prompt tokens scored."""
         return len(self.logprobs)
 
     def top(self, i: int) -> tuple[list[int], list[float]]:

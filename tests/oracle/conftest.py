@@ -18,6 +18,7 @@ class Reference:
     prompts: list[list[int]]
     outputs: list[list[int]]
     logits: list[torch.Tensor]  # per prompt: [len(prompt) - 1 + NEW_TOKENS, V], each step's next-token logits
+    prompt_logits: list[torch.Tensor]  # per prompt: [len(prompt) - 1, V], the logits that score its tokens 1..
 
 
 def _reference(model_dir: str, seed: int) -> Reference:
@@ -26,7 +27,7 @@ def _reference(model_dir: str, seed: int) -> Reference:
     rng = random.Random(seed)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = hf.config.vocab_size
-    prompts, outputs, logits = [], [], []
+    prompts, outputs, logits, prompt_logits = [], [], [], []
     with torch.no_grad():
         for n in PROMPT_LENS:
             for _ in range(MAX_DRAWS):
@@ -36,13 +37,15 @@ def _reference(model_dir: str, seed: int) -> Reference:
                                   pad_token_id=1)
                 out = gen[0, len(p):].tolist()
                 # One causal forward over prompt + output gives every step's next-token logits.
-                full = hf(torch.tensor([p + out[:-1]])).logits[0][len(p) - 1:]
+                every = hf(torch.tensor([p + out[:-1]])).logits[0]
+                full = every[len(p) - 1:]
                 if _well_defined(full, out):
                     break
             prompts.append(p)
             outputs.append(out)
             logits.append(full)
-    return Reference(model_dir, prompts, outputs, logits)
+            prompt_logits.append(every[: len(p) - 1])
+    return Reference(model_dir, prompts, outputs, logits, prompt_logits)
 
 
 MAX_DRAWS = 20

@@ -125,6 +125,30 @@ def test_every_step_logits_match_within_1e4(ref, monkeypatch):
     assert worst < 1e-4, worst
 
 
+@pytest.mark.parametrize("spec", [0, 1])
+def test_prompt_logprobs_match_within_1e4(ref, spec):
+    """A prompt's tokens scored in its prefill (engine/prompt_scores.py), chunked, against
+    transformers' log-softmax over one forward of the prompt."""
+    eng = _engine(ref, num_speculative_tokens=spec, max_num_batched_tokens=24)
+    for i, p in enumerate(ref.prompts):
+        eng.add_request(f"r{i}", p, _greedy(prompt_logprobs=2))
+    got = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.prompt_logprobs is not None:
+                got[o.request_id] = o.prompt_logprobs
+    worst = 0.0
+    for i, p in enumerate(ref.prompts):
+        lp = torch.log_softmax(ref.prompt_logits[i].float(), dim=-1)
+        expect = lp[torch.arange(len(p) - 1), torch.tensor(p[1:])] if len(p) > 1 else torch.zeros(0)
+        ours = got[f"r{i}"]
+        assert ours.num_rows == len(p) - 1
+        worst = max([worst, *(abs(a - b) for a, b in zip(ours.logprobs, expect.tolist()))])
+        top = lp.topk(2, dim=-1).values.flatten().tolist() if len(p) > 1 else []
+        worst = max([worst, *(abs(a - b) for a, b in zip(ours.top_logprobs, top))])
+    assert worst < 1e-4, worst
+
+
 def test_spec_decode_with_accepted_drafts_is_exact(ref_v3, monkeypatch):
     """Drafts that match the target must be accepted several at a time without changing
     the output. Random MTP weights rarely agree with the target, so the drafts here come

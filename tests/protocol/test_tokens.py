@@ -67,7 +67,7 @@ def test_prompt_logprobs_travel_with_the_first_token_by_column():
     assert got.prompt_logprobs == p and got.cached_tokens is None
     assert got.prompt_logprobs.top(1) == ([3, 9], [-0.125, -2.0])
     one = PromptLogprobs.empty(1, 3)  # a one-token prompt scores nothing
-    assert len(one) == 0 and decode(encode(TokenBatch(["a"], [5], None, [TokenEnd(0, None, None, None, 0, one)])),
+    assert one.num_rows == 0 and decode(encode(TokenBatch(["a"], [5], None, [TokenEnd(0, None, None, None, 0, one)])),
                                     TokenBatch).ends[0].prompt_logprobs == one
 
 
