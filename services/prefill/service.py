@@ -203,7 +203,8 @@ class PrefillService(AsyncService):
         rid = job.request_id
         cached: list[int] = []
         try:
-            if job.kv_sources and self.rt.engine.blocks.enable_caching:
+            # A scored prompt computes every position here (engine/prompt_scores.py): nothing to pull.
+            if job.kv_sources and self.rt.engine.blocks.enable_caching and params.prompt_logprobs is None:
                 # A peer or the KV store holds more of this prompt than we do: pull it first.
                 e = self.rt.engine
                 usable = (len(job.prompt_ids) - 1) // e.cfg.block_size
@@ -270,7 +271,8 @@ class PrefillService(AsyncService):
             reason = out.finish_reason.value if out.finished else None
             rt.tokens.add(job.gateway_id, job.request_id, out.new_token_ids, reason,
                           logprobs=out.logprobs or None, position=out.position,
-                          cached_tokens=out.num_cached_tokens if out.num_prompt_tokens else None)
+                          cached_tokens=out.num_cached_tokens if out.num_prompt_tokens else None,
+                          prompt_logprobs=out.prompt_logprobs)
             if out.prefill_done:
                 h = Handoff(job, span, None, list(out.new_token_ids), rt.engine.held_drafts(job.request_id))
                 held.setdefault(st.parent or job.request_id, []).append(h)

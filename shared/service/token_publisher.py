@@ -21,7 +21,7 @@ from nats.aio.client import Client as NATS
 from moemesh.shared.engine.outputs import Finished, StepOutputs
 from moemesh.shared.protocol.messages import TokenBatch, TokenEnd, TokenResend
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.tokens import TokenLogprob
+from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob
 from moemesh.shared.protocol.wire import encode
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class TokenPublisher:
 
     def add(self, gateway_id: str, request_id: str, token_ids: list[int], finish_reason: str | None = None,
             error: str | None = None, logprobs: list[TokenLogprob] | None = None, position: int = 0,
-            cached_tokens: int | None = None) -> None:
+            cached_tokens: int | None = None, prompt_logprobs: PromptLogprobs | None = None) -> None:
         b = self._pending.get(gateway_id)
         if b is None:
             b = self._pending[gateway_id] = TokenBatch([], [], [], worker_id=self._worker)
@@ -51,8 +51,9 @@ class TokenPublisher:
             b = self._pending[gateway_id] = TokenBatch(list(b.request_ids), list(b.token_ids),
                                                        [1] * len(b.request_ids), list(b.ends), self._worker,
                                                        positions=list(b.positions), handoffs=dict(b.handoffs))
-        if finish_reason is not None or error is not None or logprobs or cached_tokens is not None:
-            b.ends.append(TokenEnd(len(b.request_ids), finish_reason, error, logprobs, cached_tokens))
+        if (finish_reason is not None or error is not None or logprobs or cached_tokens is not None
+                or prompt_logprobs is not None):
+            b.ends.append(TokenEnd(len(b.request_ids), finish_reason, error, logprobs, cached_tokens, prompt_logprobs))
         b.request_ids.append(request_id)
         b.token_ids += token_ids
         b.counts.append(len(token_ids))
@@ -142,21 +143,22 @@ class TokenPublisher:
                 out.append((rid, ([], "error", LOST, None, 0)))
             elif g.ids or g.finish is not None or g.error is not None:
                 self.resent_rows += 1
-                out.append((rid, (g.ids, g.finish, g.error, g.logprobs or None, want[rid], g.cached)))
+                out.append((rid, (g.ids, g.finish, g.error, g.logprobs or None, want[rid], g.cached, g.prompt)))
         return out
 
 
 class _Gathered:
     """One request's kept rows from a position on, put back together."""
 
-    __slots__ = ("next", "furthest", "ids", "logprobs", "finish", "error", "cached", "first_pos", "first_batch")
+    __slots__ = ("next", "furthest", "ids", "logprobs", "finish", "error", "cached", "prompt", "first_pos",
+                 "first_batch")
 
     def __init__(self, start: int, first_pos: int, first_batch: int):
         self.next = self.furthest = start
         self.first_pos, self.first_batch = first_pos, first_batch  # its first kept row, and that row's batch
         self.ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
-        self.finish = self.error = self.cached = None
+        self.finish = self.error = self.cached = self.prompt = None
 
     def take(self, pos: int, ids: list[int], end: TokenEnd | None) -> None:
         if ids:
@@ -166,6 +168,8 @@ class _Gathered:
                 self.ids += ids[skip:]
                 if end is not None and end.logprobs:
                     self.logprobs += end.logprobs[skip:]
+                if end is not None and end.prompt_logprobs is not None and not skip:  # with the first token
+                    self.prompt = end.prompt_logprobs
                 self.next = pos + len(ids)
         if end is not None and end.cached_tokens is not None:
             self.cached = end.cached_tokens

@@ -7,7 +7,11 @@ import asyncio
 
 from moemesh.shared.protocol.messages import TokenResend
 from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.protocol.tokens import PromptLogprobs
 from moemesh.shared.service.token_publisher import LOST, TokenPublisher
+
+
+SCORES = PromptLogprobs(0, [-1.5, -0.25], [4, 1])
 
 
 class _Sink:
@@ -25,7 +29,7 @@ def _publisher(retention_s=30.0):
 def test_replay_puts_a_stream_back_together_from_a_position():
     async def go():
         p = _publisher()
-        p.add("gw", "a", [5], position=0, cached_tokens=32)
+        p.add("gw", "a", [5], position=0, cached_tokens=32, prompt_logprobs=SCORES)
         p.add("gw", "b", [50, 51], position=0)
         await p.flush()
         p.add("gw", "a", [6, 7], position=1)
@@ -37,8 +41,10 @@ def test_replay_puts_a_stream_back_together_from_a_position():
 
     p = asyncio.run(go())
     got = dict(p.replay(TokenResend("gw", ["a", "b", "unknown"], [2, 0, 0])))
-    assert got["a"] == ([7, 8], "length", None, None, 2, 32)  # the first token's cached count goes along
-    assert got["b"] == ([50, 51, 52], None, None, None, 0, None)
+    # the first token's cached count goes along; its prompt's scores only with the first token itself
+    assert got["a"] == ([7, 8], "length", None, None, 2, 32, None)
+    assert got["b"] == ([50, 51, 52], None, None, None, 0, None, None)
+    assert dict(p.replay(TokenResend("gw", ["a"], [0])))["a"] == ([5, 6, 7, 8], "length", None, None, 0, 32, SCORES)
     assert "unknown" not in got  # another worker serves it
     assert dict(p.replay(TokenResend("other-gw", ["a"], [0]))) == {}
 

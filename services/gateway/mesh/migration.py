@@ -85,8 +85,11 @@ class Migration:
         self._tasks.spawn(self._send_abort(self.nc, old, "migrated"), f"abort-{old}")
         h.request_id = f"{old.split('~', 1)[0]}~m{h.migrations}"
         h.next_pos, h.asked_at = 0, -1e9
+        # The prompt's scores came with the first token: a new prefill of prompt + output
+        # would score the output too, and the client has what it asked for.
         params = dataclasses.replace(h.params, max_tokens=h.params.max_tokens - done,
-                                     min_tokens=max(0, h.params.min_tokens - done))
+                                     min_tokens=max(0, h.params.min_tokens - done),
+                                     prompt_logprobs=None if done else h.params.prompt_logprobs)
         prompt = h.prompt_ids + h.streamed + h.ids
         try:
             await self._send_job(h, prompt, params)

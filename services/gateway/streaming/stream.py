@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from moemesh.shared.protocol.messages import TokenEnd
-from moemesh.shared.protocol.tokens import TokenLogprob
+from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob
 from moemesh.shared.tokenizer.detokenizer import IncrementalDetokenizer
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
@@ -40,7 +40,7 @@ class Handle:
 
     __slots__ = ("request_id", "decode_id", "prefill_id", "ids", "logprobs", "finish", "error", "last_seen",
                  "gone", "closed", "next_pos", "asked_at", "prompt_ids", "params", "headers", "migrations",
-                 "streamed", "cached_tokens", "_cached_known",
+                 "streamed", "cached_tokens", "_cached_known", "prompt_logprobs",
                  "_waiter", "_on_close")
 
     def __init__(self, request_id: str, decode_id: str, on_close: Callable[[str, str | None], None],
@@ -67,6 +67,8 @@ class Handle:
         self.asked_at = -1e9  # loop time of the last resend asked for it
         self.cached_tokens = 0  # prompt tokens the first prefill found cached (usage reports them)
         self._cached_known = False
+        # the prompt's scores, when asked for: they come with the first token, before the reader takes it
+        self.prompt_logprobs: PromptLogprobs | None = None
         self._waiter: asyncio.Future | None = None
         self._on_close = on_close
 
@@ -125,6 +127,8 @@ class Handle:
             self.cached_tokens, self._cached_known = e.cached_tokens, True
         if e.logprobs:
             self.logprobs += e.logprobs
+        if e.prompt_logprobs is not None and self.prompt_logprobs is None:  # a migration's prompt is longer
+            self.prompt_logprobs = e.prompt_logprobs
         if e.finish_reason is not None:
             self.finish, self.error = e.finish_reason, e.error
         self.wake()
