@@ -45,6 +45,9 @@ class GatewayConfig(ServiceConfig):
     # Parallel sampling: the most choices (`n`) one request may ask for; each is a sequence
     # on the workers (a request of n counts n against their max_num_seqs).
     max_n: int = 16
+    # A completion's batch of prompts (`prompt` as an array of them): the most one request
+    # may hold; each is a request of its own on the workers, n sequences each.
+    max_prompts: int = 64
 
     def __post_init__(self):
         super().__post_init__()
@@ -56,6 +59,8 @@ class GatewayConfig(ServiceConfig):
             raise ValueError("max_inflight must be >= 1")
         if not 1 <= self.max_n <= MAX_N:
             raise ValueError(f"max_n must be in [1, {MAX_N}]")
+        if self.max_prompts < 1:
+            raise ValueError("max_prompts must be >= 1")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.body_timeout_s <= 0 or self.header_timeout_s <= 0:

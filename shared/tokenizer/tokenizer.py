@@ -36,6 +36,7 @@ class Tokenizer:
             cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         except ValueError as e:
             raise TokenizerError(f"{cfg_file}: not valid JSON ({e})") from None
+        self.config: dict[str, Any] = cfg if isinstance(cfg, dict) else {}  # tokenizer_config.json, as read
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None

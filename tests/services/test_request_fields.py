@@ -31,12 +31,12 @@ REFUSED_CHAT = {
 }
 HONOURED_COMPLETION = {
     "model": "tiny", "prompt": "hi", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": "x",
-    "n": 2, "logprobs": 2, "stream_options": {"include_usage": True}, "user": "u-1", "best_of": 1, "echo": False,
+    "n": 2, "logprobs": 2, "stream_options": {"include_usage": True}, "user": "u-1", "best_of": 1, "echo": True,
     "suffix": None, "frequency_penalty": 0, "presence_penalty": 0,
 }
 REFUSED_COMPLETION = {
-    "best_of": 3, "echo": True, "suffix": "end", "frequency_penalty": 1.0, "presence_penalty": 1.0,
-    "logit_bias": {"5": 1}, "logprobs": 50, "n": 99,
+    "best_of": 3, "echo": "yes", "suffix": "end", "frequency_penalty": 1.0, "presence_penalty": 1.0,
+    "logit_bias": {"5": 1}, "logprobs": 50, "n": 99, "max_tokens": 0,
 }
 
 
@@ -85,3 +85,28 @@ def test_a_field_outside_the_schema_is_refused_by_name(tok):
 def test_caller_fields_are_recorded_for_the_trace(tok):
     req = _chat(tok, user="u-1", safety_identifier="s-9", metadata={"team": "search"})
     assert req.trace_attrs == {"user.id": "u-1", "moemesh.safety_identifier": "s-9", "moemesh.metadata.team": "search"}
+
+
+def test_the_evaluation_fields_of_completions(tok):
+    """echo, max_tokens 0 (with echo only), vLLM's prompt_logprobs, and batches of prompts."""
+    r = _completion(tok, echo=True, logprobs=1, max_tokens=0)
+    assert r.echo and not r.generate and r.params.max_tokens == 1  # the workers sample one, not returned
+    assert r.params.prompt_logprobs == 1 and r.prompt_logprobs is None  # the echo's scores, not vLLM's field
+    r = _completion(tok, echo=True, logprobs=1, prompt_logprobs=3)
+    assert r.params.prompt_logprobs == 3 and r.prompt_logprobs == 3 and r.generate
+    assert _completion(tok, echo=True).params.prompt_logprobs is None  # text alone: nothing to score
+    assert _completion(tok, logprobs=2).params.prompt_logprobs is None
+    batch = api.parse_completion({"model": "tiny", "prompt": [[5, 6], [7.0]]}, tok, 16, tok.vocab_size)
+    assert batch.prompts == [[5, 6], [7]] and batch.prompt_ids == [5, 6] and batch.prompt_texts == [None, None]
+    texts = api.parse_completion({"model": "tiny", "prompt": ["a", "b c"]}, tok, 16, tok.vocab_size)
+    assert texts.prompts == [tok.encode("a"), tok.encode("b c")] and texts.prompt_texts == ["a", "b c"]
+    for prompt in ([], [[]], [[5], "a"], [[5, True]], [[5, 6], 7], {"a": 1}):
+        with pytest.raises(api.ApiError) as e:
+            api.parse_completion({"model": "tiny", "prompt": prompt}, tok, 16, tok.vocab_size)
+        assert e.value.param == "prompt", prompt
+    with pytest.raises(api.ApiError, match="at most 2") as e:
+        api.parse_completion({"model": "tiny", "prompt": ["a"] * 3}, tok, 16, tok.vocab_size, max_prompts=2)
+    for fields in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": 1.5}):
+        with pytest.raises(api.ApiError) as e:
+            _completion(tok, **fields)
+        assert e.value.status == 400 and e.value.param == "prompt_logprobs"

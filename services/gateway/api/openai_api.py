@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moemesh.services.gateway.api.request_fields import ONLY_AT, FieldError, caller_attributes, check_known
@@ -44,6 +44,19 @@ class GenerateRequest:
     tools: Tools | None = None  # set when the answer may hold tool calls (chat only)
     request_id: str = field(default_factory=lambda: f"{random.getrandbits(128):032x}")
     created: int = field(default_factory=lambda: int(time.time()))
+    # Completions only. A batch of prompts: each is a request of its own (of n choices) and
+    # the answer's choice p * n + i is prompt p's i-th; prompt_ids is the first of them.
+    prompts: list[list[int]] = field(default_factory=list)
+    prompt_texts: list[str | None] = field(default_factory=list)  # as given (None: token ids), for echo
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
+    generate: bool = True  # False: max_tokens 0 with echo; the prompt is scored and nothing is generated
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
+
+    def __post_init__(self):
+        if not self.prompts:
+            self.prompts = [self.prompt_ids]
+        if not self.prompt_texts:
+            self.prompt_texts = [None] * len(self.prompts)
 
     @property
     def response_id(self) -> str:
@@ -220,39 +233,67 @@ def _sampling(body: dict, max_key: str, max_tokens, min_tokens: int, stop: list[
 
 
 def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
-                     max_n: int = 1) -> GenerateRequest:
+                     max_n: int = 1, max_prompts: int = 64) -> GenerateRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     _known(body, "completion")
     model = _get(body, "model", (str,), None)
     if model is None:
         raise ApiError(400, "'model' is required", "model")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        prompt = _ints(prompt)
-    if isinstance(prompt, str):
-        ids = tok.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)
-        if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
-    elif prompt is None:
-        raise ApiError(400, "'prompt' is required", "prompt")
-    else:
-        raise ApiError(400, "'prompt' must be a string, an array of token ids, or a one-element array of either",
-                       "prompt")
+    prompts, texts = _prompts(body.get("prompt"), tok, vocab_size, max_prompts)
     for name in CHAT_ONLY:
         if body.get(name) is not None:
             raise ApiError(400, f"'{name}' is supported on /v1/chat/completions only", name)
-    params, opts = _common(body, default_max_tokens)
+    echo = _get(body, "echo", (bool,), False)
+    generate = _get(body, "max_tokens", (int,), None) != 0
+    if not generate and not echo:
+        raise ApiError(400, "'max_tokens' 0 is taken with echo only (the prompt scored, nothing generated)",
+                       "max_tokens")
+    # The workers always sample a first token (as vLLM's do for max_tokens 0); it is not returned.
+    params, opts = _common(body if generate else {**body, "max_tokens": 1}, default_max_tokens)
     lp = _get(body, "logprobs", (int,), None)
     if lp is not None and not 0 <= lp <= 20:
         raise ApiError(400, "'logprobs' must be in [0, 20]", "logprobs")
-    if lp is not None:
-        params = _with_logprobs(params, lp)
-    return GenerateRequest("completion", model, ids, params, logprobs=lp, n=_n(body, max_n), **opts)
+    plp = _get(body, "prompt_logprobs", (int,), None)
+    if plp is not None and not 0 <= plp <= 20:
+        raise ApiError(400, "'prompt_logprobs' must be in [0, 20]", "prompt_logprobs")
+    # What the prefill scores: the echoed prompt's logprobs, vLLM's prompt_logprobs, or both.
+    scored = [k for k in (plp, lp if echo else None) if k is not None]
+    params = replace(params, logprobs=lp, prompt_logprobs=max(scored) if scored else None)
+    return GenerateRequest("completion", model, prompts[0], params, logprobs=lp, n=_n(body, max_n), prompts=prompts,
+                           prompt_texts=texts, echo=echo, generate=generate, prompt_logprobs=plp, **opts)
+
+
+def _prompts(prompt, tok: Tokenizer, vocab_size: int | None, max_prompts: int) -> tuple[list, list]:
+    """(token ids, text as given or None) of each prompt: a string, an array of token ids,
+    or an array of either (a batch)."""
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required", "prompt")
+    if isinstance(prompt, str) or _token_ids(prompt):
+        prompt = [prompt]
+    if not (isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                     or all(_token_ids(p) for p in prompt))):
+        raise ApiError(400, "'prompt' must be a string, an array of token ids, or a non-empty array of strings or "
+                            "of token id arrays", "prompt")
+    if len(prompt) > max_prompts:
+        raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; this server takes at most {max_prompts} in one "
+                            f"request", "prompt")
+    ids, texts = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            ids.append(tok.encode(p))
+            texts.append(p)
+            continue
+        p = _ints(p)
+        if vocab_size is not None and not all(0 <= t < vocab_size for t in p):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        ids.append(p)
+        texts.append(None)
+    return ids, texts
+
+
+def _token_ids(p) -> bool:
+    return isinstance(p, list) and bool(p) and all(_is_int(_integral(t)) for t in p)
 
 
 def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
@@ -270,7 +311,7 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
         tools = parse_tools(body, tok)
     except ToolError as e:
         raise ApiError(400, str(e), e.param, code=e.code) from None
-    norm = [_message(i, m) for i, m in enumerate(messages)]
+    norm = chat_messages(messages)
     try:
         ids = tok.encode_chat(norm, tools=tools.tools if tools else None)
     except TokenizerError as e:
@@ -284,6 +325,11 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
         lp = top
         params = _with_logprobs(params, lp)
     return GenerateRequest("chat", model, ids, params, logprobs=lp, n=_n(body, max_n), tools=tools, **opts)
+
+
+def chat_messages(messages: list) -> list[dict]:
+    """Each message as the chat template reads it (_message); a bad one is a 400."""
+    return [_message(i, m) for i, m in enumerate(messages)]
 
 
 def _message(i: int, m) -> dict:
@@ -327,8 +373,6 @@ def _tool_call_ok(c) -> bool:
 
 
 def _with_logprobs(p: SamplingParams, n: int) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(p, logprobs=n)
 
 
@@ -417,7 +461,7 @@ class ChunkBytes:
         tail = (b'},' if req.kind == "chat" else b',') + b'"finish_reason":null,"logprobs":null}]'
         self._suffix = tail + b'}\n\n'
         # continuous usage: the chunk ends with the counts so far (as usage() writes them)
-        n_prompt = self._n_prompt = len(req.prompt_ids)
+        n_prompt = self._n_prompt = sum(map(len, req.prompts))
         self._usage = tail + b',"usage":{"prompt_tokens":%d,"completion_tokens":' % n_prompt
 
     def text(self, text: str) -> bytes:
@@ -472,16 +516,14 @@ def tool_finish(finish: str | None, calls: list[dict]) -> str | None:
 
 
 def logprobs_payload(req: GenerateRequest, tok: Tokenizer, lps: list) -> Any:
-    """OpenAI's two logprob shapes: chat's `content` list, completions' parallel arrays."""
+    """Chat's logprob shape, the `content` list. (Completions' legacy arrays, whose text
+    offsets run across a choice's chunks, are completion_logprobs.py's.)"""
     if req.logprobs is None or not lps:
         return None
     def text(t: int) -> str:
         return tok.decode([int(t)], skip_special_tokens=False)
-    if req.kind == "chat":
-        return {"content": [
-            {"token": text(lp.token_id), "logprob": lp.logprob, "bytes": list(text(lp.token_id).encode()),
-             "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())}
-                              for t, v in zip(lp.top_ids, lp.top_logprobs)]}
-            for lp in lps]}
-    return {"tokens": [text(lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps]}
+    return {"content": [
+        {"token": text(lp.token_id), "logprob": lp.logprob, "bytes": list(text(lp.token_id).encode()),
+         "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())}
+                          for t, v in zip(lp.top_ids, lp.top_logprobs)]}
+        for lp in lps]}

@@ -85,7 +85,6 @@ def _sampling(max_tokens_key: str, max_model_len: int, max_n: int) -> dict:
         "best_of": _opt({"const": 1}),
         "presence_penalty": _opt({"const": 0}),
         "frequency_penalty": _opt({"const": 0}),
-        "echo": _opt({"const": False}),
         "suffix": {"type": "null"},
         "functions": {"type": "null"},
         "function_call": {"type": "null"},
@@ -139,15 +138,51 @@ _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "tool_call_id": {"type": "string", "description": "a tool result's call"}}}
 
 
-def _completion(model: dict, vocab_size: int, max_model_len: int, max_n: int) -> dict:
+def _completion(model: dict, vocab_size: int, max_model_len: int, max_n: int, max_prompts: int) -> dict:
     ids = {"type": "array", "minItems": 1, "items": _int(0, vocab_size - 1)}
+    batch = "a batch: each prompt is a request of its own, choice p * n + i being prompt p's i-th"
+    sampling = _sampling("max_tokens", max_model_len, max_n)
+    sampling["max_tokens"] = _opt(_int(0, max_model_len, description=_CONTEXT + "; 0 with echo only: the prompt "
+                                       "scored (echo with logprobs), nothing generated"))
     return {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
         "model": model,
         "prompt": {"oneOf": [{"type": "string"}, ids,
-                             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
-                             {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]},
-        "logprobs": _opt(_int(0, 20)), **_sampling("max_tokens", max_model_len, max_n),
-        **{k: {"type": "null", "description": "chat only"} for k in _TOOLS}}}
+                             {"type": "array", "minItems": 1, "maxItems": max_prompts, "items": {"type": "string"},
+                              "description": batch},
+                             {"type": "array", "minItems": 1, "maxItems": max_prompts, "items": ids,
+                              "description": batch}]},
+        "logprobs": _opt(_int(0, 20, description="with echo, the prompt's tokens too (the first one's null)")),
+        "echo": _opt({"type": "boolean", "description": "the prompt comes back before the completion"}),
+        "prompt_logprobs": _opt(_int(0, 20, description="extension (vLLM's): each prompt token's logprob and rank "
+                                     "with this many alternatives, in choices[].prompt_logprobs")),
+        **sampling,
+        **{k: {"type": "null", "description": "chat only"} for k in _TOOLS}},
+        # max_tokens 0 asks for the prompt alone: it needs echo
+        "allOf": [{"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+                   "then": {"required": ["echo"], "properties": {"echo": {"const": True}}}}]}
+
+
+# A completion's logprobs: OpenAI's legacy arrays, and vLLM's prompt_logprobs (completion_logprobs.py).
+_LEGACY_LOGPROBS = {"type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+                    "properties": {
+                        "tokens": {"type": "array", "items": {"type": "string"}},
+                        "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+                        "top_logprobs": {"type": "array", "items": {"anyOf": [
+                            {"type": "object", "additionalProperties": {"type": "number"}}, {"type": "null"}]}},
+                        "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
+_PROMPT_LOGPROB = {"type": "object", "required": ["logprob", "rank", "decoded_token"], "properties": {
+    "logprob": {"type": "number"}, "rank": {"type": "integer", "minimum": 1}, "decoded_token": {"type": "string"}}}
+_COMPLETION_RESPONSE = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+    "object": {"const": "text_completion"},
+    "choices": {"type": "array", "items": {"type": "object", "required": ["index", "text", "finish_reason"],
+                                           "properties": {
+        "index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
+        "logprobs": _opt(_LEGACY_LOGPROBS),
+        "prompt_logprobs": {"type": "array", "description": "the first prompt token's is null",
+                            "items": {"anyOf": [{"type": "null"}, {"type": "object", "propertyNames": {
+                                "pattern": "^[0-9]+$"}, "additionalProperties": _PROMPT_LOGPROB}]}}}}}}}
+
+_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 
 
 def _chat(model: dict, max_model_len: int, max_n: int) -> dict:
@@ -161,16 +196,56 @@ def _chat(model: dict, max_model_len: int, max_n: int) -> dict:
         **_FORCED_CALL}
 
 
-def _post(summary: str, op: str, schema: dict) -> dict:
+def _post(summary: str, op: str, schema: dict, response: dict | None = None) -> dict:
     return {"post": {
         "summary": summary, "operationId": op,
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "responses": {"200": {"description": "the completion, or an SSE stream when stream is true",
-                              "content": {"application/json": {"schema": {"type": "object"}}, **_STREAM}},
+                              "content": {"application/json": {"schema": response or {"type": "object"}},
+                                          **_STREAM}},
                       **_POST_ERRORS}}}
 
 
-def openapi_document(model_name: str, vocab_size: int, max_model_len: int, max_n: int = 1) -> dict:
+def _tokenizer_paths(model: dict, vocab_size: int) -> dict:
+    """/tokenize, /detokenize and /tokenizer_info, in vLLM's shapes (tokenize.py)."""
+    flag = _opt({"type": "boolean"})
+    tokenize = {"type": "object", "additionalProperties": False,
+                "oneOf": [{"required": ["prompt"], "not": {"anyOf": [{"required": ["messages"]},
+                                                                      {"required": ["add_generation_prompt"]}]}},
+                          {"required": ["messages"], "not": {"required": ["prompt"]}}], "properties": {
+                    "model": _opt(model), "prompt": {"type": "string"},
+                    "messages": {"type": "array", "minItems": 1, "items": _MESSAGE,
+                                 "description": "rendered by the chat template, then tokenized"},
+                    "add_special_tokens": {**flag, "description": "default true for a prompt, false for messages"},
+                    "add_generation_prompt": {**flag, "description": "messages only; default true"},
+                    "return_token_strs": flag}}
+    detokenize = {"type": "object", "required": ["tokens"], "additionalProperties": False, "properties": {
+        "model": _opt(model), "tokens": {"type": "array", "items": _int(0, vocab_size - 1)}}}
+    errors = _errors(400, 404, 408, 413, 500)
+
+    def post(summary: str, op: str, schema: dict, response: dict) -> dict:
+        return {"post": {"summary": summary, "operationId": op,
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                         "responses": {"200": {"description": "ok", "content": {"application/json": {
+                             "schema": response}}}, **errors}}}
+
+    return {
+        "/tokenize": post("Tokenize a prompt or a chat", "tokenize", tokenize, {
+            "type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"], "properties": {
+                "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer"}, "tokens": _TOKENS,
+                "token_strs": _opt({"type": "array", "items": {"type": "string"}})}}),
+        "/detokenize": post("Token ids to text", "detokenize", detokenize, {
+            "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}),
+        "/tokenizer_info": {"get": {"summary": "The tokenizer's configuration and chat template",
+                                    "operationId": "tokenizerInfo", "responses": {"200": {
+                                        "description": "tokenizer_config.json's settings, tokenizer_class, "
+                                                       "chat_template", "content": {"application/json": {"schema": {
+                                            "type": "object", "required": ["tokenizer_class"]}}}}}}},
+    }
+
+
+def openapi_document(model_name: str, vocab_size: int, max_model_len: int, max_n: int = 1,
+                     max_prompts: int = 64) -> dict:
     model = {"type": "string", "enum": [model_name]}
     return {
         "openapi": "3.1.0",
@@ -178,7 +253,8 @@ def openapi_document(model_name: str, vocab_size: int, max_model_len: int, max_n
                  "description": "OpenAI-compatible completions over a disaggregated MoE serving mesh."},
         "paths": {
             "/v1/completions": _post("Text completion", "createCompletion",
-                                     _completion(model, vocab_size, max_model_len, max_n)),
+                                     _completion(model, vocab_size, max_model_len, max_n, max_prompts),
+                                     _COMPLETION_RESPONSE),
             "/v1/chat/completions": _post("Chat completion", "createChatCompletion", _chat(model, max_model_len, max_n)),
             "/v1/models": {"get": {"summary": "Served models", "operationId": "listModels",
                                    "responses": {"200": {"description": "model list"}}}},
@@ -196,6 +272,7 @@ def openapi_document(model_name: str, vocab_size: int, max_model_len: int, max_n
                                                     "503": {"description": "not ready"}}}},
             "/metrics": {"get": {"summary": "Prometheus metrics",
                                  "responses": {"200": {"description": "text format"}}}},
+            **_tokenizer_paths(model, vocab_size),
         },
         "components": {"schemas": {"Error": {"type": "object", "properties": {"error": {
             "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"},

@@ -18,10 +18,10 @@ COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperat
                     "user", "tools", "tool_choice", "parallel_tool_calls"})
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier",
                  "modalities", "safety_identifier"}
-COMPLETION = COMMON | {"prompt"}
+COMPLETION = COMMON | {"prompt", "echo", "prompt_logprobs"}
 # Taken at one value only (null, or the value named): each is refused by name otherwise.
 ONLY_AT = {
-    "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None,
+    "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "suffix": None,
     "functions": None, "function_call": None, "logit_bias": None, "audio": None, "prediction": None,
     "reasoning_effort": None, "verbosity": None, "web_search_options": None, "moderation": None,
     "prompt_cache_key": None, "prompt_cache_options": None, "prompt_cache_retention": None,

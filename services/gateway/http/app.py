@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from moemesh.services.gateway.api import openai_api as api
 from moemesh.services.gateway.api import span_attrs as attrs
+from moemesh.services.gateway.api import tokenize as tokenizer_api
 from moemesh.services.gateway.api.openapi import openapi_document
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.http.auth import ApiKeyMiddleware, load_api_keys
@@ -94,6 +95,9 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/health/ready", ready, methods=["GET"]),
             *([] if separate_metrics else [Route("/metrics", metrics_route, methods=["GET"])]),
@@ -114,7 +118,8 @@ async def _start(cfg: GatewayConfig, gateway_id: str | None, provider) -> Gatewa
     await mesh.start()
     max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     st = GatewayState(cfg, mesh, tok, max_model_len, get_tracer(provider, "moemesh.gateway", root=True), metrics,
-                      mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len, cfg.max_n))
+                      mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len, cfg.max_n,
+                                                        cfg.max_prompts))
     st.m = {
         "requests": metrics.counter("requests_total", "HTTP requests by route and status", ("route", "status")),
         "ttft": metrics.histogram("ttft_seconds", "time to first token", buckets=REQUEST_LATENCY_BUCKETS),
@@ -175,7 +180,9 @@ async def _generate(request: Request, kind: str) -> Response:
     handle = None
     try:
         headers = inject_headers(context=trace.set_span_in_context(span))
-        if req.n == 1:
+        if len(req.prompts) > 1:  # a completion's batch: every prompt's choices, read as one
+            handle = await st.mesh.submit_batch(req.request_id, req.prompts, req.params, headers, req.n)
+        elif req.n == 1:
             handle = await st.mesh.submit(req.request_id, req.prompt_ids, req.params, headers)
         else:  # one handle per choice, read as one (streaming/choices.py)
             handle = await st.mesh.submit_choices(req.request_id, req.prompt_ids, req.params, headers, req.n)
@@ -255,14 +262,15 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
     if req.model != st.cfg.model_name:
         raise api.ApiError(404, f"model {req.model!r} does not exist; this server serves {st.cfg.model_name!r}",
                            "model", code="model_not_found")
-    n, m = len(req.prompt_ids), req.params.max_tokens
+    n, m = max(map(len, req.prompts)), req.params.max_tokens
     if n + m > st.max_model_len:
         raise api.ApiError(400, f"This model's maximum context length is {st.max_model_len} tokens. However, you "
                                 f"requested {n + m} tokens ({n} in the prompt, {m} for the completion).",
                            "messages" if kind == "chat" else "prompt", code="context_length_exceeded")
     if st.inflight >= st.cfg.max_inflight:  # others were admitted while this one was parsed
         raise _at_capacity(st)
-    span.set_attributes({"request.id": req.request_id, "prompt.tokens": n, "max_tokens": m, "stream": req.stream})
+    span.set_attributes({"request.id": req.request_id, "prompt.tokens": sum(map(len, req.prompts)), "max_tokens": m,
+                         "stream": req.stream})
     if span.is_recording():
         span.set_attributes(attrs.gen_ai_request(req))
         span.set_attributes(req.trace_attrs)
@@ -270,12 +278,11 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
 
 
 def _parse(raw: bytes, st: GatewayState, kind: str) -> api.GenerateRequest:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise api.ApiError(400, f"request body is not valid JSON: {e}") from None
-    parse = api.parse_chat if kind == "chat" else api.parse_completion
-    return parse(body, st.tok, st.cfg.default_max_tokens, st.vocab_size, st.cfg.max_n)
+    body = _loads(raw)
+    if kind == "chat":
+        return api.parse_chat(body, st.tok, st.cfg.default_max_tokens, st.vocab_size, st.cfg.max_n)
+    return api.parse_completion(body, st.tok, st.cfg.default_max_tokens, st.vocab_size, st.cfg.max_n,
+                                st.cfg.max_prompts)
 
 
 def _at_capacity(st: GatewayState) -> api.ApiError:
@@ -332,6 +339,39 @@ async def ready(request: Request) -> JSONResponse:
 async def metrics_route(request: Request) -> Response:
     body, ctype = _state(request).metrics.render()
     return Response(body, media_type=ctype)
+
+
+async def tokenize(request: Request) -> JSONResponse:
+    st = _state(request)
+    body = await _json_body(request, st)
+    if len(body) > st.cfg.inline_parse_bytes:  # a long text is tokenized off the event loop
+        return JSONResponse(await asyncio.to_thread(_tokenize, body, st))
+    return JSONResponse(_tokenize(body, st))
+
+
+def _tokenize(raw: bytes, st: GatewayState) -> dict:
+    return tokenizer_api.tokenize(_loads(raw), st.tok, st.cfg.model_name, st.max_model_len)
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    st = _state(request)
+    body = _loads(await _json_body(request, st))
+    return JSONResponse(tokenizer_api.detokenize(body, st.tok, st.cfg.model_name, st.vocab_size))
+
+
+async def tokenizer_info(request: Request) -> JSONResponse:
+    return JSONResponse(tokenizer_api.tokenizer_info(_state(request).tok))
+
+
+async def _json_body(request: Request, st: GatewayState) -> bytes:
+    return await read_body(request, st.cfg.max_body_bytes, st.cfg.body_timeout_s)
+
+
+def _loads(raw: bytes):
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise api.ApiError(400, f"request body is not valid JSON: {e}") from None
 
 
 async def openapi(request: Request) -> JSONResponse:

@@ -212,10 +212,31 @@ class MeshClient(Migration):
             raise
         return Choices(hs)
 
+    async def submit_batch(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                           headers: dict | None, n: int) -> Choices:
+        """A completion's batch of prompts: each a request of its own (of n choices, under
+        <request_id>-p<k>), their handles read as one, prompt after prompt. One that cannot
+        be sent fails them all: those sent already are aborted."""
+        handles: list[Handle] = []
+        try:
+            for k, ids in enumerate(prompts):
+                rid = f"{request_id}-p{k}"
+                if n == 1:
+                    handles.append(await self.submit(rid, ids, params, headers))
+                else:
+                    handles += (await self.submit_choices(rid, ids, params, headers, n)).handles
+        except BaseException:
+            for h in handles:
+                h.close("client")
+            raise
+        return Choices(handles)
+
     async def _send_job(self, h: Handle, prompt_ids: list[int], params: SamplingParams,
                         fork: tuple[str, list[Handle]] | None = None) -> None:
         """Choose the workers for h and send its job (raises NoWorkers or Rejected).
         fork: (job id, the handles of its children) for a request of n > 1; h is the first."""
+        if self.cfg.decode_only_bench and params.prompt_logprobs is not None:
+            raise Rejected("prompt logprobs come from a prefill: they are not served in decode-only bench mode")
         decode = pick_decode(self.live("decode"), self._assigned)
         if decode is None:
             raise NoWorkers("no decode worker is alive")

@@ -11,6 +11,12 @@ a stream of several end on differently, each as its clients have always read it:
 one choice the error is that choice's end, and usage and [DONE] follow it; with several,
 the other children are aborted and the stream stops at the error chunk.
 
+A completion's batch of prompts is one response too: choice p * n + i is prompt p's i-th,
+each prompt a request of its own (of n choices). With echo a choice's first chunk, or its
+answer, begins with its prompt (and, with logprobs, the prompt's tokens as the prefill
+scored them; completion_logprobs.py); with max_tokens 0 that is all it holds, and the
+token the workers sampled to score the prompt is not shown.
+
 With tools each choice has its own tool-call parser: it answers in text or in calls of
 its own (their index counts within the choice, their ids are unique), and ends in
 finish_reason tool_calls when it called one. A forced call holds for every choice: each
@@ -23,19 +29,27 @@ its first chunk: `sse` writes each take's tokens straight from the detokenizer t
 
 from __future__ import annotations
 
+import logging
 import time
 
 import orjson
 from opentelemetry import trace
 from starlette.responses import JSONResponse, Response
 
+from moemesh.services.gateway.api import completion_logprobs as legacy
 from moemesh.services.gateway.api import openai_api as api
 from moemesh.services.gateway.api import span_attrs as attrs
 from moemesh.services.gateway.api.tool_calls import ToolCallParser
 from moemesh.services.gateway.streaming.sse import unless_gone
 from moemesh.services.gateway.streaming.stream import TIMED_OUT, Choices, Handle, Reader
 
+log = logging.getLogger(__name__)
 _DONE = b"data: [DONE]\n\n"
+NO_SCORES = "the prompt's logprobs did not come with its first token"
+
+
+class MissingScores(RuntimeError):
+    """A choice's first token came without the prompt scores it asked for (a bug on a worker)."""
 
 
 def _data(obj: dict) -> bytes:
@@ -50,10 +64,14 @@ class _Choice:
     """One choice as it is read: its handle, its detokenizer (with the stop strings), its
     tool-call parser, and what it has written or gathered so far."""
 
-    __slots__ = ("index", "handle", "reader", "calls", "first", "finish", "fast", "call_lps", "texts", "lps")
+    __slots__ = ("index", "prompt", "handle", "reader", "calls", "first", "finish", "fast", "call_lps", "legacy",
+                 "texts", "lps")
 
     def __init__(self, req: api.GenerateRequest, tok, handle: Handle, index: int, streamed: bool):
         self.index, self.handle = index, handle
+        self.prompt = index // req.n  # its prompt, in a batch of them
+        # completions' logprobs, whose text offsets run on from chunk to chunk
+        self.legacy = legacy.LegacyLogprobs(tok) if req.kind == "completion" and req.logprobs is not None else None
         self.reader = Reader(tok, req.params.stop)
         self.calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
         self.first = True  # nothing of it written yet: its first chunk carries the role
@@ -77,7 +95,7 @@ class _Response:
         self.choices = [_Choice(req, st.tok, h, i, streamed) for i, h in enumerate(group.handles)]
         self.single = len(self.choices) == 1
         self.num_open = len(self.choices)
-        self.n_prompt = len(req.prompt_ids)
+        self.n_prompt = sum(map(len, req.prompts))
         self.n_out = 0  # tokens taken, all choices
         self.t_first = 0.0  # when the first of them came (0: none yet)
 
@@ -87,12 +105,41 @@ class _Response:
             return self.choices
         return [c for c in self.choices if not c.handle.closed and c.handle.ready]
 
-    def took(self, ids: list[int]) -> None:
+    def took(self, ids: list[int], lps: list) -> tuple[list[int], list]:
+        """What a choice's take writes: its ids, or with max_tokens 0 none (the token the
+        workers sampled to score the prompt is not the client's)."""
         if ids and not self.t_first:
             self.t_first = time.perf_counter()
             self.ttft.observe(self.t_first - self.t0)
             self.first_token()
+        if not self.req.generate:
+            return [], []
         self.n_out += len(ids)
+        return ids, lps
+
+    def echo(self, c: _Choice, lps: list) -> tuple[str, dict | None]:
+        """A completion choice's text prefix and logprobs for its first chunk (or its
+        answer), of lps its generated tokens': the prompt first, with echo."""
+        req, text = self.req, ""
+        entries = legacy.generated_entries(lps)
+        if req.echo:
+            ids = req.prompts[c.prompt]
+            text = req.prompt_texts[c.prompt]
+            if text is None:
+                text = self.tok.decode(ids, skip_special_tokens=False)
+            if c.legacy is not None:
+                entries = legacy.prompt_entries(ids, self._scores(c), req.logprobs) + entries
+        return text, c.legacy.payload(entries) if c.legacy is not None and entries else None
+
+    def prompt_logprobs(self, c: _Choice) -> list:
+        """vLLM's prompt_logprobs of a choice's prompt."""
+        return legacy.vllm_prompt_logprobs(self.req.prompts[c.prompt], self._scores(c), self.req.prompt_logprobs,
+                                           self.tok)
+
+    def _scores(self, c: _Choice):
+        if c.handle.prompt_logprobs is None:  # they come with the first token: a worker that did not send them
+            raise MissingScores(c.index)
+        return c.handle.prompt_logprobs
 
     def first_token(self) -> None:
         """A stream marks it on its span."""
@@ -139,7 +186,7 @@ class _Stream(_Response):
     def write(self, c: _Choice, ids, lps, finish, error, parts: list[bytes]) -> bool:
         """One choice's take as chunks onto parts. False: it failed, and no other choice's
         take goes out after it."""
-        self.took(ids)
+        ids, lps = self.took(ids, lps)
         if self._events(c, ids, lps, finish, error, parts):
             return True
         self.status = 500
@@ -178,14 +225,32 @@ class _Stream(_Response):
             elif not (c.first or ev.finish or ev.logprob):
                 parts.append(c.fast.counted(ev.text, self.n_sent, self.group.cached_tokens) if self.cont
                              else c.fast.text(ev.text))
-            else:
+            elif self.req.kind == "chat":
                 lp = api.logprobs_payload(self.req, self.tok, [ev.logprob] if ev.logprob else [])
                 parts.append(self._dumps(api.chunk(self.req, ev.text, ev.finish, c.first, lp, c.index)))
+            else:
+                try:
+                    parts.append(self._dumps(self._completion_chunk(c, ev)))
+                except MissingScores:
+                    self.stream_span.set_status(trace.StatusCode.ERROR, NO_SCORES)
+                    parts.append(_error_data(NO_SCORES))
+                    return False
             c.first = False
             if ev.finish is not None:
                 self.ended(c, ev.finish)
                 break
         return True
+
+    def _completion_chunk(self, c: _Choice, ev) -> dict:
+        """A completion chunk: on a choice's first, its echoed prompt and prompt_logprobs."""
+        if not c.first:
+            lp = c.legacy.payload(legacy.generated_entries([ev.logprob])) if c.legacy and ev.logprob else None
+            return api.chunk(self.req, ev.text, ev.finish, False, lp, c.index)
+        prefix, lp = self.echo(c, [ev.logprob] if ev.logprob else [])
+        out = api.chunk(self.req, prefix + ev.text, ev.finish, True, lp, c.index)
+        if self.req.prompt_logprobs is not None:
+            out["choices"][0]["prompt_logprobs"] = self.prompt_logprobs(c)
+        return out
 
     def _dumps(self, chunk: dict) -> bytes:
         if self.cont:  # counts so far, every choice's
@@ -217,7 +282,7 @@ async def sse(st, req: api.GenerateRequest, group: Choices | Handle, span, t0: f
     Everything that arrived since the last write goes out in one write."""
     out = _Stream(st, req, group, span, t0)
     one = out.choices[0] if out.single else None
-    plain = one is not None and not req.params.stop and req.logprobs is None and req.tools is None
+    plain = one is not None and not req.params.stop and req.logprobs is None and req.tools is None and req.generate
     hot = False  # the plain stream's first chunk is out: its tokens go on without events
     if one is not None:
         take, each, fast, cont = group.take, one.reader.detok.each, one.fast, req.continuous_usage
@@ -266,7 +331,7 @@ class _Answer(_Response):
                 return self.timed_out()
             for c in self.ready():
                 ids, lps, finish, error = c.handle.take()
-                self.took(ids)
+                ids, lps = self.took(ids, lps)
                 failure = self._events(c, ids, lps, finish, error)
                 if failure is not None:
                     self.failed()
@@ -294,9 +359,20 @@ class _Answer(_Response):
         return None
 
     def body(self) -> dict:
-        answers = [("".join(c.texts), c.finish, api.logprobs_payload(self.req, self.tok, c.lps),
-                    c.calls.calls if c.calls is not None else None) for c in self.choices]
-        return api.final_choices(self.req, answers, self.n_prompt, self.n_out, self.group.cached_tokens)
+        """The answer; raises MissingScores when a choice lacks the prompt scores it asked for."""
+        if self.req.kind == "chat":
+            answers = [("".join(c.texts), c.finish, api.logprobs_payload(self.req, self.tok, c.lps),
+                        c.calls.calls if c.calls is not None else None) for c in self.choices]
+            return api.final_choices(self.req, answers, self.n_prompt, self.n_out, self.group.cached_tokens)
+        answers = []
+        for c in self.choices:
+            prefix, lp = self.echo(c, c.lps)
+            answers.append((prefix + "".join(c.texts), c.finish, lp))
+        out = api.final_choices(self.req, answers, self.n_prompt, self.n_out, self.group.cached_tokens)
+        if self.req.prompt_logprobs is not None:
+            for c, choice in zip(self.choices, out["choices"]):
+                choice["prompt_logprobs"] = self.prompt_logprobs(c)
+        return out
 
 
 async def collect(request, st, req: api.GenerateRequest, group: Choices | Handle, span, t0: float, done,
@@ -317,6 +393,12 @@ async def collect(request, st, req: api.GenerateRequest, group: Choices | Handle
     if error:
         done(500)
         return JSONResponse(api.ApiError(500, error, type_="server_error").body(), status_code=500)
+    try:
+        body = answer.body()
+    except MissingScores:
+        log.error("request %s: %s", req.request_id, NO_SCORES)
+        done(500)
+        return JSONResponse(api.ApiError(500, NO_SCORES, type_="server_error").body(), status_code=500)
     answer.usage_attrs(span)
     done(200)
-    return JSONResponse(answer.body(), headers=headers)
+    return JSONResponse(body, headers=headers)
