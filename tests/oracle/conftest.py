@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -18,7 +18,8 @@ class Reference:
     prompts: list[list[int]]
     outputs: list[list[int]]
     logits: list[torch.Tensor]  # per prompt: [len(prompt) - 1 + NEW_TOKENS, V], each step's next-token logits
-    prompt_logits: list[torch.Tensor]  # per prompt: [len(prompt) - 1, V], the logits that score its tokens 1..
+    # per prompt: [len(prompt) - 1, V], the logits that score its tokens 1.. (the V3 reference's; V4's has none)
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)
 
 
 def _reference(model_dir: str, seed: int) -> Reference:
