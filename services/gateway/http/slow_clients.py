@@ -25,85 +25,91 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from moemesh.services.gateway.api.openai_api import ApiError
 
 
-def slow_client_protocol(header_timeout_s: float, linger_s: float, linger_bytes: int) -> type:
-    class SlowClientProtocol(HttpToolsProtocol):
-        _deadline: asyncio.TimerHandle | None = None
-        _linger_left: int | None = None  # bytes still to discard; None: not lingering
-        _stopping = False
+class SlowClientProtocol(HttpToolsProtocol):
+    header_timeout_s = 10.0  # set by slow_client_protocol
+    linger_s = 5.0
+    linger_bytes = 128 << 20
+    _deadline: asyncio.TimerHandle | None = None
+    _linger_left: int | None = None  # bytes still to discard; None: not lingering
+    _stopping = False
 
-        def _arm(self, delay: float) -> None:
-            self._disarm()
-            self._deadline = self.loop.call_later(delay, self._too_slow)
+    def _arm(self, delay: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(delay, self._too_slow)
 
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _too_slow(self) -> None:
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
             self._deadline = None
-            if self.transport is not None and not self.transport.is_closing():
-                self.transport.close()
 
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm(header_timeout_s)
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
 
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._arm(header_timeout_s)
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm(self.header_timeout_s)
 
-        def on_headers_complete(self) -> None:
-            self._disarm()
-            super().on_headers_complete()
-            if self.cycle is not None and self.cycle.scope is self.scope:  # not an upgrade
-                # Set before the cycle's task first runs, so the app is handed this send.
-                self.cycle.send = self._early_answer_closes(self.cycle)
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm(self.header_timeout_s)
 
-        def _early_answer_closes(self, cycle):
-            send, early = cycle.send, False
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+        if self.cycle is not None and self.cycle.scope is self.scope:  # not an upgrade
+            # Set before the cycle's task first runs, so the app is handed this send.
+            self.cycle.send = self._early_answer_closes(self.cycle)
 
-            def checked_send(message):  # returns send's awaitable: no extra await a chunk
-                nonlocal early
-                if message["type"] == "http.response.start":
-                    early = cycle.more_body  # still True until the parser saw the body's end
-                    if early:
-                        cycle.keep_alive = False  # uvicorn writes `connection: close`
-                elif early and not message.get("more_body", False) and not self._stopping:
-                    # The close is ours (on_response_complete), not uvicorn's abrupt one.
-                    cycle.keep_alive = True
-                    self._linger_left = linger_bytes
-                return send(message)
+    def _early_answer_closes(self, cycle):
+        send, early = cycle.send, False
 
-            return checked_send
+        def checked_send(message):  # returns send's awaitable: no extra await a chunk
+            nonlocal early
+            if message["type"] == "http.response.start":
+                early = cycle.more_body  # still True until the parser saw the body's end
+                if early:
+                    cycle.keep_alive = False  # uvicorn writes `connection: close`
+            elif early and not message.get("more_body", False) and not self._stopping:
+                # The close is ours (on_response_complete), not uvicorn's abrupt one.
+                cycle.keep_alive = True
+                self._linger_left = self.linger_bytes
+            return send(message)
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self._linger_left is not None and not self.transport.is_closing():
-                self._unset_keepalive_if_required()
-                if self.transport.can_write_eof():
-                    self.transport.write_eof()  # after the response: the client reads it, then EOF
-                self._arm(linger_s)
+        return checked_send
 
-        def data_received(self, data: bytes) -> None:
-            if self._linger_left is None:
-                super().data_received(data)
-                return
-            self._linger_left -= len(data)  # the rest of a body already answered: not parsed
-            if self._linger_left < 0:
-                self.transport.close()
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._linger_left is not None and not self.transport.is_closing():
+            self._unset_keepalive_if_required()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()  # after the response: the client reads it, then EOF
+            self._arm(self.linger_s)
 
-        def shutdown(self) -> None:
-            # uvicorn closes a lingering connection here, and waits for the others to finish
-            # their responses: one finishing now must not start lingering.
-            self._stopping = True
-            super().shutdown()
+    def data_received(self, data: bytes) -> None:
+        if self._linger_left is None:
+            super().data_received(data)
+            return
+        self._linger_left -= len(data)  # the rest of a body already answered: not parsed
+        if self._linger_left < 0:
+            self.transport.close()
 
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
+    def shutdown(self) -> None:
+        # uvicorn closes a lingering connection here, and waits for the others to finish
+        # their responses: one finishing now must not start lingering.
+        self._stopping = True
+        super().shutdown()
 
-    return SlowClientProtocol
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+
+def slow_client_protocol(header_timeout_s: float, linger_s: float, linger_bytes: int) -> type:
+    return type("SlowClientProtocol", (SlowClientProtocol,),
+                {"header_timeout_s": header_timeout_s, "linger_s": linger_s, "linger_bytes": linger_bytes})
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
