@@ -83,34 +83,34 @@ def prompt_logprobs_from_plain(raw) -> PromptLogprobs:
 
 
 def _floats_to_wire(vs: list[float]) -> bytes:
-    a = array("f", vs)
-    if _SWAP:
-        a.byteswap()
-    return a.tobytes()
+    return _to_wire("f", vs)
 
 
 def _floats_from_wire(b: bytes, what: str) -> list[float]:
-    if not isinstance(b, bytes) or len(b) % 4:
-        raise TypeError(f"{what}: expected float32 bytes")
-    a = array("f")
-    a.frombytes(b)
-    if _SWAP:
-        a.byteswap()
-    return a.tolist()
+    return _from_wire("f", b, f"{what}: expected float32 bytes")
 
 
 def ids_to_wire(ids: list[int]) -> bytes:
-    a = array("i", ids)
-    if _SWAP:
-        a.byteswap()
-    return a.tobytes()
+    return _to_wire("i", ids)
 
 
 def ids_from_wire(b: bytes, what: str) -> list[int]:
     """Raises TypeError for anything but whole int32s (the caller names the message)."""
+    return _from_wire("i", b, f"{what}: expected int32 bytes")
+
+
+def _to_wire(code: str, vs: list) -> bytes:
+    a = array(code, vs)
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _from_wire(code: str, b: bytes, error: str) -> list:
+    """Little-endian 4-byte items of array type `code`; TypeError(error) for anything else."""
     if not isinstance(b, bytes) or len(b) % 4:
-        raise TypeError(f"{what}: expected int32 bytes")
-    a = array("i")
+        raise TypeError(error)
+    a = array(code)
     a.frombytes(b)
     if _SWAP:
         a.byteswap()

@@ -232,14 +232,20 @@ def _sampling(body: dict, max_key: str, max_tokens, min_tokens: int, stop: list[
         raise ApiError(400, message, param) from None
 
 
-def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
-                     max_n: int = 1, max_prompts: int = 64) -> GenerateRequest:
+def _model(body: Any, kind: str) -> str:
+    """The checks every endpoint's body starts with; returns its model."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
-    _known(body, "completion")
+    _known(body, kind)
     model = _get(body, "model", (str,), None)
     if model is None:
         raise ApiError(400, "'model' is required", "model")
+    return model
+
+
+def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
+                     max_n: int = 1, max_prompts: int = 64) -> GenerateRequest:
+    model = _model(body, "completion")
     prompts, texts = _prompts(body.get("prompt"), tok, vocab_size, max_prompts)
     for name in CHAT_ONLY:
         if body.get(name) is not None:
@@ -298,12 +304,7 @@ def _token_ids(p) -> bool:
 
 def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
                max_n: int = 1) -> GenerateRequest:
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    _known(body, "chat")
-    model = _get(body, "model", (str,), None)
-    if model is None:
-        raise ApiError(400, "'model' is required", "model")
+    model = _model(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", "messages")
