@@ -29,6 +29,17 @@ def test_kv_transfer(tmp_path, tiny_model):
     assert res["machine_copy_GBps"] > 0 and "min_ratio_at_1MiB_plus" in res
 
 
+def test_kv_transfer_table_below_1mib():
+    """Sizes under 1 MiB only: no goal line (the goal starts at 1 MiB), and no crash."""
+    from moemesh.tools.bench.kv_transfer import table
+
+    row = {"bytes": 65536, "ucx_one_GBps": 1.0, "ratio_one": 0.1, "ucx_concurrent_GBps": 2.0,
+           "ratio_concurrent": 0.2, "memcpy_same_size_GBps": 20.0}
+    out = table({"machine_copy_GBps": 10.0, "results": [row], "goal_ratio": 0.7,
+                 "min_ratio_at_1MiB_plus": {"one": None, "concurrent": None}})
+    assert "64 KiB" in out and "goal" not in out
+
+
 @pytest.mark.slow  # a whole mesh for a bench tool's smoke run: -m slow
 def test_kv_transfer_per_request_sizes(tmp_path):
     res, out = bench(tmp_path, None, "kv-transfer", "--context-lens", "128", "--iters", "1", "--repeats", "1")
