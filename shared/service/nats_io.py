@@ -98,8 +98,11 @@ async def connect(cfg: ServiceConfig, name: str, link: LinkEvents | None = None)
         if link is not None:
             link._fire(link.up)
 
+    # The servers in the order given (dont_randomize): a service of a cluster lists its own
+    # host's node first, and the others are its fallbacks, not its peers' load to share.
     kw: dict[str, Any] = dict(
-        servers=[u.strip() for u in cfg.nats_url.split(",") if u.strip()], name=name, connect_timeout=5, reconnect_time_wait=0.5,
+        servers=[u.strip() for u in cfg.nats_url.split(",") if u.strip()], dont_randomize=True,
+        name=name, connect_timeout=5, reconnect_time_wait=0.5,
         max_reconnect_attempts=-1, allow_reconnect=True, error_cb=on_error,
         disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, ping_interval=5,
         inbox_prefix=cfg.inbox_prefix,

@@ -97,6 +97,11 @@ def ucx_options(net_devices: str, tls: str, environ) -> dict[str, str]:
         # single-copy reads ran 16-64 MiB messages at under half the copy bandwidth,
         # where the posix shared-memory path reached 60-75% of it; 1-4 MiB alike.
         options["TLS"] = "^cma"
+    if "UCX_TCP_CONN_NB" not in environ:
+        # UCX's TCP transport connects a new endpoint with a blocking connect() by default:
+        # to a peer whose host is unreachable (a cut data network) that held the caller's
+        # event loop for 40-130 s, so the worker missed its heartbeats and was taken for dead.
+        options["TCP_CONN_NB"] = "y"
     return options
 
 

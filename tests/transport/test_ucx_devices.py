@@ -14,9 +14,12 @@ from moemesh.shared.transport.ucx import DEFAULT_NET_DEVICES, ucx_options
 
 
 def test_devices_are_always_named():
-    assert ucx_options("", "", {}) == {"NET_DEVICES": DEFAULT_NET_DEVICES, "TLS": "^cma"}
-    assert ucx_options("", "", {"UCX_NET_DEVICES": "eth1", "UCX_TLS": "tcp"}) == {"NET_DEVICES": "eth1"}
-    assert ucx_options("mlx5_0:1", "rc,sm", {"UCX_NET_DEVICES": "eth1"}) == {"NET_DEVICES": "mlx5_0:1", "TLS": "rc,sm"}
+    nb = {"TCP_CONN_NB": "y"}
+    assert ucx_options("", "", {}) == {"NET_DEVICES": DEFAULT_NET_DEVICES, "TLS": "^cma", **nb}
+    assert ucx_options("", "", {"UCX_NET_DEVICES": "eth1", "UCX_TLS": "tcp"}) == {"NET_DEVICES": "eth1", **nb}
+    assert ucx_options("mlx5_0:1", "rc,sm", {"UCX_NET_DEVICES": "eth1"}) == {"NET_DEVICES": "mlx5_0:1", "TLS": "rc,sm",
+                                                                              **nb}
+    assert "TCP_CONN_NB" not in ucx_options("", "", {"UCX_TCP_CONN_NB": "n"})  # the environment's choice stands
 
 
 def _tcp_listeners() -> set[str]:

@@ -171,7 +171,7 @@ async def _stats(nc, worker_ids: list[str]) -> dict:
 async def _stats_of(nats_url: str, worker_ids: list[str]) -> dict:
     import nats
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url.split(","))  # a cluster's URLs, comma-separated
     try:
         return await _stats(nc, worker_ids)
     finally:

@@ -1,0 +1,342 @@
+"""`moemesh bench rack`: the mesh across three hosts on one machine, and the faults that
+hit racks.
+
+The hosts are network namespaces (tools/launch/rack_net.py), each on a control network
+(NATS, HTTP, the DEP ranks' agreement) and a data network (UCX). Layout:
+
+    h1  nats-1  gateway  prefill-0
+    h2  nats-2  decode-i0-r0  decode-i0-r1      (a DEP2 instance)
+    h3  nats-3  decode-1 (or a DEP2 instance)  kv_store
+
+The three NATS servers are one cluster (a full mesh of routes); every service connects
+to its own host's node first and lists the other two as fallbacks. UCX runs over TCP on
+each host's data0: hosts of a rack share no memory, so the transports that need that are
+off even though these "hosts" share a kernel.
+
+Each scenario gets a fresh rack (namespaces and processes), the load client of `bench
+chaos` (tools/bench/chaos_client.py, its own process in the root namespace, talking to
+the gateway over the control network), and one fault at host granularity once every
+stream is generating. The row is the one `bench chaos` reports (tools/bench/chaos_report.py),
+judged against this bench's goals. Needs root (network namespaces) and `ip`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from moemesh.tools.bench import chaos_report as report
+from moemesh.tools.bench.chaos import _gateway_counters, _stats_of
+from moemesh.tools.bench.chaos_client import ChaosLoad, LoadClient
+from moemesh.tools.bench.env import environment
+from moemesh.tools.launch.nats_server import NatsNode, client_urls, start_nats_cluster, start_nats_node
+from moemesh.tools.launch.procs import Child, ProcessGroup
+from moemesh.tools.launch.rack_net import CTL_DEV, DATA_DEV, Host, RackNetwork
+from moemesh.tools.launch.up import default_home, ensure_tiny_model
+
+NATS_PORT, NATS_CLUSTER_PORT, GATEWAY_PORT, DIST_PORT = 4222, 6222, 8000, 29500
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class RackScenario:
+    name: str
+    fault: str  # kill | stop (SIGSTOP, then SIGCONT) | cut (a host's data plane down, then up)
+    target: str  # a process name, or a host (h1..h3: every process it runs)
+    duration_s: float = 0.0  # stop, cut: how long
+    stall_goal_s: float = 10.0
+
+
+SCENARIOS = {s.name: s for s in (
+    RackScenario("kill-rank", "kill", "decode-i0-r1"),
+    RackScenario("straggler", "stop", "decode-i0-r1", duration_s=3.0),
+    RackScenario("cut-data", "cut", "h3", duration_s=10.0, stall_goal_s=5.0),
+    RackScenario("nats-node", "kill", "nats-2", stall_goal_s=5.0),
+    RackScenario("kill-host", "kill", "h3"),
+)}
+
+
+@dataclass(frozen=True)
+class RackConfig:
+    model: str = ""
+    scenarios: tuple[str, ...] = tuple(SCENARIOS)
+    streams: int = 100
+    max_tokens: int = 200
+    prompt_tokens: int = 64
+    ready_tokens: int = 20
+    mock_step_ms: float = 20.0
+    real: bool = False  # the real tiny model instead of the mock engine
+    second_dep: int = 1  # ranks of host 3's decode instance
+    deadline_s: float = 30.0
+    probe_rate: float = 5.0
+    dp_timeout_s: float = 5.0  # every collective of a DEP rank gives up after this
+    transfer_timeout_s: float = 3.0
+    log_dir: str = ""
+    tag: str = "mm"  # names of the namespaces and bridges
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.scenarios if s not in SCENARIOS]
+        if unknown or not self.scenarios:
+            raise ValueError(f"unknown scenario {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
+        if self.streams < 2 or self.max_tokens < 2 or not 1 <= self.ready_tokens < self.max_tokens:
+            raise ValueError("--streams and --max-tokens must be >= 2, --ready-tokens in [1, max_tokens)")
+        if self.second_dep not in (1, 2):
+            raise ValueError("--second-dep must be 1 or 2")
+
+
+@dataclass(frozen=True)
+class Proc:
+    name: str
+    host: str
+    argv: list[str]  # after `python -m`
+    env: dict
+
+
+def nats_nodes(hosts: list[Host]) -> list[NatsNode]:
+    return [NatsNode(f"nats-{h.name[1:]}", h.ctl_addr, NATS_PORT, NATS_CLUSTER_PORT, h.prefix) for h in hosts]
+
+
+def plan(cfg: RackConfig, hosts: list[Host], model: str) -> list[Proc]:
+    """Every service process of the rack, with its host and arguments. Pure."""
+    h1, h2, h3 = hosts
+    nodes = nats_nodes(hosts)
+    blocks = -(-(cfg.prompt_tokens + 2 * cfg.max_tokens) // BLOCK_SIZE)
+    worker = [] if cfg.real else [
+        "engine=mock", f"mock_step_ms={cfg.mock_step_ms}",
+        f"max_num_batched_tokens={max(16384, cfg.streams * (cfg.prompt_tokens + cfg.max_tokens))}",
+        f"num_kv_blocks={max(8192, 2 * cfg.streams * blocks)}"]
+    worker += [f"block_size={BLOCK_SIZE}", f"max_num_seqs={max(2 * cfg.streams, 64)}",
+               f"ucx_net_devices={DATA_DEV}", "ucx_tls=tcp", f"transfer_timeout_s={cfg.transfer_timeout_s}"]
+
+    def common(h: Host, wid: str) -> list[str]:
+        return ["--model", model, "--nats-url", client_urls(nodes, f"nats-{h.name[1:]}"), "--worker-id", wid]
+
+    def sets(items) -> list[str]:
+        return [a for s in items for a in ("--set", s)]
+
+    # gloo (the ranks' agreement) on the control network; UCX alone on the data network.
+    dep_env = {"GLOO_SOCKET_IFNAME": CTL_DEV}
+
+    def dep(role: str, h: Host, instance: str, n: int, port: int) -> list[Proc]:
+        return [Proc(f"{instance}-r{r}", h.name, [f"moemesh.services.{role}", *common(h, f"{instance}-r{r}"), *sets(
+            worker + [f"dp_size={n}", f"dp_rank={r}", f"instance_id={instance}", "expert_parallel=true",
+                      f"dist_init=tcp://{h.ctl_addr}:{port}", f"dp_timeout_s={cfg.dp_timeout_s}"])], dep_env)
+            for r in range(n)]
+
+    out = [Proc("kv_store", h3.name, ["moemesh.services.kv_store", *common(h3, "kv_store"),
+                                      *sets([f"ucx_net_devices={DATA_DEV}", "ucx_tls=tcp"])], {})]
+    out.append(Proc("prefill-0", h1.name, ["moemesh.services.prefill", *common(h1, "prefill-0"), *sets(worker)], {}))
+    out += dep("decode", h2, "decode-i0", 2, DIST_PORT)
+    if cfg.second_dep == 1:
+        out.append(Proc("decode-1", h3.name, ["moemesh.services.decode", *common(h3, "decode-1"), *sets(worker)], {}))
+    else:
+        out += dep("decode", h3, "decode-i1", 2, DIST_PORT)
+    out.append(Proc("gateway", h1.name, ["moemesh.services.gateway", *common(h1, "gateway"), "--host", h1.ctl_addr,
+                                         "--port", str(GATEWAY_PORT), *sets(
+                                             [f"max_inflight={4 * cfg.streams}", "worker_header=true"])], {}))
+    return out
+
+
+# ---- a running rack ------------------------------------------------------------------------
+class Rack:
+    """The namespaces, the NATS cluster and the services of one scenario; a context manager."""
+
+    def __init__(self, cfg: RackConfig, log_dir: Path, model: str):
+        self.cfg, self.log_dir, self.model = cfg, log_dir, model
+        self.net = RackNetwork(3, cfg.tag)
+        self.nodes = nats_nodes(self.net.hosts)
+        self.procs = plan(cfg, self.net.hosts, model)
+        self.group = ProcessGroup(log_dir)
+        self.url = f"http://{self.net.hosts[0].ctl_addr}:{GATEWAY_PORT}"
+        self.nats_url = client_urls(self.nodes, "nats-1")  # the bench's own, from the root namespace
+
+    def __enter__(self) -> "Rack":
+        self.net.__enter__()
+        try:
+            start_nats_cluster(self.group, self.nodes)
+            for p in self.procs:
+                self.start(p)
+            self._wait_ready(180.0)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.group.stop()
+        finally:
+            self.net.__exit__()
+
+    def start(self, p: Proc) -> Child:
+        h = self.net.host(p.host)
+        return self.group.start(p.name, [*h.prefix, sys.executable, "-m", *p.argv], p.env)
+
+    def restart_nats(self, name: str) -> Child:
+        node = next(n for n in self.nodes if n.name == name)
+        return start_nats_node(self.group, node, self.nodes)
+
+    def children_of(self, target: str) -> list[Child]:
+        """The live processes of a process name or of a host (its services and its NATS node)."""
+        if target.startswith("h") and target[1:].isdigit():
+            names = {p.name for p in self.procs if p.host == target} | {f"nats-{target[1:]}"}
+        else:
+            names = {target}
+        return [c for c in self.group.children if c.name in names and c.alive()]
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+            return json.loads(r.read())
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        want = sum(1 for p in self.procs if p.argv[0] == "moemesh.services.decode")
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            dead = self.group.dead()
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited during start-up:\n{dead[0].log_tail()}")
+            try:
+                h = self.health()
+                if h.get("ready") and h["workers"].get("decode", 0) >= want and h["workers"].get("prefill", 0) >= 1:
+                    return
+                last = json.dumps(h.get("workers"))
+            except OSError as e:
+                last = str(e)
+            time.sleep(0.25)
+        raise TimeoutError(f"rack not ready after {timeout_s:.0f}s ({last}); logs in {self.log_dir}")
+
+
+# ---- scenarios ------------------------------------------------------------------------------
+def run(cfg: RackConfig) -> dict:
+    root = Path(cfg.log_dir) if cfg.log_dir else default_home() / "runs" / time.strftime("rack-%Y%m%d-%H%M%S")
+    model = cfg.model or str(ensure_tiny_model(default_home()))
+    rows = []
+    for name in cfg.scenarios:
+        try:
+            rows.append(run_scenario(cfg, SCENARIOS[name], root / name, model))
+        except Exception as e:  # one scenario that could not run must not cost the others
+            rows.append({"scenario": name, "failed": f"{type(e).__name__}: {e}", "goal": "FAILED"})
+        print(f"rack: {name} done", file=sys.stderr)
+    return {"bench": "rack", "config": asdict(cfg), "env": environment(), "goal": report.GOALS,
+            "log_dir": str(root), "scenarios": rows}
+
+
+def run_scenario(cfg: RackConfig, sc: RackScenario, log_dir: Path, model: str) -> dict:
+    with Rack(cfg, log_dir, model) as rack:
+        load = ChaosLoad(urls=[rack.url], model=Path(model).name, streams=cfg.streams, max_tokens=cfg.max_tokens,
+                         prompt_tokens=cfg.prompt_tokens, ready_tokens=cfg.ready_tokens, probe_rate=cfg.probe_rate)
+        with LoadClient(load, log_dir / "client.log") as client:
+            client.wait("sent")
+            client.wait("streaming")
+            victims = rack.children_of(sc.target)
+            if not victims:
+                raise RuntimeError(f"nothing of {sc.target} is running")
+            t_fault = time.time()
+            strike(rack, sc, victims)
+            client.fault(t_fault, t_fault + sc.duration_s + cfg.deadline_s)
+            if sc.duration_s:
+                time.sleep(max(0.0, t_fault + sc.duration_s - time.time()))
+                heal(rack, sc, victims)
+            result = client.result(t_fault + sc.duration_s + cfg.deadline_s + 60 - time.time())
+        observed = {"victim": sc.target, "victim_role": ""}
+        observed.update(_gateway_counters([rack.url]))
+        observed["detected_s"] = _detected(rack, sc, t_fault)
+        observed["leftover"] = _leftover(rack)
+        observed["health"] = _safe(rack.health)
+    row = report.scenario_row(sc.name, result, observed)
+    row["leftover"] = observed["leftover"]
+    row["goal"] = goal_check(row, sc)
+    return row
+
+
+def strike(rack: Rack, sc: RackScenario, victims: list[Child]) -> None:
+    if sc.fault == "kill":
+        for c in victims:
+            c.popen.send_signal(signal.SIGKILL)
+    elif sc.fault == "stop":
+        for c in victims:
+            c.popen.send_signal(signal.SIGSTOP)
+    elif sc.fault == "cut":
+        rack.net.set_plane(sc.target, "data", up=False)
+    else:
+        raise ValueError(sc.fault)
+
+
+def heal(rack: Rack, sc: RackScenario, victims: list[Child]) -> None:
+    if sc.fault == "stop":
+        for c in victims:
+            c.popen.send_signal(signal.SIGCONT)
+    elif sc.fault == "cut":
+        rack.net.set_plane(sc.target, "data", up=True)
+
+
+def _safe(f):
+    try:
+        return f()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _leftover(rack: Rack) -> dict:
+    """What the live workers still hold once the load is over (should be nothing): requests,
+    used KV blocks, staging bytes."""
+    import asyncio
+
+    names = [p.name for p in rack.procs if p.argv[0] in ("moemesh.services.prefill", "moemesh.services.decode")]
+    try:
+        stats = asyncio.run(_stats_of(rack.nats_url, names))
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {w: {"requests": sum(s.requests_by_gateway.values()),
+                "blocks_used": s.load.num_blocks - s.load.num_free_blocks,
+                "staging_bytes": s.staging_bytes_used} for w, s in stats.items()}
+
+
+def _detected(rack: Rack, sc: RackScenario, t_fault: float) -> float | None:
+    p = rack.log_dir / "gateway.log"
+    text = p.read_text(errors="replace") if p.exists() else ""
+    names = [sc.target] if not sc.target.startswith("h") else [q.name for q in rack.procs if q.host == sc.target]
+    seen = [t for n in names for needle in (f"worker {n} is suspect", f"worker {n} stopped sending heartbeats")
+            for t in report.log_times(text, needle) if t >= t_fault - 1]
+    return max(0.0, min(seen) - t_fault) if seen else None
+
+
+def goal_check(row: dict, sc: RackScenario) -> str:
+    missed = []
+    if row["complete_of_counted"] < report.GOALS["complete_share_min"] * row["counted"]:
+        missed.append("complete")
+    if row["hung"]:
+        missed.append("hung")
+    if row["tokens_lost"] or row["wrong"]:
+        missed.append("tokens")
+    if row["max_stall_s"] > sc.stall_goal_s:
+        missed.append(f"stall > {sc.stall_goal_s:g} s")
+    held = row.get("leftover") or {}
+    if "error" in held or any(v["requests"] or v["blocks_used"] or v["staging_bytes"] for v in held.values()):
+        missed.append("leftover")
+    return f"MISSED ({', '.join(missed)})" if missed else "met"
+
+
+def table(r: dict) -> str:
+    c = r["config"]
+    engine = "real tiny model" if c["real"] else f"mock step {c['mock_step_ms']:g} ms"
+    lines = [f"rack of 3 hosts: {c['streams']} streams x {c['max_tokens']} tokens, {engine}; "
+             f"deadline {c['deadline_s']:g} s",
+             f"{'scenario':<11} {'complete':>9} {'migr':>5} {'error':>5} {'hung':>4} {'short':>5} {'wrong':>5} "
+             f"{'stall s':>7} {'detect s':>8} {'probes ok':>9}  goal"]
+    for row in r["scenarios"]:
+        if "failed" in row:
+            lines.append(f"{row['scenario']:<11} FAILED: {row['failed']}")
+            continue
+        lines.append(
+            f"{row['scenario']:<11} {row['complete_of_counted']:>4}/{row['counted']:<4} {report._n(row['migrated']):>5} "
+            f"{row['error']:>5} {row['hung']:>4} {row['short']:>5} {row['wrong']:>5} {row['max_stall_s']:>7.2f} "
+            f"{report._n(row['detected_s'], '.2f'):>8} {row['probes'] - row['probe_errors']:>4}/{row['probes']:<4}  "
+            f"{row['goal']}")
+    return "\n".join(lines)
