@@ -142,6 +142,9 @@ class DecodeService(AsyncService):
     async def stop(self) -> None:
         await self.rt.close()
 
+    async def failed(self) -> str:
+        return await self.rt.failed()
+
     # ---- hand-off from prefill --------------------------------------------------------
     async def _on_ready(self, r: KVReady, msg, ctx):
         rt = self.rt

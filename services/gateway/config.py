@@ -17,6 +17,11 @@ class GatewayConfig(ServiceConfig):
     # the workers to re-subscribe) before the request is a 503 (services/gateway/mesh/link.py).
     nats_outage_wait_s: float = 30.0
     max_migrations: int = 3  # times one request is moved to other workers when its worker dies
+    # How long (in its heartbeat intervals) a worker may be silent while it is still
+    # subscribed on NATS (stopped, swapping, cut off) before its requests move anyway. A
+    # dead one moves sooner: once it has missed two beats (one when suspect), a probe
+    # finds nothing subscribed to its subjects (services/gateway/mesh/migration.py).
+    silent_worker_limit: float = 6.0
     inactivity_timeout_s: float = 60.0  # no token for this long: the request fails
     default_max_tokens: int = 256
     max_body_bytes: int = 8 << 20  # a larger request body is refused with 413

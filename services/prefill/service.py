@@ -143,6 +143,9 @@ class PrefillService(AsyncService):
     async def stop(self) -> None:
         await self.rt.close()
 
+    async def failed(self) -> str:
+        return await self.rt.failed()
+
     def _by_gateway(self) -> dict[str, int]:
         """Gateway -> requests held for it, queued or computed and waiting for their pull."""
         held = Counter(st.job.gateway_id for st in self.jobs.values())

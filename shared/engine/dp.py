@@ -22,8 +22,10 @@ class DPGroup:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
         # The agreement's own connections: it runs beside a step's all-to-alls (engine_loop),
-        # and two collectives at once on one group would interleave their messages.
-        self.ctrl_group = dist.new_group(backend="gloo")
+        # and two collectives at once on one group would interleave their messages. Its own
+        # timeout too: a new group's default is gloo's 30 minutes, not the one given above,
+        # and a peer that stopped answering would hold this rank that long.
+        self.ctrl_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """All-gather a short int vector; returns every rank's values, by rank."""

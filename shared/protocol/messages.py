@@ -308,6 +308,9 @@ class Heartbeat:
     dp_rank: int = 0
     dp_size: int = 1
     draining: bool = False
+    # Its last beat: it goes now, without a drain (its engine can no longer step: a DEP peer
+    # died); what it holds moves elsewhere at once, not after its beats have been missed.
+    leaving: bool = False
     interval_s: float = 1.0
     sent_at: float = 0.0
     engine: str = "model"  # "mock" for the mock engine

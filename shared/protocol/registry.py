@@ -11,10 +11,6 @@ from dataclasses import dataclass
 from moemesh.shared.protocol.messages import Heartbeat
 
 PRUNE_EVERY_S = 0.1
-# A suspect (see WorkerRegistry.suspect) is dead after this many of its intervals without a
-# beat: less than miss_factor, since something else already said it is gone, and more than
-# one, so that a live worker's next beat still comes in time.
-SUSPECT_MISS_FACTOR = 1.5
 # A beat that arrives within this part of an interval after the suspicion was already on its
 # way (sent before the worker went): it clears nothing. A live worker's next one does.
 SUSPECT_CLEAR_AFTER = 0.5
@@ -25,12 +21,13 @@ class LiveWorker:
     beat: Heartbeat
     last_seen: float  # monotonic
     suspect_since: float | None = None  # monotonic; None: nothing but its beats speaks of it
+    gone: bool = False  # known dead (nothing subscribed to its subjects): forgotten at the next prune
 
 
 class WorkerRegistry:
     """Workers seen by heartbeat. A worker is forgotten when it has been silent for
-    `miss_factor` of its own announced intervals (at least `min_timeout_s`), or for
-    SUSPECT_MISS_FACTOR of them once it is suspect.
+    `miss_factor` of its own announced intervals (at least `min_timeout_s`), or at once
+    when its owner learns it is gone (`confirm_gone`).
 
     owner_prunes: the owner acts on every death (the gateway moves the dead worker's
     requests), so only its own prune() calls forget anyone; live() then leaves the silent
@@ -44,6 +41,7 @@ class WorkerRegistry:
         self._owner_prunes = owner_prunes
         self._pruned_at = 0.0
         self._held = False
+        self._ticked: float | None = None
 
     @property
     def held(self) -> bool:
@@ -61,9 +59,23 @@ class WorkerRegistry:
         for lw in self.workers.values():
             lw.last_seen = now
 
+    def tick(self, max_gap_s: float, now: float | None = None) -> float:
+        """The owner's sweep, which runs at least every max_gap_s. A longer gap since the last
+        one means the owner itself was not running (stopped, its event loop held): the beats
+        sent meanwhile wait unread in its socket, so nobody is silent because of it. Every
+        worker then gets a fresh interval, as after an outage of our own link.
+        Returns the gap when it was one (0.0 otherwise)."""
+        now = time.monotonic() if now is None else now
+        last, self._ticked = self._ticked, now
+        if last is None or now - last <= max_gap_s:
+            return 0.0
+        for lw in self.workers.values():
+            lw.last_seen = max(lw.last_seen, now)
+        return now - last
+
     def observe(self, hb: Heartbeat, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        if hb.draining:
+        if hb.draining or hb.leaving:
             self.workers.pop(hb.worker_id, None)
             return
         old = self.workers.get(hb.worker_id)
@@ -73,10 +85,10 @@ class WorkerRegistry:
         self.workers[hb.worker_id] = LiveWorker(hb, now, since)
 
     def suspect(self, worker_id: str, now: float | None = None) -> bool:
-        """Something besides its heartbeats says the worker is gone: a request to it found
-        no responder, or a transfer to or from it failed. From now on live() leaves it out
-        (it gets no new work), and it is dead after SUSPECT_MISS_FACTOR of its intervals
-        without a beat. A beat it sends after this clears the suspicion.
+        """Something besides its heartbeats says the worker may be gone: a request to it
+        went unanswered, or a transfer to or from it failed. From now on live() leaves it out
+        (it gets no new work). A slow worker is suspect too, so this alone kills nothing:
+        `confirm_gone` does. A beat it sends after this clears the suspicion.
 
         While held, nothing is suspect: a request fails then because our own link is down.
 
@@ -93,9 +105,27 @@ class WorkerRegistry:
         lw = self.workers.get(worker_id)
         return lw is not None and lw.suspect_since is not None
 
+    def confirm_gone(self, worker_id: str) -> bool:
+        """The worker is dead for certain (e.g. nothing is subscribed to its subjects: the NATS
+        server dropped its connection when the process died). Forgotten at the next prune,
+        unless a beat it sent after this comes first. Returns True when newly known."""
+        lw = self.workers.get(worker_id)
+        if lw is None or lw.gone or self._held:
+            return False
+        lw.gone = True
+        return True
+
+    def silent(self, intervals: float, suspect_intervals: float, now: float | None = None) -> list[str]:
+        """Workers not known gone, silent for more than `intervals` of their intervals (a
+        suspect: `suspect_intervals`); nobody while held."""
+        if self._held:
+            return []
+        now = time.monotonic() if now is None else now
+        return [w for w, lw in self.workers.items() if not lw.gone and now - lw.last_seen >
+                (intervals if lw.suspect_since is None else suspect_intervals) * lw.beat.interval_s]
+
     def _timeout(self, lw: LiveWorker) -> float:
-        t = max(self._min, self._miss * lw.beat.interval_s)
-        return t if lw.suspect_since is None else min(t, SUSPECT_MISS_FACTOR * lw.beat.interval_s)
+        return 0.0 if lw.gone else max(self._min, self._miss * lw.beat.interval_s)
 
     def prune(self, now: float | None = None) -> list[str]:
         """Forget the workers silent for too long; returns their ids."""

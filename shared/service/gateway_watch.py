@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 MISS_FACTOR = 2.0
 MIN_SILENCE_S = 1.0
 CHECK_EVERY_S = 0.25
+PAUSED_AFTER_S = 1.0  # a check this late: this process was stopped, not the gateways silent
 
 
 class GatewayWatch:
@@ -36,6 +37,11 @@ class GatewayWatch:
         """Check for silent gateways until cancelled."""
         while True:
             await asyncio.sleep(self._every)
+            paused = self.registry.tick(max(PAUSED_AFTER_S, 4 * self._every))
+            if paused:
+                log.warning("this worker did not run for %.1fs (stopped, or its event loop held): no gateway "
+                            "is judged by the beats it could not read meanwhile", paused)
+                continue
             for gateway_id in self.registry.prune():
                 log.warning("gateway %s stopped sending heartbeats: aborting its requests", gateway_id)
                 await self._on_gone(gateway_id)

@@ -59,7 +59,15 @@ async def serve(make_service: Callable[[], Any], drain_timeout_s: float) -> None
         # paused a serving loop for 40-60 ms every few hundred steps.
         gc.collect()
         gc.freeze()
-        await stop.wait()
+        failed = asyncio.ensure_future(svc.failed())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if failed.done():
+            # Nothing to drain: what it held has moved (its last beat said it is leaving).
+            logging.getLogger(__name__).error("exiting: %s", failed.result())
+            raise SystemExit(1)
+        failed.cancel()
         logging.getLogger(__name__).info("stopping: draining in-flight work (up to %.0fs)", drain_timeout_s)
         try:
             await asyncio.wait_for(svc.drain(), drain_timeout_s)
@@ -80,7 +88,13 @@ class AsyncService:
     """The lifecycle every service shares: `async with Service(cfg) as svc:` starts it,
     and stops it on the way out, or at once if starting failed half-way (so a service
     that could not start leaves no connection or task behind). Subclasses define
-    start(), drain() and stop(); stop() must be safe to call twice."""
+    start(), drain() and stop(); stop() must be safe to call twice, and failed() where
+    the service can break for good while running."""
+
+    async def failed(self) -> str:
+        """Returns (why) when the service can no longer serve and must exit; never by default."""
+        await asyncio.Event().wait()
+        return ""
 
     async def __aenter__(self):
         try:

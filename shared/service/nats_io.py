@@ -63,6 +63,11 @@ class Unreachable(RuntimeError):
     """Nobody answered: no responders, or the request timed out."""
 
 
+class NoResponders(Unreachable):
+    """Nothing is subscribed to the subject: whoever served it is gone (a process that
+    dies has its connection, and so its subscriptions, dropped by the server at once)."""
+
+
 class LinkEvents:
     """Who wants to know when the connection to NATS goes down and comes back: while it is
     down, silence from peers says nothing about them (heartbeat registries hold their
@@ -188,7 +193,7 @@ async def request(nc: NATS, subject: str, obj: Any, reply_cls: type[T], timeout:
     try:
         msg = await nc.request(subject, encode(obj), timeout=timeout, headers=headers)
     except NoRespondersError:
-        raise Unreachable(f"no responders on {subject}") from None
+        raise NoResponders(f"no responders on {subject}") from None
     except (NatsTimeout, asyncio.TimeoutError):
         raise Unreachable(f"no reply on {subject} within {timeout:.1f}s") from None
     try:

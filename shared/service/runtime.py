@@ -67,6 +67,8 @@ class WorkerRuntime:
         self.subjects = Subjects(cfg.subject_prefix)
         self.metrics = Metrics(const_labels={"model_name": cfg.model_name})
         self.draining = False
+        self.leaving = False  # the engine loop failed: its last beat says so, and the service exits
+        self._failure: asyncio.Future | None = None
         self._on_outputs = on_outputs
         self._given_engine = engine
         self._make_transport = transport or ucx_transport(cfg)
@@ -121,7 +123,9 @@ class WorkerRuntime:
         loop.after_ops = self.steps.refresh_load
         loop.after_step.append(self.steps.on_step)
         self.steps.refresh_load()
-        await stack.enter_async_context(running(loop, cfg.dp_timeout_s + 5))
+        self._failure = asyncio.get_running_loop().create_future()
+        engine_task = await stack.enter_async_context(running(loop, cfg.dp_timeout_s + 5))
+        engine_task.add_done_callback(self._on_engine_end)
         await self.bus.sub(self.subjects.stats(self.worker_id), StatsRequest, self._on_stats)
         await self.bus.sub(self.subjects.token_resend(self.worker_id), TokenResend,
                            lambda r, msg, ctx: self.tokens.resend(r))
@@ -167,13 +171,43 @@ class WorkerRuntime:
     def spawn(self, coro, name: str) -> asyncio.Task:
         return self.tasks.spawn(coro, name)
 
+    async def failed(self) -> str:
+        """Returns (why) once this worker can no longer serve: its engine loop ended with an
+        error (a DEP rank whose peer died: the collective failed, or timed out). By then its
+        last beat has told the mesh it is leaving; the service exits without a drain."""
+        while self._failure is None:  # before start() got that far
+            await asyncio.sleep(0.1)
+        return await asyncio.shield(self._failure)
+
+    def _on_engine_end(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None or self._failure.done():
+            return  # stopped with the service
+        e = task.exception()
+        why = f"its engine loop failed: {type(e).__name__}: {e}"
+        if self.tasks.spawn(self._leave(why), "leave") is None:
+            self._failure.set_result(why)  # closing anyway
+
+    async def _leave(self, why: str) -> None:
+        log.error("%s cannot serve any more (%s): leaving the mesh without a drain", self.worker_id, why)
+        self.leaving = True
+        try:
+            if self.heartbeat is not None:
+                await self.heartbeat.stop()
+                await self.heartbeat.publish_now()
+                await asyncio.wait_for(self.nc.flush(), 2.0)
+        except Exception as e:  # NATS down too: the gateway hears of it by the missed beats
+            log.warning("the leaving beat may not have gone out: %s", e)
+        finally:
+            self._failure.set_result(why)
+
     async def sub(self, subject: str, cls, handler, queue: str = "", concurrent: bool = False):
         return await self.bus.sub(subject, cls, handler, queue, concurrent)
 
     def _beat(self) -> Heartbeat:
         return Heartbeat(
             worker_id=self.worker_id, role=self.role, model=self.cfg.model_name, load=self.steps.load,
-            address=self.transport.address, draining=self.draining, instance_id=self.cfg.instance,
+            address=self.transport.address, draining=self.draining, leaving=self.leaving,
+            instance_id=self.cfg.instance,
             dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size, engine=self.cfg.engine,
             kv_identity=self.kv_spec.identity if self.engine.blocks.enable_caching else b"",
             block_size=self.engine.cfg.block_size,

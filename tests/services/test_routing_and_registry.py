@@ -33,7 +33,7 @@ def _ids(hbs):
     return [hb.worker_id for hb in hbs]
 
 
-def test_a_suspect_gets_no_new_work_at_once_and_dies_sooner_unless_it_beats_again():
+def test_a_suspect_gets_no_new_work_at_once_but_only_a_confirmed_death_kills_it_sooner():
     r = WorkerRegistry(miss_factor=2, min_timeout_s=1.0)
     for w in ("a", "b"):
         r.observe(_hb(w, 0), now=0.0)
@@ -42,8 +42,12 @@ def test_a_suspect_gets_no_new_work_at_once_and_dies_sooner_unless_it_beats_agai
     assert _ids(r.live("decode", now=0.2)) == ["b"]
     r.observe(_hb("a", 0), now=0.15)  # a beat already on its way when it was found gone
     assert r.is_suspect("a") and _ids(r.live("decode", now=0.2)) == ["b"]
-    assert r.prune(now=1.6) == []  # 1.45 s of silence: under 1.5 of its intervals
-    assert r.prune(now=1.7) == ["a"]  # dead, where an unsuspected worker has until 2 s
+    # Silent for one interval: a suspect is to be asked about, an unsuspected worker not yet.
+    assert r.silent(2.0, 1.0, now=1.2) == ["a"] and r.silent(2.0, 1.0, now=2.1) == ["a", "b"]
+    assert r.prune(now=1.7) == []  # suspect and silent, yet maybe only slow
+    assert r.confirm_gone("a") and not r.confirm_gone("a") and not r.confirm_gone("nobody")
+    assert r.silent(2.0, 1.0, now=1.8) == []  # known gone: nothing left to ask
+    assert r.prune(now=1.8) == ["a"]
     assert r.prune(now=1.9) == [] and _ids(r.live("decode", now=1.9)) == ["b"]
 
     r.observe(_hb("c", 0), now=3.0)
@@ -52,6 +56,7 @@ def test_a_suspect_gets_no_new_work_at_once_and_dies_sooner_unless_it_beats_agai
     assert not r.is_suspect("c") and "c" in _ids(r.live("decode", now=3.7))
     r.hold()  # our own link is down: a failed request says nothing about the worker
     assert not r.suspect("c", now=3.8) and not r.is_suspect("c")
+    assert not r.confirm_gone("c") and r.silent(0.0, 0.0, now=9.0) == []
 
 
 def test_live_leaves_the_silent_out_but_only_prune_forgets_them_when_the_owner_prunes():
@@ -63,3 +68,13 @@ def test_live_leaves_the_silent_out_but_only_prune_forgets_them_when_the_owner_p
     assert _ids(r.live("decode", now=5.0)) == ["b"]
     assert _ids(r.live(None, now=5.0)) == ["b"]
     assert r.prune(now=5.0) == ["a"]
+
+
+def test_a_paused_owner_judges_nobody_by_the_beats_it_could_not_read():
+    r = WorkerRegistry(miss_factor=2, min_timeout_s=1.0)
+    r.observe(_hb("a", 0), now=0.0)
+    assert r.tick(1.0, now=0.25) == 0.0 and r.tick(1.0, now=0.5) == 0.0
+    assert r.tick(1.0, now=3.5) == 3.0  # stopped for 3 s: "a" beat all along, unread
+    assert r.prune(now=3.6) == [] and _ids(r.live("decode", now=3.6)) == ["a"]
+    assert r.tick(1.0, now=3.75) == 0.0
+    assert r.prune(now=5.6) == ["a"]  # silent since, while we ran: dead

@@ -83,7 +83,8 @@ class MeshClient(Migration):
         self.subjects = Subjects(cfg.subject_prefix)
         # Silent for two beats (at least 1 s): gone. Its streams move at once (migration).
         # Only the watch forgets workers, so that every death moves its streams.
-        self.registry = WorkerRegistry(miss_factor=2.0, min_timeout_s=1.0, owner_prunes=True)
+        self.registry = WorkerRegistry(miss_factor=cfg.silent_worker_limit, min_timeout_s=1.0, owner_prunes=True)
+        self._probing: set[str] = set()  # silent workers asked whether they are still there
         self._draining: dict[str, tuple[float, float]] = {}  # worker -> (last beat, silence that means dead)
         self.handles: dict[str, Handle] = {}
         # Requests whose job is on its way and not yet taken: _send_job's own fallbacks see
@@ -147,6 +148,14 @@ class MeshClient(Migration):
     # ---- workers ---------------------------------------------------------------------
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         self.registry.observe(hb)
+        if hb.leaving and hb.role in ("prefill", "decode"):
+            self._draining.pop(hb.worker_id, None)
+            self._gone([hb.worker_id], "its worker left")
+            if hb.dp_size > 1:  # an instance short of a rank cannot step: none of its ranks gets work
+                for w, lw in list(self.registry.workers.items()):
+                    if lw.beat.instance_id == hb.instance_id:
+                        self._suspect(w, f"rank {hb.worker_id} of its instance left")
+            return
         if hb.draining and hb.role in ("prefill", "decode"):
             # No new work goes there, but its streams still do: if it dies before they end
             # (its drain timed out), they move.

@@ -1,8 +1,14 @@
 """The gateway's side of a worker's death: which workers are gone, and moving their
 requests (MeshClient takes these methods from Migration).
 
-A worker is gone when its heartbeats stop (two missed intervals), or when it was
-draining and its drain ran out. Each of its requests that has not finished moves: the
+Slow or dead: a worker that misses two beats (a suspect: one) is probed with a stats
+request. Nothing subscribed ("no responders") means its process is gone, since the NATS
+server drops a dead process's connection and subscriptions at once: its requests move
+now. No answer in time means it is still subscribed, only not answering (stopped, a long
+pause, cut off behind a live NATS connection): it keeps its streams until it has been
+silent for silent_worker_limit intervals. A worker is also gone when it was draining and
+its drain ran out, or when its last beat says it is leaving (a DEP rank whose peer
+died: its engine can no longer step). Each of its requests that has not finished moves: the
 gateway resubmits it as its prompt plus every id it has streamed so far, under a new
 attempt id, at most max_migrations times; the client's stream goes on unbroken. A dead
 prefill worker strands only what has not reached its decode worker.
@@ -16,10 +22,14 @@ import logging
 import time
 
 from moemesh.services.gateway.streaming.stream import Handle
-from moemesh.shared.protocol.messages import TokenEnd
+from moemesh.shared.protocol.messages import StatsRequest, TokenEnd, WorkerStats
+from moemesh.shared.service.nats_io import NoResponders, Unreachable, request
 
 log = logging.getLogger(__name__)
 WATCH_EVERY_S = 0.25
+PROBE_AFTER_BEATS, PROBE_SUSPECT_AFTER_BEATS = 2.0, 1.0
+PROBE_TIMEOUT_S = 1.0
+PAUSED_AFTER_S = 1.0  # _check_workers runs every WATCH_EVERY_S: a gap this long is our own pause
 
 
 class NoWorkers(RuntimeError):
@@ -38,7 +48,17 @@ class Migration:
             log.warning("worker %s is suspect (%s): no new requests go to it until it beats again", worker_id, why)
 
     def _check_workers(self) -> None:
-        """Workers that fell silent: their requests go elsewhere (each sweep)."""
+        """Workers that fell silent: probed; the dead: their requests go elsewhere (each sweep)."""
+        paused = self.registry.tick(PAUSED_AFTER_S)
+        if paused:
+            log.warning("the gateway did not run for %.1fs (stopped, or its event loop held): no worker is "
+                        "judged by the beats it could not read meanwhile", paused)
+            return
+        if self.nc is not None:
+            for w in self.registry.silent(PROBE_AFTER_BEATS, PROBE_SUSPECT_AFTER_BEATS):
+                if w not in self._probing:
+                    self._probing.add(w)
+                    self._tasks.spawn(self._probe(w), f"probe-{w}")
         dead = self.registry.prune()
         now = time.monotonic()
         if not self.registry.held:
@@ -46,11 +66,29 @@ class Migration:
             for w in gone:
                 del self._draining[w]
             dead += gone
+        self._gone(dead, "its worker stopped")
+
+    def _gone(self, dead: list[str], why: str) -> None:
+        """Workers known to be gone (silent, or they said they are leaving): their requests move."""
         for w in dead:
             self.kv.forget(w)
             self._snapshots.discard(w)
         if dead:
-            self._migrate_from(set(dead), "its worker stopped")
+            self._migrate_from(set(dead), why)
+
+    async def _probe(self, worker_id: str) -> None:
+        try:
+            await request(self.nc, self.subjects.stats(worker_id), StatsRequest(), WorkerStats, PROBE_TIMEOUT_S)
+        except NoResponders:
+            if self.registry.confirm_gone(worker_id):
+                log.warning("worker %s is gone: nothing is subscribed to its subjects any more", worker_id)
+                self._check_workers()
+        except Unreachable:
+            log.info("worker %s is silent but still subscribed: slow, not dead", worker_id)
+        except Exception as e:  # a garbled reply still says it is there
+            log.debug("probe of %s: %s", worker_id, e)
+        finally:
+            self._probing.discard(worker_id)
 
     async def _watch_workers(self) -> None:
         while True:
@@ -65,7 +103,8 @@ class Migration:
                   and (h.decode_id in dead or (h.prefill_id in dead and h.next_pos <= 1))]
         for w in sorted(dead):
             n = sum(1 for h in moving if w in (h.decode_id, h.prefill_id))
-            log.warning("worker %s stopped sending heartbeats: migrating its %d requests", w, n)
+            log.warning("worker %s %s: migrating its %d requests", w,
+                        "left" if why == "its worker left" else "stopped sending heartbeats", n)
         for h in moving:
             self._tasks.spawn(self._migrate(h, why), f"migrate-{h.request_id}")
 
