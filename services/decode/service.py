@@ -246,6 +246,7 @@ class DecodeService(AsyncService):
             return
         action = self.cfg.on_transfer_failure
         self.m_pull_fail.labels(action).inc()
+        rt.handoff_failed()
         log.warning("KV pull for %s failed (%s); %s", item.request_id, pull.error, action)
         for rid, output_ids, sampling in [(item.request_id, item.output_ids, item.sampling),
                                           *((f.request_id, f.output_ids, f.sampling) for f in item.forks)]:

@@ -311,6 +311,9 @@ class Heartbeat:
     # Its last beat: it goes now, without a drain (its engine can no longer step: a DEP peer
     # died); what it holds moves elsewhere at once, not after its beats have been missed.
     leaving: bool = False
+    # A hand-off's KV pull to this decode worker failed lately (its data plane may be cut
+    # while NATS still works): gateways send new requests to other decode workers first.
+    handoffs_failing: bool = False
     interval_s: float = 1.0
     sent_at: float = 0.0
     engine: str = "model"  # "mock" for the mock engine

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import AsyncExitStack
 from typing import Callable
 
@@ -54,6 +55,11 @@ from moemesh.shared.transport.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
+# How long one failed hand-off keeps a worker out of first choice. Once it gets no new
+# hand-offs, none fail: after this it gets them again, so a healed data plane is used
+# again and a cut one costs one more transfer timeout every HANDOFF_TROUBLE_S.
+HANDOFF_TROUBLE_S = 10.0
+
 
 class WorkerRuntime:
     def __init__(self, cfg: WorkerConfig, role: str, on_outputs: OutputSink, engine: LLMEngine | None = None,
@@ -69,6 +75,7 @@ class WorkerRuntime:
         self.draining = False
         self.leaving = False  # the engine loop failed: its last beat says so, and the service exits
         self._failure: asyncio.Future | None = None
+        self._handoff_failed_at = -1e9  # monotonic
         self._on_outputs = on_outputs
         self._given_engine = engine
         self._make_transport = transport or ucx_transport(cfg)
@@ -171,6 +178,14 @@ class WorkerRuntime:
     def spawn(self, coro, name: str) -> asyncio.Task:
         return self.tasks.spawn(coro, name)
 
+    def handoff_failed(self) -> None:
+        """A hand-off's transfer to this worker failed: its beats say so for HANDOFF_TROUBLE_S
+        (the first at once), and new requests go to other workers first meanwhile."""
+        was = time.monotonic() - self._handoff_failed_at < HANDOFF_TROUBLE_S
+        self._handoff_failed_at = time.monotonic()
+        if not was and self.heartbeat is not None:
+            self.tasks.spawn(self.heartbeat.publish_now(), "beat-handoffs-failing")
+
     async def failed(self) -> str:
         """Returns (why) once this worker can no longer serve: its engine loop ended with an
         error (a DEP rank whose peer died: the collective failed, or timed out). By then its
@@ -207,6 +222,7 @@ class WorkerRuntime:
         return Heartbeat(
             worker_id=self.worker_id, role=self.role, model=self.cfg.model_name, load=self.steps.load,
             address=self.transport.address, draining=self.draining, leaving=self.leaving,
+            handoffs_failing=time.monotonic() - self._handoff_failed_at < HANDOFF_TROUBLE_S,
             instance_id=self.cfg.instance,
             dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size, engine=self.cfg.engine,
             kv_identity=self.kv_spec.identity if self.engine.blocks.enable_caching else b"",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import signal
 import time
@@ -12,6 +13,21 @@ import pytest
 from moemesh.services.gateway.mesh.client import CLIENT_ERROR
 from moemesh.shared.protocol.sampling import SamplingParams
 from tests.mesh.conftest import start_mesh
+
+
+async def _next_beat(nats_url: str, worker_id: str):
+    import nats
+
+    from moemesh.shared.protocol.messages import Heartbeat
+    from moemesh.shared.protocol.subjects import Subjects
+    from moemesh.shared.protocol.wire import decode
+
+    nc = await nats.connect(nats_url)
+    try:
+        sub = await nc.subscribe(Subjects().heartbeat("decode", worker_id))
+        return decode((await sub.next_msg(timeout=10)).data, Heartbeat)
+    finally:
+        await nc.close()
 
 
 @pytest.fixture(scope="module", params=["recompute", "fail"])
@@ -39,6 +55,9 @@ def test_failed_transfer_takes_the_documented_path(fault_mesh, offline):
     else:
         # The client hears that it failed; the worker's account (subjects, workers) is logged.
         assert r.status_code == 500 and r.json()["error"]["message"] == CLIENT_ERROR
+    # The decode worker's beats say its hand-offs fail: gateways send new work elsewhere first.
+    beat = asyncio.run(_next_beat(fault_mesh.nats_url, fault_mesh.decode_id))
+    assert beat.handoffs_failing
     from tests.mesh.conftest import wait_free
 
     wait_free(fault_mesh)

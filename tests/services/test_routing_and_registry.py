@@ -16,6 +16,12 @@ def test_least_outstanding_tokens_wins_counting_what_was_just_sent():
     assert pick_decode([], {}) is None
 
 
+def test_a_worker_whose_handoffs_fail_is_chosen_only_when_no_other_is_left():
+    cut = Heartbeat("a", "decode", "m", WorkerLoad(outstanding_tokens=0, num_free_blocks=100), handoffs_failing=True)
+    assert pick_decode([cut, _hb("b", 500)], {}).worker_id == "b"  # busier, but its data plane works
+    assert pick_decode([cut], {}).worker_id == "a"  # still served: a recompute beats a refusal
+
+
 def test_registry_forgets_silent_and_draining_workers():
     r = WorkerRegistry(miss_factor=3, min_timeout_s=2)
     r.observe(_hb("a", 0), now=0.0)

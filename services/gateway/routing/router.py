@@ -21,6 +21,10 @@ MAX_KV_SOURCES = 2
 
 
 def pick_decode(workers: list[Heartbeat], assigned_since_beat: dict[str, int]) -> Heartbeat | None:
+    """The least loaded decode worker, among those whose hand-offs are not failing if any
+    (a worker whose KV pulls time out still serves its streams over NATS: its data plane,
+    not the worker, is in trouble)."""
+    workers = [w for w in workers if not w.handoffs_failing] or workers
     if not workers:
         return None
     return min(
