@@ -145,6 +145,10 @@ def plan(cfg: RackConfig, hosts: list[Host], model: str) -> list[Proc]:
     return out
 
 
+def _sets_of(argv: list[str]) -> dict[str, str]:
+    return dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--set" and i + 1 < len(argv))
+
+
 # ---- a running rack ------------------------------------------------------------------------
 class Rack:
     """The namespaces, the NATS cluster and the services of one scenario; a context manager."""
@@ -192,6 +196,57 @@ class Rack:
             names = {target}
         return [c for c in self.group.children if c.name in names and c.alive()]
 
+    def live(self, name: str) -> Child | None:
+        return next((c for c in reversed(self.group.children) if c.name == name and c.alive()), None)
+
+    def restore(self, timeout_s: float = 90.0) -> list[str]:
+        """Start again whatever is not running, as an operator's supervisor would: NATS
+        nodes first, then services. A DEP instance comes back whole: a rank left alone (its
+        peer died) leaves by itself within dp_timeout_s, or is stopped, before all its ranks
+        start again. Returns what was started."""
+        started = []
+        for node in self.nodes:
+            if self.live(node.name) is None:
+                self.restart_nats(node.name)
+                started.append(node.name)
+        instances: dict[str, list[Proc]] = {}
+        for p in self.procs:
+            inst = _sets_of(p.argv).get("instance_id")
+            if inst:
+                instances.setdefault(inst, []).append(p)
+            elif self.live(p.name) is None:
+                self.start(p)
+                started.append(p.name)
+        for ranks in instances.values():
+            if all(self.live(p.name) for p in ranks):
+                continue
+            deadline = time.monotonic() + self.cfg.dp_timeout_s + 10
+            while any(self.live(p.name) for p in ranks) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for p in ranks:
+                if (c := self.live(p.name)) is not None:
+                    c.popen.kill()
+                    c.popen.wait(10)
+            for p in ranks:
+                self.start(p)
+                started.append(p.name)
+        if started:
+            self._wait_ready(timeout_s)
+        return started
+
+    def rss_mb(self) -> dict[str, tuple[int, float]]:
+        """Every live process: (pid, resident MiB)."""
+        out = {}
+        for c in self.group.children:
+            if c.alive():
+                try:
+                    text = Path(f"/proc/{c.popen.pid}/status").read_text()
+                except OSError:
+                    continue
+                kb = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("VmRSS:")), 0)
+                out[c.name] = (c.popen.pid, kb / 1024)
+        return out
+
     def health(self) -> dict:
         with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
             return json.loads(r.read())
@@ -201,7 +256,8 @@ class Rack:
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
-            dead = self.group.dead()
+            latest = {c.name: c for c in self.group.children}  # a restarted process's old self is dead
+            dead = [c for c in latest.values() if not c.alive()]
             if dead:
                 raise RuntimeError(f"{dead[0].name} exited during start-up:\n{dead[0].log_tail()}")
             try:
@@ -352,4 +408,92 @@ def table(r: dict) -> str:
             f"{report._n((row.get('leftover') or {}).get('clean_after_s'), '.1f'):>7}  {row['goal']}")
     lines.append("clean s: after the load, until every worker held no request, KV block or staging byte "
                  f"(-: not within {LEFTOVER_WITHIN_S:.0f} s); detect s: the gateway's first word of the victim")
+    return "\n".join(lines)
+
+
+# ---- soak ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SoakConfig:
+    duration_s: float = 1200.0
+    every_s: float = 120.0  # a fault this often, rotating through the scenarios
+    streams: int = 64
+    settle_s: float = 20.0  # load before the first fault, and before the memory at start is taken
+
+
+def run_soak(cfg: RackConfig, soak: SoakConfig) -> dict:
+    """One rack under a steady load for soak.duration_s, a fault every soak.every_s (the
+    scenarios in turn), each healed and what it killed started again before the next."""
+    import subprocess
+
+    from moemesh.tools.bench.soak_client import SoakLoad
+
+    log_dir = Path(cfg.log_dir) if cfg.log_dir else default_home() / "runs" / time.strftime("soak-%Y%m%d-%H%M%S")
+    model = cfg.model or str(ensure_tiny_model(default_home()))
+    faults = []
+    with Rack(cfg, log_dir, model) as rack:
+        load = SoakLoad(url=rack.url, model=Path(model).name, streams=soak.streams, max_tokens=cfg.max_tokens,
+                        prompt_tokens=cfg.prompt_tokens, duration_s=soak.duration_s)
+        with open(log_dir / "soak-client.log", "ab") as err:
+            client = subprocess.Popen([sys.executable, "-m", "moemesh.tools.bench.soak_client", json.dumps(asdict(load))],
+                                      stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            t0 = time.time()
+            time.sleep(soak.settle_s)
+            mem_start = rack.rss_mb()
+            held_start = _leftover(rack, within_s=0)
+            k = 0
+            while time.time() + soak.every_s < t0 + soak.duration_s:
+                time.sleep(max(0.0, t0 + soak.settle_s + k * soak.every_s - time.time()))
+                sc = SCENARIOS[cfg.scenarios[k % len(cfg.scenarios)]]
+                victims = rack.children_of(sc.target)
+                at = time.time()
+                strike(rack, sc, victims)
+                if sc.duration_s:
+                    time.sleep(sc.duration_s)
+                    heal(rack, sc, victims)
+                time.sleep(5.0)  # the mesh's own recovery first (migrations, reconnects)
+                try:
+                    started = rack.restore()
+                    faults.append({"scenario": sc.name, "at_s": at - t0, "restarted": started,
+                                   "back_after_s": time.time() - at})
+                except Exception as e:
+                    faults.append({"scenario": sc.name, "at_s": at - t0, "restore_failed": f"{type(e).__name__}: {e}"})
+                print(f"soak: {sc.name} at {at - t0:.0f}s", file=sys.stderr)
+                k += 1
+            out, _ = client.communicate(timeout=soak.duration_s + 120)
+        finally:
+            if client.poll() is None:
+                client.kill()
+        result = json.loads(out.strip().splitlines()[-1])
+        mem_end = rack.rss_mb()
+        held_end = _leftover(rack)
+    same = {n: (mem_start[n][1], mem_end[n][1]) for n in mem_start if n in mem_end and mem_start[n][0] == mem_end[n][0]}
+    row = {"requests": result["requests"], "outcomes": result["outcomes"], "errors": result["errors"],
+           "max_stall_s": result["max_stall_s"], "lost_without_clear_error": result["lost_without_clear_error"],
+           "faults": faults, "memory_mb": same, "restarted": sorted(set(mem_end) - set(same)),
+           "held_at_start": held_start, "held_at_end": held_end}
+    lost = sum(result["outcomes"][k] for k in ("short", "wrong", "hung"))
+    grown = {n: (b - a) / a for n, (a, b) in same.items() if a > 0 and (b - a) / a > 0.10}
+    missed = ([f"{lost} lost without a clear error"] if lost else []) + \
+             ([f"memory grew over 10%: {', '.join(sorted(grown))}"] if grown else []) + \
+             (["held at the end"] if held_end.get("clean_after_s") is None else [])
+    row["goal"] = f"MISSED ({'; '.join(missed)})" if missed else "met"
+    return {"bench": "rack-soak", "config": asdict(cfg), "soak": asdict(soak), "env": environment(),
+            "log_dir": str(log_dir), "soak_result": row}
+
+
+def soak_table(r: dict) -> str:
+    s, c = r["soak_result"], r["soak"]
+    lines = [f"soak: {c['duration_s'] / 60:.0f} min at {c['streams']} streams, a fault every {c['every_s']:g} s",
+             f"requests {s['requests']}: " + ", ".join(f"{k} {v}" for k, v in s["outcomes"].items())
+             + f"; errors {s['errors'] or 'none'}; longest stall {s['max_stall_s']:.2f} s",
+             "faults: " + ", ".join(f"{f['scenario']}@{f['at_s']:.0f}s"
+                                    + (f" (back in {f['back_after_s']:.0f}s)" if "back_after_s" in f else " (NOT restored)")
+                                    for f in s["faults"])]
+    for name, (a, b) in sorted(s["memory_mb"].items()):
+        lines.append(f"  {name:<14} RSS {a:7.1f} -> {b:7.1f} MiB ({(b - a) / a * 100:+.1f}%)")
+    if s["restarted"]:
+        lines.append(f"  restarted during the soak (not compared): {', '.join(s['restarted'])}")
+    lines.append(f"held at the end: clean after {report._n(s['held_at_end'].get('clean_after_s'), '.1f')} s")
+    lines.append(f"goal: {s['goal']}")
     return "\n".join(lines)

@@ -24,6 +24,11 @@ def register(bsub) -> None:
     b.add_argument("--deadline-s", type=float, default=30.0, help="after the fault: a stream still open then is hung")
     b.add_argument("--probe-rate", type=float, default=5.0, help="new requests a second for 5 s after the fault")
     b.add_argument("--dp-timeout-s", type=float, default=5.0, help="a DEP rank's collectives give up after this")
+    b.add_argument("--soak-min", type=float, default=0.0,
+                   help="instead of one rack per scenario: one rack under a steady load for this many minutes, "
+                        "a fault every --soak-every-s (the scenarios in turn), each healed and restarted")
+    b.add_argument("--soak-every-s", type=float, default=120.0, help="soak: seconds between faults")
+    b.add_argument("--soak-streams", type=int, default=64, help="soak: concurrent streams")
     b.add_argument("--log-dir", default="", help="services' logs (default: ~/.cache/moemesh/runs/rack-...)")
     b.add_argument("--out", default="bench-results/rack.json", help="JSON file for the results")
     b.set_defaults(func=run)
@@ -43,6 +48,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
+    if args.soak_min > 0:
+        result = rack.run_soak(cfg, rack.SoakConfig(duration_s=args.soak_min * 60, every_s=args.soak_every_s,
+                                                    streams=args.soak_streams))
+        print(rack.soak_table(result))
+        save(result, args.out)
+        return 0
     result = rack.run(cfg)
     print(rack.table(result))
     save(result, args.out)
