@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.dep_runtime import tensor_bytes
 from moemesh.shared.service.nats_io import publish
 
+log = logging.getLogger(__name__)
 _ids = itertools.count(int(time.time()) & 0xFFFF)
 
 
@@ -34,8 +36,10 @@ class MoveResult:
 
 
 class MoveCoordinator:
-    def __init__(self, nc, subjects: Subjects, timeout_s: float):
-        self.nc, self.subjects, self.timeout_s = nc, subjects, timeout_s
+    def __init__(self, nc, subjects: Subjects, timeout_s: float, commit_delay_s: float = 0.0):
+        """commit_delay_s: fault injection (debug_commit_delay_s): a pause between every
+        rank having staged and the commit, where a test cuts the move."""
+        self.nc, self.subjects, self.timeout_s, self.commit_delay_s = nc, subjects, timeout_s, commit_delay_s
         self._staged: dict[tuple[str, int], dict[int, MoveStaged]] = {}
         self._done: dict[tuple[str, int], dict[int, MoveDone]] = {}
         self._events: dict[tuple[str, int], asyncio.Event] = {}
@@ -82,6 +86,9 @@ class MoveCoordinator:
             if failed:
                 return await self._abort(instance, move_id, f"rank {failed[0].rank}: {failed[0].error}")
             staged_s = time.monotonic() - t0
+            if self.commit_delay_s:
+                log.warning("FAULT INJECTION: move %d waits %.1fs before its commit", move_id, self.commit_delay_s)
+                await asyncio.sleep(self.commit_delay_s)
             await publish(self.nc, self.subjects.eplb(instance, "commit"), MoveCommit(instance, move_id))
             if not await self._wait(key, self._done, dp_size, deadline):
                 # Ranks switch together or not at all (lockstep); an abort now is safe either way.

@@ -53,7 +53,8 @@ class BalancerService(AsyncService):
 
     async def start(self) -> None:
         self.nc = await connect(self.cfg, "moemesh-balancer")
-        self.mover = MoveCoordinator(self.nc, self.subjects, self.cfg.move_timeout_s)
+        self.mover = MoveCoordinator(self.nc, self.subjects, self.cfg.move_timeout_s,
+                                     self.cfg.debug_commit_delay_s)
         s = self.subjects
         await subscribe(self.nc, s.eplb_all("load"), ExpertLoad, self._on_load)
         await subscribe(self.nc, s.eplb_all("staged"), MoveStaged, self._on_staged)

@@ -314,6 +314,7 @@ class Heartbeat:
     # A hand-off's KV pull to this decode worker failed lately (its data plane may be cut
     # while NATS still works): gateways send new requests to other decode workers first.
     handoffs_failing: bool = False
+    started_at: float = 0.0  # unix time its process started: a later one is a restarted worker
     interval_s: float = 1.0
     sent_at: float = 0.0
     engine: str = "model"  # "mock" for the mock engine

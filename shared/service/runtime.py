@@ -76,6 +76,7 @@ class WorkerRuntime:
         self.leaving = False  # the engine loop failed: its last beat says so, and the service exits
         self._failure: asyncio.Future | None = None
         self._handoff_failed_at = -1e9  # monotonic
+        self._started_at = time.time()
         self._on_outputs = on_outputs
         self._given_engine = engine
         self._make_transport = transport or ucx_transport(cfg)
@@ -223,6 +224,7 @@ class WorkerRuntime:
             worker_id=self.worker_id, role=self.role, model=self.cfg.model_name, load=self.steps.load,
             address=self.transport.address, draining=self.draining, leaving=self.leaving,
             handoffs_failing=time.monotonic() - self._handoff_failed_at < HANDOFF_TROUBLE_S,
+            started_at=self._started_at,
             instance_id=self.cfg.instance,
             dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size, engine=self.cfg.engine,
             kv_identity=self.kv_spec.identity if self.engine.blocks.enable_caching else b"",

@@ -38,7 +38,10 @@ def test_a_stopped_rank_times_its_peer_out_and_the_peer_leaves(tiny_model, tmp_p
         assert "leaving the mesh without a drain" in log
         gw = (tmp_path / "logs" / "gateway.log").read_text()
         assert "worker decode-t-r0 left" in gw
-        assert httpx.get(m.url + "/health").json()["workers"]["decode"] == 0
+        health = httpx.get(m.url + "/health").json()
+        assert health["workers"]["decode"] == 0
+        assert health["instances_down"] == {"decode-t": "rank decode-t-r0 left"}
+        assert "moemesh_dep_instances_down 1.0" in httpx.get(m.url + "/metrics").text.replace('{model_name="tiny"}', "")
     finally:
         for c in m.group.children:
             if c.alive():

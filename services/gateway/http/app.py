@@ -322,8 +322,11 @@ def _model_entry(st: GatewayState) -> dict:
 def _readiness(st: GatewayState) -> dict:
     n_pre, n_dec = len(st.mesh.live("prefill")), len(st.mesh.live("decode"))
     need_prefill = not st.cfg.decode_only_bench
-    return {"ready": (n_pre > 0 or not need_prefill) and n_dec > 0 and not st.draining,
-            "workers": {"prefill": n_pre, "decode": n_dec}, "inflight": st.inflight}
+    out = {"ready": (n_pre > 0 or not need_prefill) and n_dec > 0 and not st.draining,
+           "workers": {"prefill": n_pre, "decode": n_dec}, "inflight": st.inflight}
+    if st.mesh.instances_down:
+        out["instances_down"] = {i: why for i, (why, _) in st.mesh.instances_down.items()}  # back when restarted
+    return out
 
 
 async def health(request: Request) -> JSONResponse:

@@ -81,10 +81,14 @@ class MeshClient(Migration):
         self._refused_from: set[str] = set()  # senders already logged
         self.gateway_id = gateway_id or cfg.worker_id or f"gw-{uuid.uuid4().hex[:8]}"
         self.subjects = Subjects(cfg.subject_prefix)
-        # Silent for two beats (at least 1 s): gone. Its streams move at once (migration).
-        # Only the watch forgets workers, so that every death moves its streams.
+        # Silent for silent_worker_limit beats, or found gone by a probe: its streams move
+        # (migration). Only the watch forgets workers, so that every death moves its streams.
         self.registry = WorkerRegistry(miss_factor=cfg.silent_worker_limit, min_timeout_s=1.0, owner_prunes=True)
         self._probing: set[str] = set()  # silent workers asked whether they are still there
+        # DEP instances a rank left (its peer died): down until a rank of it beats again,
+        # which a restarted instance only does once all its ranks have met.
+        self.instances_down: dict[str, tuple[str, float]] = {}  # instance -> (why, unix time it went)
+        self.g_down = m.gauge("dep_instances_down", "DEP instances that lost a rank and have not come back")
         self._draining: dict[str, tuple[float, float]] = {}  # worker -> (last beat, silence that means dead)
         self.handles: dict[str, Handle] = {}
         # Requests whose job is on its way and not yet taken: _send_job's own fallbacks see
@@ -152,10 +156,15 @@ class MeshClient(Migration):
             self._draining.pop(hb.worker_id, None)
             self._gone([hb.worker_id], "its worker left")
             if hb.dp_size > 1:  # an instance short of a rank cannot step: none of its ranks gets work
+                self.instances_down[hb.instance_id] = (f"rank {hb.worker_id} left", hb.sent_at)
+                self.g_down.set(len(self.instances_down))
                 for w, lw in list(self.registry.workers.items()):
                     if lw.beat.instance_id == hb.instance_id:
                         self._suspect(w, f"rank {hb.worker_id} of its instance left")
             return
+        if hb.instance_id in self.instances_down and hb.started_at > self.instances_down[hb.instance_id][1]:
+            del self.instances_down[hb.instance_id]  # restarted: its ranks met again
+            self.g_down.set(len(self.instances_down))
         if hb.draining and hb.role in ("prefill", "decode"):
             # No new work goes there, but its streams still do: if it dies before they end
             # (its drain timed out), they move.
