@@ -66,6 +66,13 @@ def test_a_kill_scenario_row_counts_losses_stalls_and_late_routing():
     assert report.scenario_row("kill-decode", _result([_stream(i) for i in range(10)]), {})["goal"] == "met"
 
 
+def test_with_a_reference_per_stream_each_text_is_judged_by_its_own():
+    """The real model answers each prompt its own way: no common text to go by."""
+    streams = [_stream(0, sha="a"), _stream(1, sha="b"), _stream(2, sha="x")]
+    row = report.scenario_row("kill-decode", _result(streams), {}, references={0: "a", 1: "b", 2: "c"})
+    assert (row["complete"], row["wrong"]) == (2, 1)
+
+
 def test_a_killed_gateways_streams_are_counted_apart():
     streams = [_stream(i, gateway=i % 2, error=None if i % 2 else "connection: ReadError", done=i % 2 == 1)
                for i in range(8)]

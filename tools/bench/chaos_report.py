@@ -44,7 +44,8 @@ def reference_text(streams: list[dict], max_tokens: int) -> str | None:
     return full.most_common(1)[0][0] if full else None
 
 
-def scenario_row(name: str, result: dict, observed: dict, lost_gateway: int | None = None) -> dict:
+def scenario_row(name: str, result: dict, observed: dict, lost_gateway: int | None = None,
+                 references: dict[int, str] | None = None) -> dict:
     """The row of one scenario.
 
     Args:
@@ -55,12 +56,18 @@ def scenario_row(name: str, result: dict, observed: dict, lost_gateway: int | No
             and orphans_after_3s (None where not observed).
         lost_gateway: the index of the gateway the scenario killed; its streams are
             reported apart (lost to their clients by nature).
+        references: stream -> the digest its text must have (a real model answers each
+            prompt its own way); None: the digest most full streams share (the mock's).
     """
     cfg = result["config"]
     max_tokens = cfg["max_tokens"]
     streams = result["streams"]
-    ref = reference_text(streams, max_tokens)
-    kinds = Counter(outcome(s, max_tokens, ref) for s in streams)
+    common = reference_text(streams, max_tokens)
+
+    def kind(s: dict) -> str:
+        return outcome(s, max_tokens, common if references is None else references.get(s["i"]))
+
+    kinds = Counter(kind(s) for s in streams)
     lost = [s for s in streams if s["gateway"] == lost_gateway]
     kept = [s for s in streams if s["gateway"] != lost_gateway]
     ended = [s for s in kept if not s["hung"]]
@@ -78,9 +85,9 @@ def scenario_row(name: str, result: dict, observed: dict, lost_gateway: int | No
         "streams": len(streams),
         **{k: kinds[k] for k in KINDS},
         "counted": len(kept),  # the streams the goals count (all but a killed gateway's)
-        "complete_of_counted": sum(1 for s in kept if outcome(s, max_tokens, ref) == "complete"),
+        "complete_of_counted": sum(1 for s in kept if kind(s) == "complete"),
         "lost_with_gateway": len(lost),
-        "tokens_lost": sum(max_tokens - s["tokens"] for s in streams if outcome(s, max_tokens, ref) == "short"),
+        "tokens_lost": sum(max_tokens - s["tokens"] for s in streams if kind(s) == "short"),
         "max_stall_s": max(stalls, default=0.0),
         "stalls_over_5s": sum(1 for x in stalls if x > GOALS["stall_max_s"]),
         "max_ttft_s": max(ttfts, default=None),

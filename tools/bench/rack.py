@@ -308,10 +308,26 @@ def run_scenario(cfg: RackConfig, sc: RackScenario, log_dir: Path, model: str) -
         observed["detected_s"] = _detected(rack, sc, t_fault)
         observed["leftover"] = _leftover(rack)
         observed["health"] = _safe(rack.health)
-    row = report.scenario_row(sc.name, result, observed)
+    row = report.scenario_row(sc.name, result, observed, references=_references(cfg, model) if cfg.real else None)
     row["leftover"] = observed["leftover"]
     row["goal"] = goal_check(row, sc)
     return row
+
+
+def _references(cfg: RackConfig, model: str) -> dict[int, str]:
+    """With the real model: each stream's text as the offline engine writes it (the
+    digest the load client keeps), what the mesh must reproduce through every fault."""
+    import hashlib
+
+    from moemesh.shared.engine.config import EngineConfig
+    from moemesh.shared.engine.llm import LLM
+    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.tools.bench.chaos_client import prompt_ids
+
+    llm = LLM(EngineConfig(model=model, num_kv_blocks=max(512, cfg.streams * 16)))
+    params = SamplingParams(max_tokens=cfg.max_tokens, min_tokens=cfg.max_tokens, temperature=0, ignore_eos=True)
+    outs = llm.generate([prompt_ids(i, cfg.prompt_tokens) for i in range(cfg.streams)], params)
+    return {i: hashlib.sha1(o.text.encode()).hexdigest() for i, o in enumerate(outs)}
 
 
 def strike(rack: Rack, sc: RackScenario, victims: list[Child]) -> None:
