@@ -171,3 +171,34 @@ def test_the_tokenizer_endpoints_answer_in_vllms_shapes(nats_url, tiny_model, ti
     assert got["bad_model"][0] == 404 and got["bad_model"][1]["error"]["param"] == "model"
     for k, param in (("bad_field", "truncate"), ("bad_ids", "tokens"), ("no_prompt", "prompt")):
         assert got[k][0] == 400 and got[k][1]["error"]["param"] == param, got[k]
+
+
+def test_tokens_as_token_ids_name_every_logprob_by_its_id(nats_url, tiny_model, tiny_engine_factory, scored,
+                                                          tmp_path):
+    """vLLM's return_tokens_as_token_ids, on completions (legacy arrays, prompt_logprobs) and
+    chat (content): each token is "token_id:<id>"; text and text offsets stay the text's."""
+    text = PROMPTS[0]
+    p_ids, _, out_ids = scored[text]
+
+    async def go(c):
+        body = {"model": "tiny", "prompt": text, "echo": True, "logprobs": 1, "max_tokens": 2, "temperature": 0,
+                "ignore_eos": True, "prompt_logprobs": 1}
+        plain = (await c.post("/v1/completions", json=body)).json()
+        ids = (await c.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True})).json()
+        chat = await c.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True})
+        bad = await c.post("/v1/completions", json={**body, "return_tokens_as_token_ids": "yes"})
+        return plain, ids, chat.json(), bad
+
+    plain, ids, chat, bad = _serve(nats_url, tiny_model, tiny_engine_factory, tmp_path, go)
+    (p,), (q,) = plain["choices"], ids["choices"]
+    assert q["text"] == p["text"] and q["logprobs"]["text_offset"] == p["logprobs"]["text_offset"]
+    assert q["logprobs"]["tokens"] == [f"token_id:{t}" for t in [*p_ids, *out_ids]]
+    assert q["logprobs"]["token_logprobs"] == p["logprobs"]["token_logprobs"]
+    assert all(k.startswith("token_id:") for top in q["logprobs"]["top_logprobs"][1:] for k in top)
+    assert q["prompt_logprobs"][1][str(p_ids[1])]["decoded_token"] == f"token_id:{p_ids[1]}"
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and all(e["token"].startswith("token_id:") for e in content)
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_tokens_as_token_ids"

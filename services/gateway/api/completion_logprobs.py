@@ -25,8 +25,11 @@ from moemesh.shared.tokenizer.tokenizer import Tokenizer
 Entry = tuple[int, float | None, list[tuple[int, float]]]
 
 
-def token_text(tok: Tokenizer) -> Callable[[int], str]:
-    """A token's text as a logprob names it: special tokens included, as decoded alone."""
+def token_text(tok: Tokenizer, as_ids: bool = False) -> Callable[[int], str]:
+    """A token's text as a logprob names it: special tokens included, as decoded alone;
+    as_ids (return_tokens_as_token_ids): "token_id:<id>" instead."""
+    if as_ids:
+        return lambda t: f"token_id:{int(t)}"
     return lambda t: tok.decode([int(t)], skip_special_tokens=False)
 
 
@@ -48,14 +51,15 @@ def generated_entries(lps: list[TokenLogprob]) -> list[Entry]:
 class LegacyLogprobs:
     """One choice's legacy logprobs, chunk by chunk (a whole answer is one chunk)."""
 
-    def __init__(self, tok: Tokenizer):
-        self.text = token_text(tok)
+    def __init__(self, tok: Tokenizer, as_ids: bool = False):
+        self.text = token_text(tok)  # what text_offset counts: the choice's text
+        self.name = token_text(tok, as_ids)  # what tokens and top_logprobs say
         self.offset = 0  # the choice's text so far, in characters
 
     def payload(self, entries: list[Entry]) -> dict[str, Any]:
         tokens, lps, tops, offsets = [], [], [], []
         for tid, lp, top in entries:
-            t = self.text(tid)
+            t = self.name(tid)
             tokens.append(t)
             lps.append(lp)
             if lp is None:
@@ -63,15 +67,16 @@ class LegacyLogprobs:
             else:
                 d = {t: lp}
                 for i, v in top:
-                    d.setdefault(self.text(i), v)  # two ids of one text: the first (the token's own) stays
+                    d.setdefault(self.name(i), v)  # two ids of one text: the first (the token's own) stays
                 tops.append(d)
             offsets.append(self.offset)
-            self.offset += len(t)
+            self.offset += len(self.text(tid))
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def vllm_prompt_logprobs(ids: list[int], scores: PromptLogprobs, num_top: int, tok: Tokenizer) -> list:
-    text = token_text(tok)
+def vllm_prompt_logprobs(ids: list[int], scores: PromptLogprobs, num_top: int, tok: Tokenizer,
+                         as_ids: bool = False) -> list:
+    text = token_text(tok, as_ids)
     out: list = [None]
     for i, (tid, _, top) in enumerate(prompt_entries(ids, scores, num_top)[1:]):
         d = {str(tid): {"logprob": scores.logprobs[i], "rank": scores.ranks[i], "decoded_token": text(tid)}}

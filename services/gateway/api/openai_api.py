@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from moemesh.services.gateway.api.completion_logprobs import token_text
 from moemesh.services.gateway.api.request_fields import ONLY_AT, FieldError, caller_attributes, check_known
 from moemesh.services.gateway.api.structured import FormatError, grammar_of
 from moemesh.services.gateway.api.tool_calls import Delta, ToolCallParser, ToolError, Tools, parse_tools
@@ -40,6 +41,9 @@ class GenerateRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage on every chunk
     trace_attrs: dict = field(default_factory=dict)  # the caller's user, safety id and metadata, for the span
     logprobs: int | None = None  # number of alternatives per token, when requested
+    # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>", which
+    # says which token it was even where its text alone cannot (a byte of a character).
+    tokens_as_ids: bool = False
     n: int = 1  # choices, each sampled on its own from the one prompt (shared/protocol/forks.py)
     tools: Tools | None = None  # set when the answer may hold tool calls (chat only)
     request_id: str = field(default_factory=lambda: f"{random.getrandbits(128):032x}")
@@ -151,7 +155,8 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
     params = _sampling(body, max_key, max_tokens, min_tokens, stop, grammar)
     return params, {"stream": _get(body, "stream", (bool,), False),
                     "include_usage": stream_opts.get("include_usage", False),
-                    "continuous_usage": stream_opts.get("continuous_usage_stats", False), "trace_attrs": trace_attrs}
+                    "continuous_usage": stream_opts.get("continuous_usage_stats", False), "trace_attrs": trace_attrs,
+                    "tokens_as_ids": _get(body, "return_tokens_as_token_ids", (bool,), False)}
 
 
 def _unsupported(body: dict) -> None:
@@ -521,10 +526,9 @@ def logprobs_payload(req: GenerateRequest, tok: Tokenizer, lps: list) -> Any:
     offsets run across a choice's chunks, are completion_logprobs.py's.)"""
     if req.logprobs is None or not lps:
         return None
-    def text(t: int) -> str:
-        return tok.decode([int(t)], skip_special_tokens=False)
+    text, name = token_text(tok), token_text(tok, req.tokens_as_ids)
     return {"content": [
-        {"token": text(lp.token_id), "logprob": lp.logprob, "bytes": list(text(lp.token_id).encode()),
-         "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())}
+        {"token": name(lp.token_id), "logprob": lp.logprob, "bytes": list(text(lp.token_id).encode()),
+         "top_logprobs": [{"token": name(t), "logprob": v, "bytes": list(text(t).encode())}
                           for t, v in zip(lp.top_ids, lp.top_logprobs)]}
         for lp in lps]}

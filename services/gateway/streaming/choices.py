@@ -71,7 +71,8 @@ class _Choice:
         self.index, self.handle = index, handle
         self.prompt = index // req.n  # its prompt, in a batch of them
         # completions' logprobs, whose text offsets run on from chunk to chunk
-        self.legacy = legacy.LegacyLogprobs(tok) if req.kind == "completion" and req.logprobs is not None else None
+        self.legacy = legacy.LegacyLogprobs(tok, req.tokens_as_ids) \
+            if req.kind == "completion" and req.logprobs is not None else None
         self.reader = Reader(tok, req.params.stop)
         self.calls = ToolCallParser(req.tools.markers) if req.tools is not None else None
         self.first = True  # nothing of it written yet: its first chunk carries the role
@@ -134,7 +135,7 @@ class _Response:
     def prompt_logprobs(self, c: _Choice) -> list:
         """vLLM's prompt_logprobs of a choice's prompt."""
         return legacy.vllm_prompt_logprobs(self.req.prompts[c.prompt], self._scores(c), self.req.prompt_logprobs,
-                                           self.tok)
+                                           self.tok, self.req.tokens_as_ids)
 
     def _scores(self, c: _Choice):
         if c.handle.prompt_logprobs is None:  # they come with the first token: a worker that did not send them
