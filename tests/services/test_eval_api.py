@@ -202,3 +202,29 @@ def test_tokens_as_token_ids_name_every_logprob_by_its_id(nats_url, tiny_model, 
     assert len(content) == 2 and all(e["token"].startswith("token_id:") for e in content)
     assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_tokens_as_token_ids"
+
+
+def test_add_special_tokens_reaches_the_tokenizer(nats_url, tiny_model, tiny_engine_factory, offline, tmp_path):
+    """vLLM's add_special_tokens: on by default for a prompt, off for messages (the chat
+    template writes its own BOS); either may be turned the other way."""
+    text = PROMPTS[1]
+    messages = [{"role": "user", "content": text}]
+
+    async def go(c):
+        out = {}
+        for flag in (None, True, False):
+            extra = {} if flag is None else {"add_special_tokens": flag}
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": text, "max_tokens": 1, **extra})
+            q = await c.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 1,
+                                                          **extra})
+            out[flag] = (r.json()["usage"]["prompt_tokens"], q.json()["usage"]["prompt_tokens"])
+        bad = await c.post("/v1/completions", json={"model": "tiny", "prompt": text, "add_special_tokens": 1})
+        return out, bad
+
+    out, bad = _serve(nats_url, tiny_model, tiny_engine_factory, tmp_path, go)
+    tok = offline.tokenizer
+    templ = tok.apply_chat_template(messages)
+    assert out[None] == (len(tok.encode(text)), len(tok.encode(templ, add_special_tokens=False)))
+    assert out[True] == (len(tok.encode(text)), len(tok.encode(templ, add_special_tokens=True)))
+    assert out[False] == (len(tok.encode(text, add_special_tokens=False)), out[None][1])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_special_tokens"

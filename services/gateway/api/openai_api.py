@@ -251,7 +251,8 @@ def _model(body: Any, kind: str) -> str:
 def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
                      max_n: int = 1, max_prompts: int = 64) -> GenerateRequest:
     model = _model(body, "completion")
-    prompts, texts = _prompts(body.get("prompt"), tok, vocab_size, max_prompts)
+    special = _get(body, "add_special_tokens", (bool,), True)
+    prompts, texts = _prompts(body.get("prompt"), tok, vocab_size, max_prompts, special)
     for name in CHAT_ONLY:
         if body.get(name) is not None:
             raise ApiError(400, f"'{name}' is supported on /v1/chat/completions only", name)
@@ -275,9 +276,11 @@ def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_s
                            prompt_texts=texts, echo=echo, generate=generate, prompt_logprobs=plp, **opts)
 
 
-def _prompts(prompt, tok: Tokenizer, vocab_size: int | None, max_prompts: int) -> tuple[list, list]:
+def _prompts(prompt, tok: Tokenizer, vocab_size: int | None, max_prompts: int,
+             add_special_tokens: bool = True) -> tuple[list, list]:
     """(token ids, text as given or None) of each prompt: a string, an array of token ids,
-    or an array of either (a batch)."""
+    or an array of either (a batch). add_special_tokens: for a string (the tokenizer's BOS);
+    token ids are taken as they are."""
     if prompt is None:
         raise ApiError(400, "'prompt' is required", "prompt")
     if isinstance(prompt, str) or _token_ids(prompt):
@@ -292,7 +295,7 @@ def _prompts(prompt, tok: Tokenizer, vocab_size: int | None, max_prompts: int) -
     ids, texts = [], []
     for p in prompt:
         if isinstance(p, str):
-            ids.append(tok.encode(p))
+            ids.append(tok.encode(p, add_special_tokens=add_special_tokens))
             texts.append(p)
             continue
         p = _ints(p)
@@ -319,7 +322,9 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
         raise ApiError(400, str(e), e.param, code=e.code) from None
     norm = chat_messages(messages)
     try:
-        ids = tok.encode_chat(norm, tools=tools.tools if tools else None)
+        # vLLM's add_special_tokens: off by default, since the template writes its own BOS.
+        ids = tok.encode(tok.apply_chat_template(norm, tools=tools.tools if tools else None),
+                         add_special_tokens=_get(body, "add_special_tokens", (bool,), False))
     except TokenizerError as e:
         raise ApiError(400, str(e), "messages") from None
     params, opts = _common(body, default_max_tokens, "max_completion_tokens", tools.grammar() if tools else None)

@@ -78,6 +78,9 @@ def _sampling(max_tokens_key: str, max_model_len: int, max_n: int) -> dict:
         "stream_options": _opt({"type": "object", "additionalProperties": False, "properties": {
             "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}}),
         "ignore_eos": _opt({"type": "boolean", "description": "extension"}),
+        "add_special_tokens": _opt({"type": "boolean", "description": "extension (vLLM's): the tokenizer's own "
+                                                                     "special tokens (BOS); default true for a prompt, "
+                                                                     "false for messages (the template writes them)"}),
         "return_tokens_as_token_ids": _opt({"type": "boolean", "description": "extension (vLLM's): logprobs name "
                                                                              "each token \"token_id:<id>\""}),
         "min_tokens": _opt(_int(0, INT32_MAX, description=f"extension; at most {max_tokens_key}")),

@@ -15,7 +15,8 @@ from typing import Any
 # Read by openai_api for both endpoints (its vLLM-style extensions included).
 COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
                     "stop", "stop_token_ids", "ignore_eos", "min_tokens", "n", "response_format", "logprobs",
-                    "user", "tools", "tool_choice", "parallel_tool_calls", "return_tokens_as_token_ids"})
+                    "user", "tools", "tool_choice", "parallel_tool_calls", "return_tokens_as_token_ids",
+                    "add_special_tokens"})
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier",
                  "modalities", "safety_identifier"}
 COMPLETION = COMMON | {"prompt", "echo", "prompt_logprobs"}
