@@ -113,3 +113,29 @@ def test_up_with_a_v4_model_folder_streams_a_completion(tmp_path, tiny_v4_model)
     spans = [json.loads(x) for x in trace.read_text().splitlines() if x.strip()]
     pulls = [s for s in spans if s["name"] == "kv.transfer"]
     assert len(pulls) == 1 and pulls[0]["attributes"]["kv.bytes"] > 0 and pulls[0]["status"]["code"] != "ERROR"
+
+
+def test_up_starts_a_dep_instance_again_when_one_of_its_ranks_dies(tmp_path):
+    """A rank killed: its peer leaves (its instance cannot step), and `moemesh up` starts
+    both ranks again, as a supervisor would; the mesh serves again without a restart."""
+    p = _up(tmp_path, "--dep", "2", "--set", "engine=mock", "--set", "mock_step_ms=10")
+    try:
+        url, _, _ = _wait_up(p)
+        (r1,) = _procs_mentioning("decode-i0-r1\x00")  # its --worker-id (cmdline args end in NUL)
+        os.kill(r1, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        line = ""
+        while "started again" not in line:
+            assert time.monotonic() < deadline, "the instance was not started again"
+            line = p.stdout.readline()
+        assert "decode-i0-r0, decode-i0-r1 exited; started again" in line
+        while httpx.get(url + "/health", timeout=5).json()["workers"]["decode"] < 2:
+            assert time.monotonic() < deadline, "the restarted instance did not join"
+            time.sleep(0.2)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 5}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert p.poll() is None
+    finally:
+        rc = _stop(p)
+    assert rc == 0

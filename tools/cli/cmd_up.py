@@ -81,12 +81,14 @@ def run(args: argparse.Namespace) -> int:
                   f"\"stream\": true, \"max_tokens\": 32}}'")
             print("Ctrl-C stops everything.", flush=True)
             while not stop:
-                dead = mesh.group.dead()
-                if dead:
-                    print(f"moemesh: {dead[0].name} exited (code {dead[0].popen.returncode}); stopping",
-                          file=sys.stderr)
-                    print(dead[0].log_tail(), file=sys.stderr)
+                try:
+                    restarted = mesh.supervise()
+                except RuntimeError as e:
+                    print(f"moemesh: {e}\nstopping", file=sys.stderr)
                     return 1
+                if restarted:
+                    print(f"moemesh: {', '.join(restarted)} exited; started again (logs in {mesh.log_dir})",
+                          file=sys.stderr, flush=True)
                 time.sleep(0.2)
             print("stopping ...", flush=True)
     except (NatsServerNotFound, RuntimeError, TimeoutError) as e:

@@ -2,6 +2,9 @@
 
 States: starting NATS -> making the model (if none given) -> starting workers and the
 gateway -> waiting for readiness -> serving -> stopping (reverse order, SIGTERM first).
+While serving, a service that exits is started again (`Mesh.supervise`; a DEP instance
+whole), as a deployment's supervisor would; the NATS server started here, or a service
+that keeps exiting, stops the mesh.
 
 With `--config FILE` (the deployment file, see compose/moemesh.toml) the pool sizes come
 from its [pools] table, the NATS URL and model from [common], the gateway address from
@@ -193,6 +196,12 @@ def ensure_tiny_model(home: Path) -> Path:
     return path
 
 
+# `moemesh up` starts a service again when it exits, at most this often, before it gives up.
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 600.0
+RANK_LEAVE_S = 10.0  # a DEP rank whose peer exited is given this long to leave by itself
+
+
 class Mesh:
     """A running local mesh; a context manager that always stops what it started."""
 
@@ -211,6 +220,9 @@ class Mesh:
         self.model = cfg.model or str(ensure_tiny_model(home))
         self.nats_url = cfg.nats_url
         self.port = cfg.port
+        self._launches: dict[str, tuple[list[str], dict, tuple]] = {}  # name -> (argv, env, unset), to restart it
+        self._instance_of = {w.worker_id: w.instance for w in worker_names(cfg) if w.instance}
+        self._restarts: dict[str, list[float]] = {}  # name -> monotonic times it was started again
 
     @property
     def url(self) -> str:
@@ -246,7 +258,8 @@ class Mesh:
         others = tuple(k for k in environ if k.endswith("_NATS_PASSWORD"))
         for launch in launch_plan(cfg, self.model, self.nats_url, self.port):
             env = {**cfg.extra_env, **credentials_env(launch.name, environ)}
-            self.group.start(launch.name, [sys.executable, "-m", *launch.argv], env, unset=others)
+            self._launches[launch.name] = ([sys.executable, "-m", *launch.argv], env, others)
+            self.group.start(launch.name, *self._launches[launch.name][:2], unset=others)
         self.wait_ready(cfg.ready_timeout_s)
 
     def wait_ready(self, timeout: float) -> None:
@@ -290,6 +303,48 @@ class Mesh:
 
     def stop(self) -> None:
         self.group.stop()
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Start again the services that exited, as a supervisor would (systemd's
+        Restart=on-failure): a DEP instance whole, since a rank whose peer died leaves by
+        itself and a restarted rank can only meet all of its peers again.
+
+        Returns:
+            The names started again (none: nothing had exited).
+        Raises:
+            RuntimeError: what cannot come back: the NATS server started here, or a
+                process restarted RESTART_LIMIT times within RESTART_WINDOW_S.
+        """
+        now = time.monotonic() if now is None else now
+        latest = {c.name: c for c in self.group.children}  # a restarted process's old self is dead
+        dead = [c for c in latest.values() if not c.alive()]
+        if not dead:
+            return []
+        names: set[str] = set()
+        for c in dead:
+            if c.name not in self._launches:
+                raise RuntimeError(f"{c.name} exited (code {c.popen.returncode})\n{c.log_tail()}")
+            inst = self._instance_of.get(c.name)
+            names |= {n for n, i in self._instance_of.items() if i == inst} if inst else {c.name}
+        for n in names:
+            recent = [t for t in self._restarts.get(n, []) if now - t < RESTART_WINDOW_S]
+            if len(recent) >= RESTART_LIMIT:
+                c = latest[n]
+                raise RuntimeError(f"{n} exited {len(recent) + 1} times within {RESTART_WINDOW_S:.0f}s; last:\n"
+                                   f"{c.log_tail()}")
+            self._restarts[n] = recent + [now]
+        deadline = time.monotonic() + RANK_LEAVE_S
+        for n in names:  # the instance's other ranks: they leave by themselves once a peer is gone
+            c = latest[n]
+            while c.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if c.alive():
+                c.popen.kill()
+                c.popen.wait(10)
+        for n in (n for n in self._launches if n in names):  # in start order: rank 0 first
+            argv, env, unset = self._launches[n]
+            self.group.start(n, argv, env, unset=unset)
+        return sorted(names)
 
 
 def launch_plan(cfg: UpConfig, model: str, nats_url: str, port: int) -> list[Launch]:
