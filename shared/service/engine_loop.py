@@ -218,6 +218,12 @@ class EngineLoop:
             # On a busy host a sleeper gets its core back late, sometimes by milliseconds:
             # the margin grows with that, and shrinks back as wake-ups come on time.
             self._late_peak_s = max(time.perf_counter() - wake, 0.98 * self._late_peak_s)
+        else:
+            # Already late (a busy host): still let what has arrived meanwhile (callbacks
+            # ready to run, hand-offs read from the socket) in before the step is planned.
+            # Without this yield, whether such a request joined this step or waited a whole
+            # step more depended on how loaded the host was.
+            await asyncio.sleep(0)
 
     def _join_margin_s(self) -> float:
         """How long before the running step's end the next one is planned: room for
