@@ -70,7 +70,7 @@ class WorkerRegistry:
         if last is None or now - last <= max_gap_s:
             return 0.0
         for lw in self.workers.values():
-            lw.last_seen = max(lw.last_seen, now)
+            lw.last_seen = now
         return now - last
 
     def observe(self, hb: Heartbeat, now: float | None = None) -> None:

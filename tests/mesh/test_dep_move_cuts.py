@@ -85,7 +85,7 @@ def _until(cond, timeout_s: float, what: str) -> None:
 
 
 def _child(mesh, name: str):
-    return next(c for c in reversed(mesh.group.children) if c.name == name and c.alive())
+    return mesh.group.live(name)
 
 
 def test_a_move_cut_before_its_commit_switches_no_rank(tiny_model, tmp_path_factory, offline):

@@ -31,7 +31,7 @@ from moemesh.tools.bench.chaos_client import ChaosLoad, LoadClient
 from moemesh.tools.bench.chaos_scenarios import SCENARIOS, Scenario
 from moemesh.tools.bench.env import environment
 from moemesh.tools.launch.nats_server import start_nats
-from moemesh.tools.launch.procs import Child, ProcessGroup, free_port
+from moemesh.tools.launch.procs import ProcessGroup, free_port
 from moemesh.tools.launch.up import Mesh, UpConfig, default_home
 
 BLOCK_SIZE = 16
@@ -129,7 +129,7 @@ def _scenario_on(mesh: Mesh, nats: ProcessGroup, port: int, cfg: ChaosConfig, sc
             victim = "gateway-0"  # gateway-1 serves the other half, and the probes
             observed["orphans_at_kill"] = _orphans(mesh, victim)
         observed["victim"] = victim
-        child = _live_child(nats if sc.fault == "nats" else mesh.group, "nats" if sc.fault == "nats" else victim)
+        child = (nats if sc.fault == "nats" else mesh.group).live("nats" if sc.fault == "nats" else victim)
         t_fault = time.time()
         child.popen.send_signal(signal.SIGTERM if sc.fault == "term" else signal.SIGKILL)
         client.fault(t_fault, t_fault + sc.outage_s + cfg.deadline_s)
@@ -143,10 +143,6 @@ def _scenario_on(mesh: Mesh, nats: ProcessGroup, port: int, cfg: ChaosConfig, sc
     observed.update(_gateway_counters(gateways[1:] if sc.target == "gateway" else gateways))
     observed.update(_from_logs(mesh, sc, victim, t_fault))
     return report.scenario_row(sc.name, result, observed, lost_gateway=0 if sc.target == "gateway" else None)
-
-
-def _live_child(group: ProcessGroup, name: str) -> Child:
-    return next(c for c in reversed(group.children) if c.name == name and c.alive())
 
 
 # ---- what the mesh says --------------------------------------------------------------------

@@ -275,20 +275,26 @@ class LoadClient:
         return self.wait("result", timeout_s)
 
 
-def main(argv: list[str] | None = None) -> int:
+def client_main(argv: list[str] | None, module: str, load_cls: type, run_load) -> int:
+    """A load client's main: its load (load_cls) as JSON in the one argument, run_load(load)
+    on uvloop, and the result as one JSON line on stdout."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m moemesh.tools.bench.chaos_client '<ChaosLoad JSON>'", file=sys.stderr)
+        print(f"usage: python -m {module} '<{load_cls.__name__} JSON>'", file=sys.stderr)
         return 2
-    cfg = ChaosLoad(**json.loads(args[0]))
+    cfg = load_cls(**json.loads(args[0]))
     try:
         import uvloop
     except ImportError:
-        result = asyncio.run(run(cfg))
+        result = asyncio.run(run_load(cfg))
     else:
-        result = uvloop.run(run(cfg))
+        result = uvloop.run(run_load(cfg))
     print(json.dumps(result), flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return client_main(argv, "moemesh.tools.bench.chaos_client", ChaosLoad, run)
 
 
 if __name__ == "__main__":

@@ -196,9 +196,6 @@ class Rack:
             names = {target}
         return [c for c in self.group.children if c.name in names and c.alive()]
 
-    def live(self, name: str) -> Child | None:
-        return next((c for c in reversed(self.group.children) if c.name == name and c.alive()), None)
-
     def restore(self, timeout_s: float = 90.0) -> list[str]:
         """Start again whatever is not running, as an operator's supervisor would: NATS
         nodes first, then services. A DEP instance comes back whole: a rank left alone (its
@@ -206,7 +203,7 @@ class Rack:
         start again. Returns what was started."""
         started = []
         for node in self.nodes:
-            if self.live(node.name) is None:
+            if self.group.live(node.name) is None:
                 self.restart_nats(node.name)
                 started.append(node.name)
         instances: dict[str, list[Proc]] = {}
@@ -214,17 +211,17 @@ class Rack:
             inst = _sets_of(p.argv).get("instance_id")
             if inst:
                 instances.setdefault(inst, []).append(p)
-            elif self.live(p.name) is None:
+            elif self.group.live(p.name) is None:
                 self.start(p)
                 started.append(p.name)
         for ranks in instances.values():
-            if all(self.live(p.name) for p in ranks):
+            if all(self.group.live(p.name) for p in ranks):
                 continue
             deadline = time.monotonic() + self.cfg.dp_timeout_s + 10
-            while any(self.live(p.name) for p in ranks) and time.monotonic() < deadline:
+            while any(self.group.live(p.name) for p in ranks) and time.monotonic() < deadline:
                 time.sleep(0.2)
             for p in ranks:
-                if (c := self.live(p.name)) is not None:
+                if (c := self.group.live(p.name)) is not None:
                     c.popen.kill()
                     c.popen.wait(10)
             for p in ranks:
@@ -256,8 +253,7 @@ class Rack:
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
-            latest = {c.name: c for c in self.group.children}  # a restarted process's old self is dead
-            dead = [c for c in latest.values() if not c.alive()]
+            dead = self.group.dead()
             if dead:
                 raise RuntimeError(f"{dead[0].name} exited during start-up:\n{dead[0].log_tail()}")
             try:

@@ -12,7 +12,6 @@ and the longest stall.
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from collections import Counter
@@ -21,7 +20,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from moemesh.tools.bench import chaos_report as report
-from moemesh.tools.bench.chaos_client import StreamRecord, _stream, prompt_ids
+from moemesh.tools.bench.chaos_client import StreamRecord, _stream, client_main, prompt_ids
 
 
 @dataclass(frozen=True)
@@ -70,19 +69,7 @@ async def run(cfg: SoakLoad) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m moemesh.tools.bench.soak_client '<SoakLoad JSON>'", file=sys.stderr)
-        return 2
-    cfg = SoakLoad(**json.loads(args[0]))
-    try:
-        import uvloop
-    except ImportError:
-        result = asyncio.run(run(cfg))
-    else:
-        result = uvloop.run(run(cfg))
-    print(json.dumps(result), flush=True)
-    return 0
+    return client_main(argv, "moemesh.tools.bench.soak_client", SoakLoad, run)
 
 
 if __name__ == "__main__":

@@ -108,5 +108,14 @@ class ProcessGroup:
                     child.popen.wait(5)
         self.children.clear()
 
+    def latest(self) -> dict[str, Child]:
+        """The newest child of each name: a process started again replaces its old self."""
+        return {c.name: c for c in self.children}
+
+    def live(self, name: str) -> Child | None:
+        c = self.latest().get(name)
+        return c if c is not None and c.alive() else None
+
     def dead(self) -> list[Child]:
-        return [c for c in self.children if not c.alive()]
+        """The children that exited and were not started again."""
+        return [c for c in self.latest().values() if not c.alive()]

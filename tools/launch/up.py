@@ -316,8 +316,7 @@ class Mesh:
                 process restarted RESTART_LIMIT times within RESTART_WINDOW_S.
         """
         now = time.monotonic() if now is None else now
-        latest = {c.name: c for c in self.group.children}  # a restarted process's old self is dead
-        dead = [c for c in latest.values() if not c.alive()]
+        latest, dead = self.group.latest(), self.group.dead()
         if not dead:
             return []
         names: set[str] = set()

@@ -154,7 +154,7 @@ class MeshClient(Migration):
         self.registry.observe(hb)
         if hb.leaving and hb.role in ("prefill", "decode"):
             self._draining.pop(hb.worker_id, None)
-            self._gone([hb.worker_id], "its worker left")
+            self._gone([hb.worker_id], "its worker left", seen="left")
             if hb.dp_size > 1:  # an instance short of a rank cannot step: none of its ranks gets work
                 self.instances_down[hb.instance_id] = (f"rank {hb.worker_id} left", hb.sent_at)
                 self.g_down.set(len(self.instances_down))

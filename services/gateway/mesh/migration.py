@@ -68,13 +68,14 @@ class Migration:
             dead += gone
         self._gone(dead, "its worker stopped")
 
-    def _gone(self, dead: list[str], why: str) -> None:
-        """Workers known to be gone (silent, or they said they are leaving): their requests move."""
+    def _gone(self, dead: list[str], why: str, seen: str = "stopped sending heartbeats") -> None:
+        """Workers known to be gone (silent, or they said they are leaving): their requests
+        move. seen: how the gateway learnt it, for the log."""
         for w in dead:
             self.kv.forget(w)
             self._snapshots.discard(w)
         if dead:
-            self._migrate_from(set(dead), why)
+            self._migrate_from(set(dead), why, seen)
 
     async def _probe(self, worker_id: str) -> None:
         try:
@@ -95,7 +96,7 @@ class Migration:
             await asyncio.sleep(WATCH_EVERY_S)
             self._check_workers()
 
-    def _migrate_from(self, dead: set[str], why: str) -> None:
+    def _migrate_from(self, dead: set[str], why: str, seen: str = "stopped sending heartbeats") -> None:
         # A dead prefill worker strands what has not reached its decode worker: no first
         # token yet, or the first token only (its KV may never have been handed off).
         moving = [h for h in self.handles.values() if not h.closed and h.finish is None
@@ -103,8 +104,7 @@ class Migration:
                   and (h.decode_id in dead or (h.prefill_id in dead and h.next_pos <= 1))]
         for w in sorted(dead):
             n = sum(1 for h in moving if w in (h.decode_id, h.prefill_id))
-            log.warning("worker %s %s: migrating its %d requests", w,
-                        "left" if why == "its worker left" else "stopped sending heartbeats", n)
+            log.warning("worker %s %s: migrating its %d requests", w, seen, n)
         for h in moving:
             self._tasks.spawn(self._migrate(h, why), f"migrate-{h.request_id}")
 
