@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Awaitable, Callable, TypeVar
 
 from moemesh.shared.transport.base import KVTransport, Transfer, TransferError, TransferState
@@ -64,17 +65,19 @@ class StagedReceive:
 
     async def run(self, ask: Callable[[int], Awaitable[T]], timeout: float) -> T:
         """Post the receive, ask the sender for the bytes (ask(tag), which raises to
-        refuse), then wait for them. Returns ask's answer. On any failure the receive is
-        abandoned, and the exception goes on."""
+        refuse), then wait for them: the ask and the bytes within `timeout` together, so a
+        slow answer leaves the bytes less time rather than doubling the wait. Returns
+        ask's answer. On any failure the receive is abandoned, and the exception goes on."""
         if self.error:
             raise TransferError(self.error)
+        end = time.monotonic() + timeout
         self.post()
         try:
             answer = await ask(self.tag)
         except BaseException as e:
             self.fail(str(e) or type(e).__name__)
             raise
-        await self.wait(timeout)
+        await self.wait(max(0.01, end - time.monotonic()))
         return answer
 
     def fail(self, error: str) -> None:

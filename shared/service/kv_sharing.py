@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -43,6 +44,9 @@ from moemesh.shared.transport.staging import StagingPool
 
 log = logging.getLogger(__name__)
 _PUSHED_MEMORY = 65536  # hashes remembered as already offered to the store
+# A holder that did not serve a fetch is passed over for this long: a host gone silent
+# costs the prompts already waiting on it, not every prompt until its heartbeats lapse.
+HOLDER_TROUBLE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,9 @@ class KVSharing:
             p.nc, p.subjects.kv_events(p.worker_id), KVEvents(p.worker_id, p.role, self.spec.identity, stored, removed)))
         self._pushed: OrderedDict[bytes, None] = OrderedDict()
         self.pulled_tokens = 0  # prompt tokens whose KV came from a peer or the store
+        self.pulls_failed = 0  # pulls given up (holder gone or silent, bad bytes): recomputed
+        self.pull_wait_max_s = 0.0  # the longest a prompt waited on a holder, found or not
+        self._troubled: dict[str, float] = {}  # holder -> monotonic time it is asked again
         m = metrics
         self.c_hit = m.counter("kv_prefix_tokens_total", "prompt tokens by where their KV came from", ("source",))
         self.c_bytes = m.counter("kv_share_bytes_total", "KV block bytes moved", ("direction",))
@@ -152,40 +159,52 @@ class KVSharing:
         p = self.parts
         local = await p.loop.call(lambda e: block_io.acquire_prefix(e, hashes))
         self.c_hit.labels("local").inc(len(local) * p.engine.cfg.block_size)
-        best, n = await self._best_source(hashes, len(local), sources)
-        if best is None:
-            return local
-        pulled = await self._pull(best, hashes[len(local) : n], len(local))
+        # One deadline for everything asked of holders: a holder whose host went silent
+        # (its NATS interest lingers until the cluster notices) costs a prompt at most
+        # transfer_timeout_s, whatever the steps (a depth probe, the fetch, the bytes).
+        t0 = time.monotonic()
+        deadline = t0 + p.cfg.transfer_timeout_s
+        try:
+            best, n = await self._best_source(hashes, len(local), sources, deadline)
+            if best is None:
+                return local
+            pulled = await self._pull(best, hashes[len(local) : n], len(local), deadline)
+        finally:
+            self.pull_wait_max_s = max(self.pull_wait_max_s, time.monotonic() - t0)
         if pulled:
             self.pulled_tokens += len(pulled) * p.engine.cfg.block_size
             self.c_hit.labels("remote").inc(len(pulled) * p.engine.cfg.block_size)
         return local + pulled
 
-    async def _best_source(self, hashes: list[bytes], have: int, sources: list[KVSource]) -> tuple[str | None, int]:
+    async def _best_source(self, hashes: list[bytes], have: int, sources: list[KVSource],
+                           deadline: float) -> tuple[str | None, int]:
         """The holder to pull from and how deep (in blocks of `hashes`) it serves."""
         p = self.parts
-        cands = [s for s in sources if s.num_blocks > have and s.holder_id != p.worker_id]
+        now = time.monotonic()
+        cands = [s for s in sources if s.num_blocks > have and s.holder_id != p.worker_id
+                 and self._troubled.get(s.holder_id, 0.0) <= now]
         if not cands:
             return None, have
         if not self.spec.hybrid:
             best = max(cands, key=lambda s: s.num_blocks)
             return best.holder_id, min(best.num_blocks, len(hashes))
         missing = hashes[have : max(s.num_blocks for s in cands)]
-        depths = await asyncio.gather(*(self._depth(s.holder_id, missing) for s in cands))
+        depths = await asyncio.gather(*(self._depth(s.holder_id, missing, deadline) for s in cands))
         d, holder = max(zip(depths, (s.holder_id for s in cands)))
         return (holder, have + d) if d else (None, have)
 
-    async def _depth(self, holder: str, hashes: list[bytes]) -> int:
+    async def _depth(self, holder: str, hashes: list[bytes], deadline: float) -> int:
         p = self.parts
         ask = KVFetch(hashes, p.transport.address, 0, 0, self.spec.wire, snapshot=True, depth_only=True)
         try:
-            reply = await request(p.nc, p.subjects.kv_fetch(holder), ask, KVFetchReply, p.cfg.transfer_timeout_s)
+            reply = await request(p.nc, p.subjects.kv_fetch(holder), ask, KVFetchReply, _left(deadline))
         except (Unreachable, RemoteError) as e:
+            self._trouble(holder)
             log.info("asking %s how much of a prefix it holds failed: %s", holder, e)
             return 0
         return min(reply.num_blocks, len(hashes)) if reply.ok else 0
 
-    async def _pull(self, holder: str, hashes: list[bytes], first_block: int) -> list[int]:
+    async def _pull(self, holder: str, hashes: list[bytes], first_block: int, deadline: float) -> list[int]:
         p, spec = self.parts, self.spec
         new = await p.loop.call(lambda e: block_io.allocate(e, len(hashes)))
         if not new:
@@ -197,12 +216,12 @@ class KVSharing:
                 reply = await request(p.nc, p.subjects.kv_fetch(holder),
                                       KVFetch(hashes, p.transport.address, tag, rx.nbytes, spec.wire,
                                               snapshot=spec.hybrid), KVFetchReply,
-                                      p.cfg.transfer_timeout_s)
+                                      _left(deadline))
                 if not reply.ok:
                     raise TransferError(reply.error)
                 return reply
 
-            reply = await rx.run(ask, p.cfg.transfer_timeout_s)
+            reply = await rx.run(ask, _left(deadline))
             buf = rx.slot.typed(spec.dtype, spec.block_shape(len(hashes)))
             if block_io.checksums(buf, spec.block_numel if spec.hybrid else 0, len(hashes)) != reply.checksums:
                 raise TransferError("checksum mismatch: treating the blocks as a miss")
@@ -211,12 +230,19 @@ class KVSharing:
             ok = True
             return new
         except (TransferError, Unreachable, RemoteError) as e:
+            self._trouble(holder)
             log.info("pulling %d blocks from %s failed (%s); recomputing them", len(hashes), holder, e)
             return []
         finally:
             if not ok:
                 await p.loop.call(lambda e: block_io.release(e, new))
             rx.release()
+
+    def _trouble(self, holder: str) -> None:
+        self.pulls_failed += 1
+        if self._troubled.get(holder, 0.0) <= time.monotonic():
+            log.warning("passing over %s for prefix fetches for %.0f s", holder, HOLDER_TROUBLE_S)
+        self._troubled[holder] = time.monotonic() + HOLDER_TROUBLE_S
 
     # ---- pushing to the store -----------------------------------------------------------------
     def store_id(self) -> str | None:
@@ -270,3 +296,9 @@ class KVSharing:
                 await p.loop.call(lambda e: block_io.release_exact(e, held, hashes))
             if slot is not None:
                 p.staging.free(slot)
+
+
+def _left(deadline: float) -> float:
+    """Seconds to a monotonic deadline; a step that starts after it still gets a moment,
+    so that it fails as a timeout rather than never being asked."""
+    return max(0.01, deadline - time.monotonic())

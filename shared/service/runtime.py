@@ -238,7 +238,9 @@ class WorkerRuntime:
         e = self.engine
         counters = {"prompt_tokens": float(e.num_prompt_tokens_total),
                     "prefix_cache_hit_tokens": float(e.num_cached_tokens_total),
-                    "kv_pulled_tokens": float(self.kv_sharing.pulled_tokens if self.kv_sharing else 0)}
+                    "kv_pulled_tokens": float(self.kv_sharing.pulled_tokens if self.kv_sharing else 0),
+                    "kv_pulls_failed": float(self.kv_sharing.pulls_failed if self.kv_sharing else 0),
+                    "kv_pull_wait_max_s": self.kv_sharing.pull_wait_max_s if self.kv_sharing else 0.0}
         return WorkerStats(self.worker_id, self.role, self.steps.load, staging_bytes_used=self.staging.bytes_used,
                            recent_steps=steps, placement_version=self.dep.placement_version, counters=counters,
                            **self._extra_stats(req.detail))

@@ -16,6 +16,8 @@ from moemesh.shared.engine.llm import LLM
 from moemesh.shared.protocol.sampling import SamplingParams
 from tests.mesh.conftest import kill_prefill, start_mesh, worker_stats
 
+BLOCK_SIZE = EngineConfig.block_size  # the mesh's workers run with the default
+
 TURNS = ["Plan a trip to the mesh of experts", "Add the tool output: rank 3 is hot",
          "Now the router says balance again", "Summarise what changed"]
 
@@ -55,7 +57,9 @@ def _chat(url, turns=TURNS, max_tokens=24, usages=None):
 
 @pytest.fixture(scope="module")
 def kv_mesh(tiny_model, tmp_path_factory):
-    m = start_mesh(tmp_path_factory.mktemp("kv"), tiny_model, num_prefill=2, kv_store_set=["capacity_mb=64"])
+    # A short transfer timeout: a fetch from a store gone silent waits this long.
+    m = start_mesh(tmp_path_factory.mktemp("kv"), tiny_model, num_prefill=2, kv_store_set=["capacity_mb=64"],
+                   prefill_set=["transfer_timeout_s=3"])
     yield m
     m.group.stop()
 
@@ -86,6 +90,51 @@ def test_a_new_prefill_worker_pulls_the_context_from_the_store(kv_mesh, no_reuse
     assert _chat(kv_mesh.url, turns)[1:] == want[1:] and got == want[:1]
     other = "prefill-t1" if holder == "prefill-t" else "prefill-t"
     assert _stats(kv_mesh, other).counters["kv_pulled_tokens"] > 0
+
+
+def test_a_store_gone_silent_is_given_up_on_and_the_prefix_recomputed(kv_mesh, no_reuse):
+    """The store's host stops answering (SIGSTOP: its NATS interest stays, as a dead host's
+    does until the server notices): a turn-2 prefix fetch from it times out, the prompt is
+    computed whole, and the answer is the same."""
+    turns = ["A third conversation, before the store goes quiet"] + TURNS[1:2]
+    want = _want(no_reuse, turns)
+    held = _stats(kv_mesh, "kv-store-t").counters["held_blocks"]
+    usage = []
+    assert _chat(kv_mesh.url, turns[:1], usages=usage) == want[:1]
+    # The decode worker offers the finished turn (prompt and answer) to the store in the
+    # background; once it is there, the store holds more of turn 2 than the prefill worker.
+    computed = usage[0]["prompt_tokens"] + usage[0]["completion_tokens"] - 1  # the last token has no KV yet
+    deadline = time.monotonic() + 30
+    while _stats(kv_mesh, "kv-store-t").counters["held_blocks"] < held + computed // BLOCK_SIZE:
+        assert time.monotonic() < deadline, "the finished turn never reached the store"
+        time.sleep(0.1)
+    alive = {c.name for c in kv_mesh.group.children if c.alive()}
+    prefills = [w for w in ("prefill-t", "prefill-t1") if kv_mesh.process_of[w] in alive]
+    before = _prefill_counters(kv_mesh, prefills)
+    store = next(c for c in kv_mesh.group.children if c.name == "kv_store")
+    msgs = [{"role": "user", "content": turns[0] + " " + "with context " * 12},
+            {"role": "assistant", "content": want[0]},
+            {"role": "user", "content": turns[1] + " " + "with context " * 12}]
+    store.popen.send_signal(signal.SIGSTOP)
+    try:
+        r = httpx.post(kv_mesh.url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": msgs, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+    finally:
+        store.popen.send_signal(signal.SIGCONT)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want[1]
+    after = _prefill_counters(kv_mesh, prefills)
+    assert after["kv_pulls_failed"] == before["kv_pulls_failed"] + 1
+    assert after["kv_pulled_tokens"] == before["kv_pulled_tokens"]  # recomputed: nothing came
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its own blocks still served
+
+
+def _prefill_counters(mesh, workers) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for w in workers:
+        for k, v in _stats(mesh, w).counters.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def test_killing_the_store_mid_run_loses_no_request(kv_mesh, no_reuse):

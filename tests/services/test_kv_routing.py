@@ -50,3 +50,16 @@ def test_route_prefill_picks_the_worker_and_longer_holders_to_pull_from():
     assert chosen.worker_id == "p1"  # what this gateway just sent p2 counts as queued
     assert route_prefill(prompt, [], peers, ix, {}) == (None, [])
     assert route_prefill(prompt, [p1], [p1], KVIndex(), {}) == (p1, [])  # nothing known of anyone
+
+
+def test_among_holders_as_deep_the_store_is_asked_first():
+    prompt = list(range(21))
+    hashes = chain(prompt, 4, b"i", 5)
+    ix = KVIndex()
+    ix.apply(KVEvents("d1", "decode", b"i", hashes))
+    ix.apply(KVEvents("store", "kv_store", b"", hashes))
+    ix.apply(KVEvents("d2", "decode", b"i", hashes[:3]))
+    p1 = _holder("p1", "prefill")
+    peers = [p1, _holder("d2", "decode"), _holder("d1", "decode"), _holder("store", "kv_store", ident=b"s")]
+    _, sources = route_prefill(prompt, [p1], peers, ix, {})
+    assert [(s.holder_id, s.num_blocks) for s in sources] == [("store", 5), ("d1", 5)]

@@ -167,7 +167,8 @@ async def _stats(nc, worker_ids: list[str]) -> dict:
 async def _stats_of(nats_url: str, worker_ids: list[str]) -> dict:
     import nats
 
-    nc = await nats.connect(nats_url.split(","))  # a cluster's URLs, comma-separated
+    # A cluster's URLs, comma-separated, in order: a node that is down is tried last.
+    nc = await nats.connect(nats_url.split(","), dont_randomize=True)
     try:
         return await _stats(nc, worker_ids)
     finally:

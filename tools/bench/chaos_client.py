@@ -10,7 +10,12 @@ Lifecycle:
    `{"event": "streaming"}`. The runner now injects its fault.
 3. fault: the runner writes `fault <unix time> <deadline unix time>` on stdin. From
    then, probes (short requests, open loop, `probe_rate` a second for `probe_s`) go to
-   the last gateway: new work arriving while the mesh recovers.
+   the last gateway: new work arriving while the mesh recovers. (A runner may write the
+   line ahead of the fault's time, so that some probes come before it.)
+   With `probe_turns = 2` each probe is the second turn of a conversation whose first
+   turn ran before the streams were sent: its prompt is that turn's prompt, the answer's
+   token ids and a few more, so its prefill finds most of the prompt held elsewhere (the
+   KV store, the decode worker that answered) and fetches it.
 4. done: every stream and probe has ended, or the deadline has passed (what is left
    is cancelled and counted as hung). One `{"event": "result", ...}` line.
 
@@ -51,6 +56,12 @@ class ChaosLoad:
     probe_rate: float = 5.0  # probes a second after the fault (0: none)
     probe_s: float = 5.0
     probe_tokens: int = 8
+    probe_turns: int = 1  # 2: each probe is a conversation's second turn (see above)
+    first_turn_tokens: int = 40  # probe_turns = 2: the first turn's answer; blocks past the prompt's
+
+    def __post_init__(self) -> None:
+        if self.probe_turns not in (1, 2):
+            raise ValueError("probe_turns must be 1 or 2")
 
 
 @dataclass
@@ -143,7 +154,7 @@ async def _stream(c: httpx.AsyncClient, url: str, body: dict, rec: StreamRecord,
 async def _probe(c: httpx.AsyncClient, url: str, body: dict, out: list[dict]) -> None:
     """One short streamed request; its x-moemesh-worker header names the decode worker the
     gateway chose for it."""
-    rec = {"t_sent": time.time(), "status": 0, "error": None, "latency_s": None, "worker": None}
+    rec = {"t_sent": time.time(), "status": 0, "error": None, "latency_s": None, "ttft_s": None, "worker": None}
     out.append(rec)
     try:
         async with c.stream("POST", url + "/v1/completions", json=body) as r:
@@ -154,6 +165,8 @@ async def _probe(c: httpx.AsyncClient, url: str, body: dict, out: list[dict]) ->
             async for line in r.aiter_lines():
                 if line.startswith('data: {"error"'):
                     rec["error"] = "error_event"
+                elif rec["ttft_s"] is None and line.startswith("data: {"):
+                    rec["ttft_s"] = time.time() - rec["t_sent"]
                 done = done or line == "data: [DONE]"
             if rec["error"] is None and not done:
                 rec["error"] = "no [DONE]"
@@ -166,15 +179,34 @@ async def _probe(c: httpx.AsyncClient, url: str, body: dict, out: list[dict]) ->
         rec["latency_s"] = time.time() - rec["t_sent"]
 
 
-async def _probes(c: httpx.AsyncClient, cfg: ChaosLoad, out: list[dict], tasks: list[asyncio.Task]) -> None:
-    if cfg.probe_rate <= 0:
-        return
+def _num_probes(cfg: ChaosLoad) -> int:
+    return int(cfg.probe_rate * cfg.probe_s) if cfg.probe_rate > 0 else 0
+
+
+async def _first_turns(c: httpx.AsyncClient, cfg: ChaosLoad) -> list[list[int]]:
+    """probe_turns = 2: every probe's first turn, run to its end now; returns each probe's
+    second-turn prompt (the first turn's prompt, its answer's ids, 16 ids more)."""
+    async def turn(k: int) -> list[int]:
+        first = prompt_ids(200_000 + k, cfg.prompt_tokens)
+        r = await c.post(cfg.urls[-1] + "/v1/completions", json={
+            "model": cfg.model, "prompt": first, "max_tokens": cfg.first_turn_tokens,
+            "min_tokens": cfg.first_turn_tokens, "ignore_eos": True, "temperature": 0, "logprobs": 0,
+            "return_tokens_as_token_ids": True})
+        r.raise_for_status()
+        answer = [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+        return first + answer + prompt_ids(300_000 + k, 16)
+
+    return list(await asyncio.gather(*(turn(k) for k in range(_num_probes(cfg)))))
+
+
+async def _probes(c: httpx.AsyncClient, cfg: ChaosLoad, prompts: list[list[int]], out: list[dict],
+                  tasks: list[asyncio.Task]) -> None:
     body = {"model": cfg.model, "stream": True, "max_tokens": cfg.probe_tokens, "min_tokens": cfg.probe_tokens,
             "ignore_eos": True, "temperature": 0}
     t0 = time.monotonic()
-    for k in range(int(cfg.probe_rate * cfg.probe_s)):
+    for k in range(_num_probes(cfg)):
         await asyncio.sleep(max(0.0, t0 + k / cfg.probe_rate - time.monotonic()))
-        b = {**body, "prompt": prompt_ids(100_000 + k, 16)}
+        b = {**body, "prompt": prompts[k] if prompts else prompt_ids(100_000 + k, 16)}
         tasks.append(asyncio.create_task(_probe(c, cfg.urls[-1], b, out)))
 
 
@@ -185,6 +217,7 @@ async def run(cfg: ChaosLoad) -> dict:
     # No read timeout: a stall is what is measured, and the deadline ends what never ends.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.streams)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits) as c:
+        second_turns = await _first_turns(c, cfg) if cfg.probe_turns == 2 else []
         recs = [StreamRecord(i, i % len(cfg.urls)) for i in range(cfg.streams)]
         progress = asyncio.Event()
         streams = []
@@ -208,7 +241,7 @@ async def run(cfg: ChaosLoad) -> dict:
         fault_at, deadline = (float(words[1]), float(words[2])) if len(words) == 3 else (None, time.time())
         probes: list[dict] = []
         probe_tasks: list[asyncio.Task] = []
-        sender = asyncio.create_task(_probes(c, cfg, probes, probe_tasks)) if fault_at else None
+        sender = asyncio.create_task(_probes(c, cfg, second_turns, probes, probe_tasks)) if fault_at else None
         if sender is not None:
             await asyncio.wait([sender], timeout=max(0.0, deadline - time.time()))
             sender.cancel()

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moemesh.tools.bench import chaos_report as report
+from moemesh.tools.bench import rack_moves
 from moemesh.tools.bench.chaos import _gateway_counters, _stats_of
 from moemesh.tools.bench.chaos_client import ChaosLoad, LoadClient
 from moemesh.tools.bench.env import environment
@@ -47,10 +48,18 @@ LEFTOVER_WITHIN_S = 40.0  # after the load: every block and staging byte is back
 @dataclass(frozen=True)
 class RackScenario:
     name: str
-    fault: str  # kill | stop (SIGSTOP, then SIGCONT) | cut (a host's data plane down, then up)
+    # kill | stop (SIGSTOP, then SIGCONT) | cut (a host's data plane down, then up) |
+    # dark (a host dies as hardware does: both its links go silent, then its processes die,
+    # so no peer hears a reset or a closed connection; it never comes back)
+    # move (a live expert move on decode-i0, `target` killed once every rank has staged it;
+    # see tools/bench/rack_moves.py)
+    fault: str
     target: str  # a process name, or a host (h1..h3: every process it runs)
     duration_s: float = 0.0  # stop, cut: how long
     stall_goal_s: float = 10.0
+    probe_turns: int = 1  # 2: the probes are second turns, whose prefill fetches its prefix
+    probe_s: float = 5.0  # probes go out for this long from `lead_s` before the fault
+    lead_s: float = 0.0
     # straggler: a rank that is only slow keeps its streams (the mesh tells slow from dead:
     # a dead process has nothing subscribed on NATS any more; see services/gateway/mesh/migration.py)
 
@@ -61,7 +70,15 @@ SCENARIOS = {s.name: s for s in (
     RackScenario("cut-data", "cut", "h3", duration_s=10.0, stall_goal_s=5.0),
     RackScenario("nats-node", "kill", "nats-2", stall_goal_s=5.0),
     RackScenario("kill-host", "kill", "h3"),
+    # The KV store's host (with decode-1) dies while second turns fetch their prefixes from
+    # it: each fetch gives up within transfer_timeout_s and the prefix is computed again.
+    RackScenario("store-host", "dark", "h3", probe_turns=2, probe_s=8.0, lead_s=2.0),
+    RackScenario("move-cut", "move", "balancer"),
+    RackScenario("move-cut-rank", "move", "decode-i0-r1"),
 )}
+MOVE_TIMEOUT_S = 4.0  # a cut move's ranks drop their staging after this
+MOVED_INSTANCE, MOVED_RANKS = "decode-i0", ("decode-i0-r0", "decode-i0-r1")
+PULL_SLACK_S = 0.5  # a fetch's wait beyond transfer_timeout_s: the event loop's own delays
 
 
 @dataclass(frozen=True)
@@ -104,8 +121,9 @@ def nats_nodes(hosts: list[Host]) -> list[NatsNode]:
     return [NatsNode(f"nats-{h.name[1:]}", h.ctl_addr, NATS_PORT, NATS_CLUSTER_PORT, h.prefix) for h in hosts]
 
 
-def plan(cfg: RackConfig, hosts: list[Host], model: str) -> list[Proc]:
-    """Every service process of the rack, with its host and arguments. Pure."""
+def plan(cfg: RackConfig, hosts: list[Host], model: str, balancer: list[str] | None = None) -> list[Proc]:
+    """Every service process of the rack, with its host and arguments; a balancer (on h1)
+    with these settings when `balancer` is given. Pure."""
     h1, h2, h3 = hosts
     nodes = nats_nodes(hosts)
     blocks = -(-(cfg.prompt_tokens + 2 * cfg.max_tokens) // BLOCK_SIZE)
@@ -139,6 +157,9 @@ def plan(cfg: RackConfig, hosts: list[Host], model: str) -> list[Proc]:
         out.append(Proc("decode-1", h3.name, ["moemesh.services.decode", *common(h3, "decode-1"), *sets(worker)], {}))
     else:
         out += dep("decode", h3, "decode-i1", 2, DIST_PORT)
+    if balancer is not None:
+        out.append(Proc("balancer", h1.name, ["moemesh.services.balancer", "--model", model, "--nats-url",
+                                              client_urls(nodes, "nats-1"), *sets(balancer)], {}))
     out.append(Proc("gateway", h1.name, ["moemesh.services.gateway", *common(h1, "gateway"), "--host", h1.ctl_addr,
                                          "--port", str(GATEWAY_PORT), *sets(
                                              [f"max_inflight={4 * cfg.streams}", "worker_header=true"])], {}))
@@ -153,11 +174,11 @@ def _sets_of(argv: list[str]) -> dict[str, str]:
 class Rack:
     """The namespaces, the NATS cluster and the services of one scenario; a context manager."""
 
-    def __init__(self, cfg: RackConfig, log_dir: Path, model: str):
+    def __init__(self, cfg: RackConfig, log_dir: Path, model: str, balancer: list[str] | None = None):
         self.cfg, self.log_dir, self.model = cfg, log_dir, model
         self.net = RackNetwork(3, cfg.tag)
         self.nodes = nats_nodes(self.net.hosts)
-        self.procs = plan(cfg, self.net.hosts, model)
+        self.procs = plan(cfg, self.net.hosts, model, balancer)
         self.group = ProcessGroup(log_dir)
         self.url = f"http://{self.net.hosts[0].ctl_addr}:{GATEWAY_PORT}"
         self.nats_url = client_urls(self.nodes, "nats-1")  # the bench's own, from the root namespace
@@ -282,19 +303,32 @@ def run(cfg: RackConfig) -> dict:
             "log_dir": str(root), "scenarios": rows}
 
 
+def _balancer_for(scenarios) -> list[str] | None:
+    """The rack's balancer, where a scenario cuts a move: it moves only when asked."""
+    return rack_moves.balancer_sets(60.0, MOVE_TIMEOUT_S) if any(s.fault == "move" for s in scenarios) else None
+
+
 def run_scenario(cfg: RackConfig, sc: RackScenario, log_dir: Path, model: str) -> dict:
-    with Rack(cfg, log_dir, model) as rack:
+    with Rack(cfg, log_dir, model, _balancer_for([sc])) as rack:
         load = ChaosLoad(urls=[rack.url], model=Path(model).name, streams=cfg.streams, max_tokens=cfg.max_tokens,
-                         prompt_tokens=cfg.prompt_tokens, ready_tokens=cfg.ready_tokens, probe_rate=cfg.probe_rate)
+                         prompt_tokens=cfg.prompt_tokens, ready_tokens=cfg.ready_tokens, probe_rate=cfg.probe_rate,
+                         probe_s=sc.probe_s, probe_turns=sc.probe_turns)
         with LoadClient(load, log_dir / "client.log") as client:
-            client.wait("sent")
+            client.wait("sent", timeout_s=300.0)  # probe_turns = 2 runs the first turns first
             client.wait("streaming")
             victims = rack.children_of(sc.target)
             if not victims:
                 raise RuntimeError(f"nothing of {sc.target} is running")
-            t_fault = time.time()
-            strike(rack, sc, victims)
-            client.fault(t_fault, t_fault + sc.duration_s + cfg.deadline_s)
+            if sc.fault == "move":
+                pulls_before = _prefill_pulls(rack)
+                t_fault = strike(rack, sc, victims)
+                client.fault(t_fault, t_fault + cfg.deadline_s)
+            else:
+                t_fault = time.time() + sc.lead_s
+                client.fault(t_fault, t_fault + sc.duration_s + cfg.deadline_s)
+                time.sleep(max(0.0, t_fault - time.time()))
+                pulls_before = _prefill_pulls(rack)
+                strike(rack, sc, victims)
             if sc.duration_s:
                 time.sleep(max(0.0, t_fault + sc.duration_s - time.time()))
                 heal(rack, sc, victims)
@@ -304,10 +338,42 @@ def run_scenario(cfg: RackConfig, sc: RackScenario, log_dir: Path, model: str) -
         observed["detected_s"] = _detected(rack, sc, t_fault)
         observed["leftover"] = _leftover(rack)
         observed["health"] = _safe(rack.health)
+        pulls_after = _prefill_pulls(rack)
+        if sc.fault == "move":
+            move = rack_moves.judge(log_dir, list(MOVED_RANKS), sc.target == "balancer", MOVE_TIMEOUT_S + 10)
     row = report.scenario_row(sc.name, result, observed, references=_references(cfg, model) if cfg.real else None)
     row["leftover"] = observed["leftover"]
+    if sc.fault == "move":
+        row["move"] = move
+    if sc.probe_turns == 2:
+        row["second_turns"] = second_turns(result, pulls_before, pulls_after, cfg.transfer_timeout_s)
     row["goal"] = goal_check(row, sc)
     return row
+
+
+def _prefill_pulls(rack: Rack) -> dict[str, float]:
+    """The prefill workers' prefix-fetch counters, summed."""
+    import asyncio
+
+    names = [p.name for p in rack.procs if p.argv[0] == "moemesh.services.prefill"]
+    stats = asyncio.run(_stats_of(rack.nats_url, names))
+    keys = ("kv_pulled_tokens", "kv_pulls_failed", "kv_pull_wait_max_s")
+    return {k: (max if k.endswith("_max_s") else sum)(s.counters.get(k, 0.0) for s in stats.values()) for k in keys}
+
+
+def second_turns(result: dict, before: dict, after: dict, transfer_timeout_s: float) -> dict:
+    """Pure: what the second-turn probes show of prefix fetches around the fault."""
+    probes, at = result.get("probes", []), result.get("fault_at") or 0.0
+    after_fault = [p for p in probes if p["t_sent"] >= at]
+    ttfts = [p["ttft_s"] for p in after_fault if p.get("ttft_s") is not None]
+    return {"sent_before_fault": len(probes) - len(after_fault), "sent_after_fault": len(after_fault),
+            "complete": sum(1 for p in probes if p["error"] is None),
+            "ttft_max_after_s": max(ttfts) if ttfts else None,
+            "pulled_tokens_before_fault": before["kv_pulled_tokens"],
+            "pulled_tokens_after_fault": after["kv_pulled_tokens"] - before["kv_pulled_tokens"],
+            "fetches_given_up": after["kv_pulls_failed"] - before["kv_pulls_failed"],
+            "fetch_wait_max_s": after["kv_pull_wait_max_s"],
+            "fetch_wait_goal_s": transfer_timeout_s + PULL_SLACK_S}
 
 
 def _references(cfg: RackConfig, model: str) -> dict[int, str]:
@@ -326,7 +392,17 @@ def _references(cfg: RackConfig, model: str) -> dict[int, str]:
     return {i: hashlib.sha1(o.text.encode()).hexdigest() for i, o in enumerate(outs)}
 
 
-def strike(rack: Rack, sc: RackScenario, victims: list[Child]) -> None:
+def strike(rack: Rack, sc: RackScenario, victims: list[Child]) -> float:
+    """Inject the fault; returns its unix time (a cut move's: when its victim was killed)."""
+    if sc.fault == "move":
+        import asyncio
+
+        def kill() -> None:
+            for c in victims:
+                c.popen.send_signal(signal.SIGKILL)
+
+        return asyncio.run(rack_moves.cut_move(rack.nats_url, MOVED_INSTANCE, len(MOVED_RANKS), kill))
+    at = time.time()
     if sc.fault == "kill":
         for c in victims:
             c.popen.send_signal(signal.SIGKILL)
@@ -335,8 +411,14 @@ def strike(rack: Rack, sc: RackScenario, victims: list[Child]) -> None:
             c.popen.send_signal(signal.SIGSTOP)
     elif sc.fault == "cut":
         rack.net.set_plane(sc.target, "data", up=False)
+    elif sc.fault == "dark":
+        for plane in ("ctl", "data"):
+            rack.net.set_plane(sc.target, plane, up=False)
+        for c in victims:
+            c.popen.send_signal(signal.SIGKILL)
     else:
         raise ValueError(sc.fault)
+    return at
 
 
 def heal(rack: Rack, sc: RackScenario, victims: list[Child]) -> None:
@@ -345,6 +427,9 @@ def heal(rack: Rack, sc: RackScenario, victims: list[Child]) -> None:
             c.popen.send_signal(signal.SIGCONT)
     elif sc.fault == "cut":
         rack.net.set_plane(sc.target, "data", up=True)
+    elif sc.fault == "dark":  # the host is back (replaced, rebooted): its links, not its processes
+        for plane in ("ctl", "data"):
+            rack.net.set_plane(sc.target, plane, up=True)
 
 
 def _safe(f):
@@ -399,6 +484,15 @@ def goal_check(row: dict, sc: RackScenario) -> str:
         missed.append("leftover")
     if sc.name == "straggler" and row["migrated"]:
         missed.append("migrated a slow rank's streams")
+    if (m := row.get("move")) is not None:
+        missed += rack_moves.move_goal(m)
+    if (t := row.get("second_turns")) is not None:
+        if t["complete"] < t["sent_before_fault"] + t["sent_after_fault"]:
+            missed.append("second turns failed")
+        if t["fetch_wait_max_s"] > t["fetch_wait_goal_s"]:
+            missed.append(f"a fetch waited {t['fetch_wait_max_s']:.1f} s")
+        if not t["pulled_tokens_before_fault"]:
+            missed.append("no prefix was fetched before the fault")
     return f"MISSED ({', '.join(missed)})" if missed else "met"
 
 
@@ -407,17 +501,27 @@ def table(r: dict) -> str:
     engine = "real tiny model" if c["real"] else f"mock step {c['mock_step_ms']:g} ms"
     lines = [f"rack of 3 hosts: {c['streams']} streams x {c['max_tokens']} tokens, {engine}; "
              f"deadline {c['deadline_s']:g} s",
-             f"{'scenario':<11} {'complete':>9} {'migr':>5} {'error':>5} {'hung':>4} {'short':>5} {'wrong':>5} "
+             f"{'scenario':<13} {'complete':>9} {'migr':>5} {'error':>5} {'hung':>4} {'short':>5} {'wrong':>5} "
              f"{'stall s':>7} {'detect s':>8} {'probes ok':>9} {'clean s':>7}  goal"]
     for row in r["scenarios"]:
         if "failed" in row:
-            lines.append(f"{row['scenario']:<11} FAILED: {row['failed']}")
+            lines.append(f"{row['scenario']:<13} FAILED: {row['failed']}")
             continue
         lines.append(
-            f"{row['scenario']:<11} {row['complete_of_counted']:>4}/{row['counted']:<4} {report._n(row['migrated']):>5} "
+            f"{row['scenario']:<13} {row['complete_of_counted']:>4}/{row['counted']:<4} {report._n(row['migrated']):>5} "
             f"{row['error']:>5} {row['hung']:>4} {row['short']:>5} {row['wrong']:>5} {row['max_stall_s']:>7.2f} "
             f"{report._n(row['detected_s'], '.2f'):>8} {row['probes'] - row['probe_errors']:>4}/{row['probes']:<4} "
             f"{report._n((row.get('leftover') or {}).get('clean_after_s'), '.1f'):>7}  {row['goal']}")
+        if (m := row.get("move")) is not None:
+            lines.append(f"{'':<13} the move: switched on {', '.join(m['switched']) or 'no rank'}; "
+                         f"dropped by {', '.join(m['dropped']) or 'no rank'}")
+        if (t := row.get("second_turns")) is not None:
+            lines.append(
+                f"{'':<13} second turns: {t['complete']}/{t['sent_before_fault'] + t['sent_after_fault']} complete "
+                f"({t['sent_after_fault']} sent after the fault), first token within "
+                f"{report._n(t['ttft_max_after_s'], '.2f')} s; fetched {t['pulled_tokens_before_fault']:.0f} tokens "
+                f"before, {t['pulled_tokens_after_fault']:.0f} after; {t['fetches_given_up']:.0f} fetches given up, "
+                f"the longest wait {t['fetch_wait_max_s']:.2f} s (goal <= {t['fetch_wait_goal_s']:g})")
     lines.append("clean s: after the load, until every worker held no request, KV block or staging byte "
                  f"(-: not within {LEFTOVER_WITHIN_S:.0f} s); detect s: the gateway's first word of the victim")
     return "\n".join(lines)
@@ -442,7 +546,7 @@ def run_soak(cfg: RackConfig, soak: SoakConfig) -> dict:
     log_dir = Path(cfg.log_dir) if cfg.log_dir else default_home() / "runs" / time.strftime("soak-%Y%m%d-%H%M%S")
     model = cfg.model or str(ensure_tiny_model(default_home()))
     faults = []
-    with Rack(cfg, log_dir, model) as rack:
+    with Rack(cfg, log_dir, model, _balancer_for([SCENARIOS[n] for n in cfg.scenarios])) as rack:
         load = SoakLoad(url=rack.url, model=Path(model).name, streams=soak.streams, max_tokens=cfg.max_tokens,
                         prompt_tokens=cfg.prompt_tokens, duration_s=soak.duration_s)
         with open(log_dir / "soak-client.log", "ab") as err:
@@ -458,12 +562,19 @@ def run_soak(cfg: RackConfig, soak: SoakConfig) -> dict:
                 time.sleep(max(0.0, t0 + soak.settle_s + k * soak.every_s - time.time()))
                 sc = SCENARIOS[cfg.scenarios[k % len(cfg.scenarios)]]
                 victims = rack.children_of(sc.target)
-                at = time.time()
-                strike(rack, sc, victims)
+                try:
+                    at = strike(rack, sc, victims)
+                except Exception as e:  # a move the ranks never staged: nothing was cut
+                    faults.append({"scenario": sc.name, "at_s": time.time() - t0,
+                                   "strike_failed": f"{type(e).__name__}: {e}"})
+                    k += 1
+                    continue
                 if sc.duration_s:
                     time.sleep(sc.duration_s)
                     heal(rack, sc, victims)
                 time.sleep(5.0)  # the mesh's own recovery first (migrations, reconnects)
+                if sc.fault == "dark":
+                    heal(rack, sc, victims)
                 try:
                     started = rack.restore()
                     faults.append({"scenario": sc.name, "at_s": at - t0, "restarted": started,

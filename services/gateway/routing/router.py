@@ -92,8 +92,10 @@ def route_prefill(prompt_ids: list[int], workers: list[Heartbeat], peers: list[H
     for hb in holders:  # a store holds blocks of any model: the hashes themselves tell
         if hb.role == "kv_store":
             overlap[hb.worker_id] = kv.overlap(hb.worker_id, mine_chain)
-    sources = sorted((KVSource(hb.worker_id, overlap[hb.worker_id]) for hb in holders
-                      if overlap.get(hb.worker_id, 0) > mine and hb.worker_id != chosen.worker_id
-                      and (hb.role == "kv_store" or (hb.kv_identity, hb.block_size) == ident)),
-                     key=lambda s: -s.num_blocks)[:MAX_KV_SOURCES]
-    return chosen, sources
+    # Longest first; among holders as deep, the store first: serving a fetch costs a
+    # worker's engine thread (the blocks are gathered between its steps), the store's nothing.
+    ranked = sorted((hb for hb in holders
+                     if overlap.get(hb.worker_id, 0) > mine and hb.worker_id != chosen.worker_id
+                     and (hb.role == "kv_store" or (hb.kv_identity, hb.block_size) == ident)),
+                    key=lambda hb: (-overlap[hb.worker_id], hb.role != "kv_store"))
+    return chosen, [KVSource(hb.worker_id, overlap[hb.worker_id]) for hb in ranked[:MAX_KV_SOURCES]]
