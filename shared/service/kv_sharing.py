@@ -78,6 +78,26 @@ class KVParts:
         return self.tasks.spawn(coro, name)
 
 
+class PassedOver:
+    """Holders that failed a fetch, each left out of fetches for `for_s` after its latest
+    failure. Pure: the caller gives the time."""
+
+    def __init__(self, for_s: float):
+        self.for_s = for_s
+        self._until: dict[str, float] = {}
+
+    def note(self, holder: str, now: float) -> bool:
+        """A fetch from holder failed at `now`; True if it was not passed over already."""
+        fresh = not self.now(holder, now)
+        self._until[holder] = now + self.for_s
+        if len(self._until) > 1024:  # holders come and go: forget those long since asked again
+            self._until = {h: t for h, t in self._until.items() if t > now}
+        return fresh
+
+    def now(self, holder: str, now: float) -> bool:
+        return self._until.get(holder, 0.0) > now
+
+
 class KVSharing:
     def __init__(self, parts: KVParts, metrics: Metrics):
         self.parts = p = parts
@@ -89,7 +109,7 @@ class KVSharing:
         self.pulled_tokens = 0  # prompt tokens whose KV came from a peer or the store
         self.pulls_failed = 0  # pulls given up (holder gone or silent, bad bytes): recomputed
         self.pull_wait_max_s = 0.0  # the longest a prompt waited on a holder, found or not
-        self._troubled: dict[str, float] = {}  # holder -> monotonic time it is asked again
+        self.passed_over = PassedOver(HOLDER_TROUBLE_S)
         m = metrics
         self.c_hit = m.counter("kv_prefix_tokens_total", "prompt tokens by where their KV came from", ("source",))
         self.c_bytes = m.counter("kv_share_bytes_total", "KV block bytes moved", ("direction",))
@@ -182,7 +202,7 @@ class KVSharing:
         p = self.parts
         now = time.monotonic()
         cands = [s for s in sources if s.num_blocks > have and s.holder_id != p.worker_id
-                 and self._troubled.get(s.holder_id, 0.0) <= now]
+                 and not self.passed_over.now(s.holder_id, now)]
         if not cands:
             return None, have
         if not self.spec.hybrid:
@@ -240,9 +260,8 @@ class KVSharing:
 
     def _trouble(self, holder: str) -> None:
         self.pulls_failed += 1
-        if self._troubled.get(holder, 0.0) <= time.monotonic():
+        if self.passed_over.note(holder, time.monotonic()):
             log.warning("passing over %s for prefix fetches for %.0f s", holder, HOLDER_TROUBLE_S)
-        self._troubled[holder] = time.monotonic() + HOLDER_TROUBLE_S
 
     # ---- pushing to the store -----------------------------------------------------------------
     def store_id(self) -> str | None:

@@ -142,3 +142,28 @@ def test_a_failure_while_bytes_land_frees_the_staging_only_once_they_have_landed
         assert pool.bytes_used == 0
 
     asyncio.run(go())
+
+
+def test_the_ask_and_the_bytes_share_one_timeout():
+    """A slow answer leaves the bytes what is left of the timeout, not a timeout of their own."""
+    async def go():
+        a, b = await _pair()
+        rx = StagedReceive(b, StagingPool(1 << 20), N)
+        given = []
+
+        async def wait(timeout):
+            given.append(timeout)
+            raise TransferError("no bytes")
+
+        rx.wait = wait
+
+        async def slow_ask(tag):
+            await asyncio.sleep(0.2)
+            return "asked"
+
+        with pytest.raises(TransferError):
+            await rx.run(slow_ask, 1.0)
+        assert given and given[0] <= 0.8  # the ask took at least 0.2 of the 1.0
+        rx.release()
+
+    asyncio.run(go())

@@ -63,3 +63,14 @@ def test_among_holders_as_deep_the_store_is_asked_first():
     peers = [p1, _holder("d2", "decode"), _holder("d1", "decode"), _holder("store", "kv_store", ident=b"s")]
     _, sources = route_prefill(prompt, [p1], peers, ix, {})
     assert [(s.holder_id, s.num_blocks) for s in sources] == [("store", 5), ("d1", 5)]
+
+
+def test_a_holder_that_failed_a_fetch_is_passed_over_for_a_while():
+    from moemesh.shared.service.kv_sharing import PassedOver
+
+    p = PassedOver(10.0)
+    assert not p.now("store", 0.0)
+    assert p.note("store", 100.0)  # the first failure: worth a log line
+    assert p.now("store", 105.0) and not p.now("decode-1", 105.0)
+    assert not p.note("store", 103.0)  # already passed over; the window runs from the latest failure
+    assert p.now("store", 112.0) and not p.now("store", 113.5)
