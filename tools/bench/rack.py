@@ -556,10 +556,13 @@ def run_soak(cfg: RackConfig, soak: SoakConfig) -> dict:
             t0 = time.time()
             time.sleep(soak.settle_s)
             mem_start = rack.rss_mb()
+            samples = [(time.time() - t0, mem_start)]  # before each fault: a trend, or a plateau
             held_start = _leftover(rack, within_s=0)
             k = 0
             while time.time() + soak.every_s < t0 + soak.duration_s:
                 time.sleep(max(0.0, t0 + soak.settle_s + k * soak.every_s - time.time()))
+                if k:
+                    samples.append((time.time() - t0, rack.rss_mb()))
                 sc = SCENARIOS[cfg.scenarios[k % len(cfg.scenarios)]]
                 victims = rack.children_of(sc.target)
                 try:
@@ -591,9 +594,12 @@ def run_soak(cfg: RackConfig, soak: SoakConfig) -> dict:
         mem_end = rack.rss_mb()
         held_end = _leftover(rack)
     same = {n: (mem_start[n][1], mem_end[n][1]) for n in mem_start if n in mem_end and mem_start[n][0] == mem_end[n][0]}
+    samples.append((time.time() - t0, mem_end))
+    series = {n: [(round(t), round(m[n][1], 1)) for t, m in samples if n in m and m[n][0] == mem_start[n][0]]
+              for n in same}
     row = {"requests": result["requests"], "outcomes": result["outcomes"], "errors": result["errors"],
            "max_stall_s": result["max_stall_s"], "lost_without_clear_error": result["lost_without_clear_error"],
-           "faults": faults, "memory_mb": same, "restarted": sorted(set(mem_end) - set(same)),
+           "faults": faults, "memory_mb": same, "memory_series_mb": series, "restarted": sorted(set(mem_end) - set(same)),
            "held_at_start": held_start, "held_at_end": held_end}
     lost = sum(result["outcomes"][k] for k in ("short", "wrong", "hung"))
     grown = {n: (b - a) / a for n, (a, b) in same.items() if a > 0 and (b - a) / a > 0.10}
@@ -615,6 +621,9 @@ def soak_table(r: dict) -> str:
                                     for f in s["faults"])]
     for name, (a, b) in sorted(s["memory_mb"].items()):
         lines.append(f"  {name:<14} RSS {a:7.1f} -> {b:7.1f} MiB ({(b - a) / a * 100:+.1f}%)")
+        if a and (b - a) / a > 0.05:  # grown: a trend, or a plateau reached early?
+            lines.append("  " + " " * 14 + " before each fault: "
+                         + ", ".join(f"{m:.1f}@{t}s" for t, m in s.get("memory_series_mb", {}).get(name, [])))
     if s["restarted"]:
         lines.append(f"  restarted during the soak (not compared): {', '.join(s['restarted'])}")
     lines.append(f"held at the end: clean after {report._n(s['held_at_end'].get('clean_after_s'), '.1f')} s")
