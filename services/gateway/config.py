@@ -36,6 +36,9 @@ class GatewayConfig(ServiceConfig):
     # hold up every other request (and /health) on the event loop.
     inline_parse_bytes: int = 16 << 10
     max_model_len: int = 0  # 0: the model's own
+    # Admit a max_model_len past the model's positions: for meshes of mock engines (engine =
+    # "mock"), which serve any length, to replay traces at their recorded lengths.
+    allow_long_max_model_len: bool = False
     # Decode-only benchmarking: send requests straight to decode workers started with
     # bench_dummy_kv, skipping prefill and KV transfer. Logged loudly, shown in /v1/models.
     decode_only_bench: bool = False

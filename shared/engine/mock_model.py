@@ -192,15 +192,18 @@ def route_layers(layers: list[MockMoE], num_rows: int, gen: torch.Generator) -> 
 
 class MockModel(nn.Module):
     def __init__(self, cfg: ModelConfig, step_time_s: float, accept_rate: float | None = None,
-                 ranks: MockRanks | None = None, expert_slots=None):
+                 ranks: MockRanks | None = None, expert_slots=None, max_model_len: int = 0):
         """cfg: any model's config (V2/V3 or V4); only its sizes and tokens are used.
         accept_rate: None, no draft head (one token per sequence a step); else it has one,
         whose every draft the target accepts with this probability (see mtp_logits).
         ranks: as a rank of a DEP instance (then expert_slots, MoE layer id -> the logical
         expert of each local slot, as the checkpoint loader takes it): MoE layers, the
-        target's and with a draft head the MTP layer's, whose load shapes the step."""
+        target's and with a draft head the MTP layer's, whose load shapes the step.
+        max_model_len: the context to serve; past the model's positions, the mock's config
+        has that many (it computes nothing, so any length fits but the KV blocks')."""
         super().__init__()
-        self.cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0 if accept_rate is None else 1)
+        self.cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0 if accept_rate is None else 1,
+                                       max_position_embeddings=max(cfg.max_position_embeddings, max_model_len))
         self.accept_rate = accept_rate
         self.wants_row_keys = accept_rate is not None  # drafts are decided per (request, position)
         self.step_time_s = step_time_s

@@ -74,7 +74,7 @@ class DepRuntime:
         if cfg.engine == "mock":
             ranks = MockRanks(cfg.dp_rank, cfg.dp_size, cfg.mock_expert_share, seed=cfg.skew_seed)
             accept = cfg.mock_accept_rate if cfg.mock_accept_rate >= 0 else None
-            model = MockModel(mcfg, cfg.mock_step_ms / 1e3, accept, ranks, slots)
+            model = MockModel(mcfg, cfg.mock_step_ms / 1e3, accept, ranks, slots, cfg.max_model_len)
             self._mock = model
         else:
             model = load_model(cfg.model, ecfg.torch_dtype, cfg.device, expert_slots=slots, num_slots=S)

@@ -159,7 +159,8 @@ class WorkerRuntime:
             return await asyncio.to_thread(self.dep.build_engine, self.role)
         if cfg.engine == "mock":
             accept = cfg.mock_accept_rate if cfg.mock_accept_rate >= 0 else None
-            mock = MockModel(ModelConfig.from_dir(cfg.model), cfg.mock_step_ms / 1e3, accept)
+            mock = MockModel(ModelConfig.from_dir(cfg.model), cfg.mock_step_ms / 1e3, accept,
+                             max_model_len=cfg.max_model_len)
             return LLMEngine(EngineConfig.for_worker(cfg, self.role), model=mock)
         return await asyncio.to_thread(LLMEngine, EngineConfig.for_worker(cfg, self.role))
 

@@ -108,7 +108,7 @@ class FakeClient:
     def now(self):
         return asyncio.get_running_loop().time() - self.loop_t0
 
-    async def send(self, rec, messages):
+    async def send(self, rec, messages, prompt_ids=None):
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         rec.start = self.now()

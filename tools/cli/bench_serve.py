@@ -16,6 +16,7 @@ _DEFAULT_LENGTHS = {
     "prefix": ("uniform:32-256", "uniform:32-256"),
     "agentic": ("uniform:512-2048", "uniform:64-256"),
     "dataset": ("1", "uniform:32-256"),  # ISL: the file's; OSL: where the file has none
+    "trace": ("1", "1"),  # both the trace's
 }
 
 
@@ -33,14 +34,26 @@ def register(bsub) -> None:
     s.add_argument("--words-per-token", type=float, default=1.0,
                    help="length estimate without --tokenizer (default 1.0 for the built-in word list)")
     s.add_argument("--workload", choices=list(_DEFAULT_LENGTHS), default="random",
-                   help="request stream shape (dataset: prompts from --dataset-path)")
+                   help="request stream shape (dataset: prompts from --dataset-path; trace: a replay of --trace)")
     s.add_argument("--dataset-path", default=None, metavar="FILE",
                    help="with --workload dataset: JSONL ({\"prompt\": ..., \"output_len\": ...} per line) "
                         "or a ShareGPT JSON file")
+    s.add_argument("--trace", action="append", default=[], metavar="FILE",
+                   help="with --workload trace: a Mooncake JSONL trace (timestamp, input_length, output_length, "
+                        "hash_ids) or a kv-cache-tester JSON session; repeat for concurrent sessions. "
+                        "Needs --tokenizer")
+    s.add_argument("--trace-block-size", type=int, default=None,
+                   help="tokens each hash id covers (default: the trace's own; Mooncake's 512)")
+    s.add_argument("--trace-scale", default="auto", metavar="auto|F",
+                   help="divide every trace length by F, a power of two, keeping which blocks requests share "
+                        "(auto: the smallest that fits the server's max_model_len)")
+    s.add_argument("--time-scale", type=float, default=1.0,
+                   help="trace replay speed: 2 sends its requests at half its times")
     s.add_argument("--isl", default=None,
                    help="input length: N, uniform:LO-HI, normal:MEAN,STD, lognormal:MEDIAN,SIGMA")
     s.add_argument("--osl", default=None, help="output length (max_tokens), same forms as --isl")
-    s.add_argument("--num-requests", type=int, default=100, help="per point (random, fixed, prefix)")
+    s.add_argument("--num-requests", type=int, default=None,
+                   help="per point (random, fixed, prefix; default 100); trace: its first N (default all)")
     s.add_argument("--num-prefix-groups", type=int, default=4,
                    help="prefix workload: groups of requests that share a prefix")
     s.add_argument("--prefix-len", type=int, default=1024, help="tokens of each group's shared prefix")
@@ -106,12 +119,17 @@ def build_config(args: argparse.Namespace):
     from moemesh.tools.bench.serve.workload import LengthDist, WorkloadConfig
 
     isl, osl = _DEFAULT_LENGTHS[args.workload]
+    if args.trace_scale != "auto" and not args.trace_scale.isdigit():
+        raise ValueError(f"--trace-scale takes auto or a power of two, got {args.trace_scale!r}")
     workload = WorkloadConfig(
-        kind=args.workload, num_requests=args.num_requests, isl=LengthDist.parse(args.isl or isl),
+        kind=args.workload, num_requests=100 if args.num_requests is None else args.num_requests,
+        num_requests_set=args.num_requests is not None,
+        isl=LengthDist.parse(args.isl or isl),
         osl=LengthDist.parse(args.osl or osl), num_prefix_groups=args.num_prefix_groups,
         prefix_len=args.prefix_len, num_sessions=args.num_sessions, turns=LengthDist.parse(args.turns),
         tool_len=LengthDist.parse(args.tool_len), words_per_token=args.words_per_token,
-        dataset_path=args.dataset_path)
+        dataset_path=args.dataset_path, trace_paths=tuple(args.trace), trace_block_size=args.trace_block_size,
+        trace_scale=0 if args.trace_scale == "auto" else int(args.trace_scale), time_scale=args.time_scale)
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
@@ -120,7 +138,12 @@ def build_config(args: argparse.Namespace):
         stream_usage=args.stream_usage, continuous_usage=args.continuous_usage, api_key=args.api_key,
         timeout_s=args.timeout_s,
         worker_header=args.worker_header, temperature=args.temperature, extra_body=extra)
-    if args.sweep:
+    if args.workload == "trace":
+        if args.sweep or args.rate is not None or args.concurrency is not None:
+            raise ValueError("the trace workload replays at its own times: give --time-scale, not --rate, "
+                             "--concurrency or --sweep")
+        mode, values = "trace", (args.time_scale,)
+    elif args.sweep:
         mode, values = parse_sweep(args.sweep)
         if mode == "concurrency" and args.rate is not None:
             raise ValueError("--rate cannot be combined with a concurrency sweep")
@@ -149,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out_dir or f"bench-results/serve-{time.strftime('%Y%m%d-%H%M%S')}"
     paths = report.write_all(result, out_dir)
     print(report.table(result))
+    for p in result["points"]:
+        if p.get("trace"):
+            print("\n".join(report.trace_lines(p)))
     for p in result["points"]:
         ph = p.get("server_phases")
         if ph:

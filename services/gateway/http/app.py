@@ -109,6 +109,19 @@ def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
     )
 
 
+def context_length(asked: int, model_positions: int, allow_long: bool) -> int:
+    """The context the gateway admits: the one asked for (0: the model's), never past the
+    model's positions unless allow_long (a mesh of mock engines, which compute nothing and
+    so serve any length)."""
+    if not asked:
+        return model_positions
+    if asked > model_positions and not allow_long:
+        log.warning("max_model_len=%d is past the model's %d positions: using %d (allow_long_max_model_len "
+                    "lifts this, for mock engines only)", asked, model_positions, model_positions)
+        return model_positions
+    return asked
+
+
 async def _start(cfg: GatewayConfig, gateway_id: str | None, provider) -> GatewayState:
     """The gateway's state, its mesh client connected."""
     tok = Tokenizer(cfg.model)
@@ -116,7 +129,7 @@ async def _start(cfg: GatewayConfig, gateway_id: str | None, provider) -> Gatewa
     metrics = Metrics(const_labels={"model_name": cfg.model_name})
     mesh = MeshClient(cfg, gateway_id, metrics)
     await mesh.start()
-    max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    max_model_len = context_length(cfg.max_model_len, mcfg.max_position_embeddings, cfg.allow_long_max_model_len)
     st = GatewayState(cfg, mesh, tok, max_model_len, get_tracer(provider, "moemesh.gateway", root=True), metrics,
                       mcfg.vocab_size, openapi_document(cfg.model_name, mcfg.vocab_size, max_model_len, cfg.max_n,
                                                         cfg.max_prompts))

@@ -153,11 +153,16 @@ class ServeClient:
                                  f"({type(e).__name__}: {e}); pass --model") from None
         return self.model
 
-    def body(self, messages: list[dict], max_tokens: int) -> dict:
+    def body(self, messages: list[dict] | None, max_tokens: int, prompt_ids=None) -> dict:
+        """prompt_ids: the prompt as token ids (a replayed trace), for completions only."""
         from moemesh.tools.bench.serve.workload import render_completion
 
         b = {"model": self.model, "max_tokens": max_tokens, "stream": True}
-        if self.cfg.endpoint == "chat":
+        if prompt_ids is not None:
+            if self.cfg.endpoint == "chat":
+                raise ValueError("token-id prompts go to the completions endpoint")
+            b["prompt"] = list(prompt_ids)
+        elif self.cfg.endpoint == "chat":
             b["messages"] = messages
         else:
             b["prompt"] = render_completion(messages)
@@ -171,9 +176,9 @@ class ServeClient:
             b["temperature"] = self.cfg.temperature
         return b | self.cfg.extra_body
 
-    async def send(self, rec: RequestRecord, messages: list[dict]) -> None:
+    async def send(self, rec: RequestRecord, messages: list[dict] | None, prompt_ids=None) -> None:
         """Send one request and fill rec in; never raises for a failed request."""
-        body = self.body(messages, rec.max_tokens)
+        body = self.body(messages, rec.max_tokens, prompt_ids)
         rec.start = self.now()
         try:
             async with self._http.stream("POST", ENDPOINTS[self.cfg.endpoint], json=body) as resp:
@@ -219,6 +224,9 @@ class ServeClient:
                         rec.output_tokens = int(usage["completion_tokens"])
                     if usage.get("prompt_tokens") is not None:
                         rec.input_tokens = int(usage["prompt_tokens"])
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                        rec.cached_tokens = int(details["cached_tokens"])
                 rec.finish_reason = finish or rec.finish_reason
 
 

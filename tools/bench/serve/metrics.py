@@ -34,6 +34,8 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those chunks
     output_tokens: int = 0
     input_tokens: int | None = None  # as the server reported it (usage.prompt_tokens)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
+    trace_input_tokens: int | None = None  # a replayed trace's prompt length before scaling
     token_source: str = "chunks"  # how chunk_tokens were counted: usage | spread | chunks (see client.py)
     status: int | None = None  # HTTP status; None when no response came
     error: str | None = None
@@ -123,12 +125,28 @@ def summarize(records: list[RequestRecord], slo_ttft_ms: float | None = None,
     s["goodput"] = _goodput(records, ok, slo_ttft_ms, slo_tpot_ms, rate)
     s["errors"] = _errors(records)
     s.update(vllm_fields(s, ok))
+    told = [r for r in ok if r.cached_tokens is not None]
+    if told:
+        prompt = sum(r.input_tokens if r.input_tokens is not None else r.target_input_tokens for r in told)
+        s["prefix_hit_rate"] = sum(r.cached_tokens for r in told) / prompt if prompt else None
     if any(r.turn > 1 for r in records):
         s["ttft_ms_by_turn"] = {
             "1": dist([x for r in ok if r.turn == 1 and (x := ttft(r)) is not None], scale=1e3),
             "2+": dist([x for r in ok if r.turn > 1 and (x := ttft(r)) is not None], scale=1e3),
         }
     return s
+
+
+def by_band(ok: list[RequestRecord], band_of, order: list[str]) -> dict:
+    """TTFT and ITL of the requests in each band (band_of(record) -> its name), in order;
+    bands no request fell in are left out."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in ok:
+        groups.setdefault(band_of(r), []).append(r)
+    return {b: {"count": len(groups[b]),
+                "ttft_ms": dist([x for r in groups[b] if (x := ttft(r)) is not None], scale=1e3),
+                "itl_ms": dist([g for r in groups[b] for g in itl(r)], scale=1e3)}
+            for b in [*order, *sorted(set(groups) - set(order))] if b in groups}
 
 
 VLLM_PERCENTILES = (50, 90, 99)

@@ -58,6 +58,28 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def trace_lines(p: dict) -> list[str]:
+    """A replayed trace's point: its scale, the hit rate it implies beside the server's, and
+    TTFT/ITL by the trace's context-length band."""
+    t = p.get("trace")
+    if not t:
+        return []
+    a = t["achieved"]
+    pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
+    lines = [f"trace {'+'.join(t['formats'])}: {t['requests']} requests over {t['span_s']:.0f} s at time scale "
+             f"{t['time_scale']:g}; lengths / {t['scale']} ({t['block_size']}-token blocks sent as "
+             f"{t['block_tokens']} tokens; the longest context {t['longest_context']} before scaling)",
+             f"prefix hit rate: trace implies {pct(t['implied_hit_rate'])}, server achieved {pct(a['hit_rate'])} "
+             f"({a['cached_tokens']} of {a['prompt_tokens']} prompt tokens cached, "
+             f"{a['requests_reporting_cached']} requests reporting)",
+             "", "| context (trace) | requests | TTFT p50/p90/p99 ms | ITL p50/p99 ms |", "|---|---|---|---|"]
+    for name, b in t["by_band"].items():
+        f, i = b["ttft_ms"], b["itl_ms"]
+        lines.append(f"| {name} | {b['count']} | {_f(f['p50'])}/{_f(f['p90'])}/{_f(f['p99'])} "
+                     f"| {_f(i['p50'], '.2f')}/{_f(i['p99'], '.2f')} |")
+    return lines
+
+
 def markdown(result: dict, images: list[str]) -> str:
     c = result["config"]
     w = c["workload"]
@@ -65,11 +87,13 @@ def markdown(result: dict, images: list[str]) -> str:
     lines = [
         "# bench serve", "",
         f"- server: {c['url']} ({c['endpoint']}), model `{c['model']}`",
-        f"- workload: {w['kind']}, ISL {w['isl']}, OSL {w['osl']}"
-        + (f", {w['num_sessions']} sessions x {w['turns']} turns, tool output {w['tool_len']}"
-           if w["kind"] == "agentic" else f", {w['num_requests']} requests")
+        (f"- workload: trace {', '.join(w['trace_paths'])}" if w["kind"] == "trace" else
+         f"- workload: {w['kind']}, ISL {w['isl']}, OSL {w['osl']}"
+         + (f", {w['num_sessions']} sessions x {w['turns']} turns, tool output {w['tool_len']}"
+            if w["kind"] == "agentic" else f", {w['num_requests']} requests"))
         + (f", {w['num_prefix_groups']} prefix groups of {w['prefix_len']} tokens" if w["kind"] == "prefix" else ""),
-        f"- arrival: {c['mode']} sweep {', '.join(f'{v:g}' for v in c['values'])}"
+        (f"- arrival: the trace's times, sped up {c['values'][0]:g}x" if c["mode"] == "trace" else
+         f"- arrival: {c['mode']} sweep {', '.join(f'{v:g}' for v in c['values'])}")
         + (f", max concurrency {c['max_concurrency']}" if c["max_concurrency"] else ""),
         f"- seed {c['seed']}, warm-up {result['warmup']['num_requests']} requests "
         f"({result['warmup']['num_errors']} errors), ignore_eos {c['ignore_eos']}, "
@@ -97,6 +121,8 @@ def markdown(result: dict, images: list[str]) -> str:
                 f"{m['count']}x {m['message']}" for m in s["errors"]["messages"][:3]))
         if extra:
             lines += [f"**{_point_name(p)}**", ""] + [f"- {x}" for x in extra] + [""]
+        if p.get("trace"):
+            lines += trace_lines(p) + [""]
     lines += [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"
 

@@ -8,6 +8,7 @@ Arrival processes, over sessions (a single-turn workload has one request per ses
 - concurrency C: a closed loop; C sessions in flight, the next starts when one ends.
 - rate R: an open loop; sessions start at Poisson times of rate R (inf: all at once),
   optionally capped at --concurrency in flight. Turns of one session still run in order.
+- trace X: an open loop at the trace's own times divided by X (tools/bench/serve/trace.py).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from importlib import metadata
 
 from moemesh.tools.bench.serve import workload as wl
 from moemesh.tools.bench.serve.client import ClientConfig, ServeClient
-from moemesh.tools.bench.serve.metrics import RequestRecord, summarize
+from moemesh.tools.bench.serve.metrics import RequestRecord, by_band, summarize
 
-MODES = ("concurrency", "rate")
+MODES = ("concurrency", "rate", "trace")
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,19 @@ class ServeBenchConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode must be concurrency or rate, got {self.mode!r}")
+            raise ValueError(f"mode must be concurrency, rate or trace, got {self.mode!r}")
+        if (self.mode == "trace") != (self.workload.kind == "trace"):
+            raise ValueError("the trace workload replays at its own times: give --time-scale, not a rate, "
+                             "concurrency or sweep")
+        if self.mode == "trace" and self.client.endpoint != "completions":
+            raise ValueError("a trace replays token-id prompts, which only --endpoint completions takes")
         if not self.values:
             raise ValueError("at least one concurrency or rate value is needed")
         for v in self.values:
             if self.mode == "concurrency" and (v < 1 or v != int(v)):
                 raise ValueError(f"a concurrency must be a positive integer, got {v:g}")
-            if self.mode == "rate" and not v > 0:
-                raise ValueError(f"a rate must be positive (or inf), got {v:g}")
+            if self.mode in ("rate", "trace") and not v > 0:
+                raise ValueError(f"a rate or time scale must be positive (or inf), got {v:g}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("--concurrency must be at least 1")
         if self.warmup < 0:
@@ -103,8 +109,9 @@ async def run_session(client: ServeClient, spec: wl.SessionSpec, first_index: in
             messages = wl.context_after(messages, answer, turn)
         context_target += turn.input_len
         rec = RequestRecord(index=first_index + k, session=spec.session, turn=k + 1,
-                            max_tokens=turn.max_tokens, target_input_tokens=context_target, group=spec.group)
-        await client.send(rec, messages)
+                            max_tokens=turn.max_tokens, target_input_tokens=context_target, group=spec.group,
+                            trace_input_tokens=turn.trace_input_len)
+        await client.send(rec, messages, turn.prompt_ids)
         records.append(rec)
         if progress is not None:
             progress.update(rec.ok)
@@ -150,9 +157,9 @@ async def run_point(client: ServeClient, work: wl.Workload, mode: str, value: fl
     return sorted(records, key=lambda r: r.index)
 
 
-def warmup_workload(cfg: ServeBenchConfig, tokenizer=None) -> wl.Workload:
+def warmup_workload(cfg: ServeBenchConfig, tokenizer=None, max_model_len: int | None = None) -> wl.Workload:
     """N single requests shaped like the first turns of the real stream, with their own text."""
-    base = wl.build(cfg.workload, cfg.seed, salt="warmup", tokenizer=tokenizer)
+    base = wl.build(cfg.workload, cfg.seed, salt="warmup", tokenizer=tokenizer, max_model_len=max_model_len)
     sessions = tuple(wl.SessionSpec(i, base.sessions[i % len(base.sessions)].turns[:1])
                      for i in range(cfg.warmup))
     return wl.Workload(sessions, tuple(0.0 for _ in sessions))
@@ -166,7 +173,7 @@ async def run_async(cfg: ServeBenchConfig) -> dict:
         model = await client.resolve_model()
         warm = {"num_requests": cfg.warmup, "num_errors": 0}
         if cfg.warmup:
-            work = warmup_workload(cfg, tok)
+            work = warmup_workload(cfg, tok, client.max_model_len)
             conc = int(cfg.values[0]) if cfg.mode == "concurrency" else (cfg.max_concurrency or 8)
             bar = Progress(work.num_requests, "warm-up", cfg.progress)
             recs = await run_point(client, work, "concurrency", min(conc, cfg.warmup), progress=bar)
@@ -174,7 +181,7 @@ async def run_async(cfg: ServeBenchConfig) -> dict:
             warm["num_errors"] = sum(not r.ok for r in recs)
         points = []
         for i, value in enumerate(cfg.values):
-            work = wl.build(cfg.workload, cfg.seed, salt=i, tokenizer=tok)
+            work = wl.build(cfg.workload, cfg.seed, salt=i, tokenizer=tok, max_model_len=client.max_model_len)
             over = wl.over_context(work, client.max_model_len)
             if over:
                 print(f"warning: {over} of {work.num_requests} requests will not fit the server's "
@@ -186,8 +193,10 @@ async def run_async(cfg: ServeBenchConfig) -> dict:
             recs = await run_point(client, work, cfg.mode, value, cfg.max_concurrency, bar)
             t1 = time.time()
             bar.close()
+            summary = summarize(recs, cfg.slo_ttft_ms, cfg.slo_tpot_ms)
             points.append({"mode": cfg.mode, "value": value, "text_salt": i, "over_context_requests": over,
-                           "summary": summarize(recs, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+                           "summary": summary,
+                           **({"trace": trace_figures(work.trace, recs)} if work.trace else {}),
                            **({"server_phases": await _server_phases(cfg, t0, t1)} if cfg.nats_url else {}),
                            "requests": [r.to_json() for r in recs]})
     return {
@@ -200,6 +209,22 @@ async def run_async(cfg: ServeBenchConfig) -> dict:
         "warmup": warm,
         "points": points,
     }
+
+
+def trace_figures(info: dict, records: list[RequestRecord]) -> dict:
+    """What the trace implies beside what the server did: the prefix hit rate (cached
+    prompt tokens over prompt tokens, from usage.prompt_tokens_details) and TTFT/ITL by
+    the trace's context-length band."""
+    from moemesh.tools.bench.serve import trace as tr
+
+    ok = [r for r in records if r.ok]
+    told = [r for r in ok if r.cached_tokens is not None]
+    prompt = sum(r.input_tokens if r.input_tokens is not None else r.target_input_tokens for r in told)
+    cached = sum(r.cached_tokens for r in told)
+    bands = by_band(ok, lambda r: tr.band(r.trace_input_tokens or r.target_input_tokens), tr.band_order())
+    return info | {"achieved": {"requests_reporting_cached": len(told), "prompt_tokens": prompt,
+                                "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None},
+                   "by_band": bands}
 
 
 async def _server_phases(cfg: ServeBenchConfig, t0: float, t1: float) -> dict:

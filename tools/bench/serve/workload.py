@@ -16,11 +16,12 @@ loaded with `tokenizers`); otherwise a words-per-token estimate sets the number 
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KINDS = ("random", "fixed", "prefix", "agentic", "dataset")
+KINDS = ("random", "fixed", "prefix", "agentic", "dataset", "trace")
 
 # Common English words: modern BPE vocabularies (32k-200k entries) encode nearly every one
 # of them, with its leading space, as a single token, hence the 1.0 words-per-token default.
@@ -105,12 +106,28 @@ class WorkloadConfig:
     tool_len: LengthDist = field(default_factory=lambda: LengthDist("uniform", 128, 512))
     words_per_token: float = 1.0
     dataset_path: str | None = None  # dataset: JSONL prompts or a ShareGPT JSON file
+    # trace (tools/bench/serve/trace.py): the files, the tokens a hash id covers (None: the
+    # trace's own), the factor lengths are divided by (0: the smallest that fits the
+    # server's context), and the replay's speed (2: the trace's times halved).
+    trace_paths: tuple[str, ...] = ()
+    trace_block_size: int | None = None
+    trace_scale: int = 0
+    time_scale: float = 1.0
+    num_requests_set: bool = True  # trace: False replays the whole trace
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"workload must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if (self.kind == "dataset") != (self.dataset_path is not None):
             raise ValueError("--dataset-path goes with --workload dataset, and that workload needs it")
+        if (self.kind == "trace") != bool(self.trace_paths):
+            raise ValueError("--trace goes with --workload trace, and that workload needs it")
+        if self.trace_scale < 0 or (self.trace_scale & (self.trace_scale - 1)):
+            raise ValueError("--trace-scale must be a power of two (or auto)")
+        if self.trace_block_size is not None and self.trace_block_size < 1:
+            raise ValueError("--trace-block-size must be at least 1")
+        if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+            raise ValueError("--time-scale must be a positive number")
         if self.kind == "fixed" and (self.isl.kind != "fixed" or self.osl.kind != "fixed"):
             raise ValueError("the fixed workload takes plain integer --isl and --osl")
         if self.num_requests < 1 or self.num_sessions < 1 or self.num_prefix_groups < 1:
@@ -124,7 +141,10 @@ class WorkloadConfig:
                 "osl": str(self.osl), "num_prefix_groups": self.num_prefix_groups,
                 "prefix_len": self.prefix_len, "num_sessions": self.num_sessions,
                 "turns": str(self.turns), "tool_len": str(self.tool_len),
-                "words_per_token": self.words_per_token, "dataset_path": self.dataset_path}
+                "words_per_token": self.words_per_token, "dataset_path": self.dataset_path,
+                **({"trace_paths": list(self.trace_paths), "trace_block_size": self.trace_block_size,
+                    "trace_scale": self.trace_scale or "auto", "time_scale": self.time_scale}
+                   if self.kind == "trace" else {})}
 
 
 @dataclass(frozen=True)
@@ -132,6 +152,8 @@ class Turn:
     text: str  # the whole prompt for turn 1, the appended tool output after
     input_len: int  # target tokens of `text`
     max_tokens: int
+    prompt_ids: tuple[int, ...] | None = None  # trace: the prompt as token ids (text is then "")
+    trace_input_len: int | None = None  # trace: the prompt's length before scaling
 
 
 @dataclass(frozen=True)
@@ -144,7 +166,8 @@ class SessionSpec:
 @dataclass(frozen=True)
 class Workload:
     sessions: tuple[SessionSpec, ...]
-    arrivals: tuple[float, ...]  # unit-rate Poisson start offsets, one per session
+    arrivals: tuple[float, ...]  # unit-rate Poisson start offsets, one per session (trace: its times)
+    trace: dict | None = None  # trace: its scale and the hit rate it implies (see trace_stream)
 
     @property
     def num_requests(self) -> int:
@@ -185,7 +208,8 @@ class TextSource:
             words += self._words(num_tokens - len(enc.ids) + 8)
 
 
-def build(cfg: WorkloadConfig, seed: int, salt: int | str = 0, tokenizer=None) -> Workload:
+def build(cfg: WorkloadConfig, seed: int, salt: int | str = 0, tokenizer=None,
+          max_model_len: int | None = None) -> Workload:
     """The request stream for one benchmark point.
 
     Args:
@@ -194,7 +218,10 @@ def build(cfg: WorkloadConfig, seed: int, salt: int | str = 0, tokenizer=None) -
             that a server's prefix cache has not seen at an earlier point.
     Returns:
         A Workload; the same (cfg, seed, salt) always gives an equal one.
+        max_model_len: the server's context; a trace is scaled to fit it.
     """
+    if cfg.kind == "trace":
+        return trace_stream(cfg, seed, salt, tokenizer, max_model_len)
     shape = random.Random(f"moemesh-serve:{seed}:shape")
     text = TextSource(random.Random(f"moemesh-serve:{seed}:text:{salt}"), tokenizer, cfg.words_per_token)
     sessions = []
@@ -232,6 +259,27 @@ def build(cfg: WorkloadConfig, seed: int, salt: int | str = 0, tokenizer=None) -
         arrivals.append(t)
         t += shape.expovariate(1.0)
     return Workload(tuple(sessions), tuple(arrivals))
+
+
+def trace_stream(cfg: WorkloadConfig, seed: int, salt: int | str, tokenizer, max_model_len: int | None) -> Workload:
+    """A trace's requests, one session each, at the trace's times (seconds from its start)."""
+    from moemesh.tools.bench.serve import trace as tr
+
+    if tokenizer is None:
+        raise ValueError("--workload trace needs --tokenizer MODEL_DIR: its vocabulary gives the prompts' token ids")
+    t = tr.load(list(cfg.trace_paths), cfg.trace_block_size, cfg.num_requests if cfg.num_requests_set else None)
+    factor = cfg.trace_scale or tr.scale_for(t, max_model_len)
+    sent = tr.replay(t, factor, tr.token_pool(tokenizer), seed=f"{seed}:{salt}")
+    sessions = tuple(SessionSpec(i, (Turn("", len(r.prompt_ids), r.max_tokens, r.prompt_ids, r.trace_input_len),))
+                     for i, r in enumerate(sent))
+    prompt = sum(len(r.prompt_ids) for r in sent)
+    hit = sum(r.implied_hit for r in sent)
+    info = {"formats": list(t.formats), "block_size": t.block_size, "scale": factor,
+            "block_tokens": t.block_size // factor, "requests": len(sent),
+            "span_s": (t.requests[-1].t_s if t.requests else 0.0), "time_scale": cfg.time_scale,
+            "longest_context": t.longest, "prompt_tokens": prompt, "implied_cached_tokens": hit,
+            "implied_hit_rate": hit / prompt if prompt else None}
+    return Workload(sessions, tuple(r.t_s for r in sent), info)
 
 
 def over_context(work: Workload, max_model_len: int | None) -> int:
