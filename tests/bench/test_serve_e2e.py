@@ -179,6 +179,18 @@ def test_line_separators_inside_text_and_multi_token_chunks_are_read_exactly(stu
                for b in stub.state.bodies)
 
 
+def test_tokens_of_no_text_still_arrive_when_the_usage_says_so(stub):
+    # A one-token answer whose token decodes to nothing yet (half a UTF-8 character) is
+    # still an answer: the chunk's own usage counts it.
+    stub.state.reset(continuous_usage=True, token_text="")
+    cfg = runner.ServeBenchConfig(client=ClientConfig(url=stub.url), progress=False, workload=WorkloadConfig(
+        kind="fixed", num_requests=2, isl=LengthDist.parse("4"), osl=LengthDist.parse("1")))
+    r = asyncio.run(runner.run_async(cfg))
+    assert r["points"][0]["summary"]["num_ok"] == 2, r["points"][0]["summary"]["errors"]
+    for q in r["points"][0]["requests"]:
+        assert (q["chunk_tokens"], q["output_tokens"], q["ttft_ms"] is not None) == ([1], 1, True)
+
+
 def test_a_final_usage_is_spread_over_multi_token_chunks(stub):
     stub.state.reset(tokens_per_chunk=3)  # no usage per chunk, a total at the end
     cfg = runner.ServeBenchConfig(client=ClientConfig(url=stub.url), progress=False, workload=WorkloadConfig(

@@ -12,6 +12,8 @@ word split across chunks would count twice). Per content chunk, in order of pref
 2. The final `usage.completion_tokens` spread evenly over the chunks, when it differs
    from the number of chunks: `token_source` = spread (ITL is then an estimate).
 3. One token per chunk: `token_source` = chunks (exact when the final usage agrees).
+With per-chunk usage, a chunk of no text whose usage grew counts as content: its tokens
+arrived, they only decode to nothing yet.
 The request's output_tokens is the final `usage.completion_tokens` when the server sends
 it (we ask with `stream_options.include_usage`), otherwise the sum over chunks.
 """
@@ -208,7 +210,12 @@ class ServeClient:
                     return
                 timed, answer, finish = event_content(ev, self.cfg.endpoint)
                 usage = ev.get("usage") if isinstance(ev.get("usage"), dict) else None
-                if timed:
+                # A choice chunk whose own usage says tokens came, though their text is empty
+                # (a token that decodes to nothing yet: half of a UTF-8 character), is still
+                # those tokens arriving.
+                grew = (bool(ev.get("choices")) and continuous is not False and usage is not None
+                        and isinstance(usage.get("completion_tokens"), int) and usage["completion_tokens"] > last_usage)
+                if timed or grew:
                     rec.chunk_times.append(self.now())
                     if continuous is None:
                         continuous = usage is not None and "completion_tokens" in usage
