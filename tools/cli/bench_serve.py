@@ -129,7 +129,7 @@ def build_config(args: argparse.Namespace):
         prefix_len=args.prefix_len, num_sessions=args.num_sessions, turns=LengthDist.parse(args.turns),
         tool_len=LengthDist.parse(args.tool_len), words_per_token=args.words_per_token,
         dataset_path=args.dataset_path, trace_paths=tuple(args.trace), trace_block_size=args.trace_block_size,
-        trace_scale=0 if args.trace_scale == "auto" else int(args.trace_scale), time_scale=args.time_scale)
+        trace_scale=0 if args.trace_scale == "auto" else int(args.trace_scale))
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")

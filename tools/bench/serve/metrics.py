@@ -125,16 +125,24 @@ def summarize(records: list[RequestRecord], slo_ttft_ms: float | None = None,
     s["goodput"] = _goodput(records, ok, slo_ttft_ms, slo_tpot_ms, rate)
     s["errors"] = _errors(records)
     s.update(vllm_fields(s, ok))
-    told = [r for r in ok if r.cached_tokens is not None]
-    if told:
-        prompt = sum(r.input_tokens if r.input_tokens is not None else r.target_input_tokens for r in told)
-        s["prefix_hit_rate"] = sum(r.cached_tokens for r in told) / prompt if prompt else None
+    if any(r.cached_tokens is not None for r in ok):
+        s["prefix_hit_rate"] = prefix_cache(ok)["hit_rate"]
     if any(r.turn > 1 for r in records):
         s["ttft_ms_by_turn"] = {
             "1": dist([x for r in ok if r.turn == 1 and (x := ttft(r)) is not None], scale=1e3),
             "2+": dist([x for r in ok if r.turn > 1 and (x := ttft(r)) is not None], scale=1e3),
         }
     return s
+
+
+def prefix_cache(ok: list[RequestRecord]) -> dict:
+    """Cached prompt tokens (usage.prompt_tokens_details) over the prompt tokens of the
+    requests whose server said how many were cached."""
+    told = [r for r in ok if r.cached_tokens is not None]
+    prompt = sum(r.input_tokens if r.input_tokens is not None else r.target_input_tokens for r in told)
+    cached = sum(r.cached_tokens for r in told)
+    return {"requests_reporting_cached": len(told), "prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else None}
 
 
 def by_band(ok: list[RequestRecord], band_of, order: list[str]) -> dict:

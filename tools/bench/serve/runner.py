@@ -22,7 +22,7 @@ from importlib import metadata
 
 from moemesh.tools.bench.serve import workload as wl
 from moemesh.tools.bench.serve.client import ClientConfig, ServeClient
-from moemesh.tools.bench.serve.metrics import RequestRecord, by_band, summarize
+from moemesh.tools.bench.serve.metrics import RequestRecord, by_band, prefix_cache, summarize
 
 MODES = ("concurrency", "rate", "trace")
 
@@ -59,8 +59,10 @@ class ServeBenchConfig:
         for v in self.values:
             if self.mode == "concurrency" and (v < 1 or v != int(v)):
                 raise ValueError(f"a concurrency must be a positive integer, got {v:g}")
-            if self.mode in ("rate", "trace") and not v > 0:
-                raise ValueError(f"a rate or time scale must be positive (or inf), got {v:g}")
+            if self.mode == "rate" and not v > 0:
+                raise ValueError(f"a rate must be positive (or inf), got {v:g}")
+            if self.mode == "trace" and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"--time-scale must be a positive number, got {v:g}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("--concurrency must be at least 1")
         if self.warmup < 0:
@@ -196,7 +198,7 @@ async def run_async(cfg: ServeBenchConfig) -> dict:
             summary = summarize(recs, cfg.slo_ttft_ms, cfg.slo_tpot_ms)
             points.append({"mode": cfg.mode, "value": value, "text_salt": i, "over_context_requests": over,
                            "summary": summary,
-                           **({"trace": trace_figures(work.trace, recs)} if work.trace else {}),
+                           **({"trace": trace_figures(work.trace, value, recs)} if work.trace else {}),
                            **({"server_phases": await _server_phases(cfg, t0, t1)} if cfg.nats_url else {}),
                            "requests": [r.to_json() for r in recs]})
     return {
@@ -211,20 +213,14 @@ async def run_async(cfg: ServeBenchConfig) -> dict:
     }
 
 
-def trace_figures(info: dict, records: list[RequestRecord]) -> dict:
-    """What the trace implies beside what the server did: the prefix hit rate (cached
-    prompt tokens over prompt tokens, from usage.prompt_tokens_details) and TTFT/ITL by
-    the trace's context-length band."""
+def trace_figures(info: dict, time_scale: float, records: list[RequestRecord]) -> dict:
+    """What the trace implies beside what the server did: the prefix hit rate and TTFT/ITL
+    by the trace's context-length band."""
     from moemesh.tools.bench.serve import trace as tr
 
     ok = [r for r in records if r.ok]
-    told = [r for r in ok if r.cached_tokens is not None]
-    prompt = sum(r.input_tokens if r.input_tokens is not None else r.target_input_tokens for r in told)
-    cached = sum(r.cached_tokens for r in told)
     bands = by_band(ok, lambda r: tr.band(r.trace_input_tokens or r.target_input_tokens), tr.band_order())
-    return info | {"achieved": {"requests_reporting_cached": len(told), "prompt_tokens": prompt,
-                                "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None},
-                   "by_band": bands}
+    return info | {"time_scale": time_scale, "achieved": prefix_cache(ok), "by_band": bands}
 
 
 async def _server_phases(cfg: ServeBenchConfig, t0: float, t1: float) -> dict:

@@ -16,7 +16,6 @@ loaded with `tokenizers`); otherwise a words-per-token estimate sets the number 
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,12 +106,11 @@ class WorkloadConfig:
     words_per_token: float = 1.0
     dataset_path: str | None = None  # dataset: JSONL prompts or a ShareGPT JSON file
     # trace (tools/bench/serve/trace.py): the files, the tokens a hash id covers (None: the
-    # trace's own), the factor lengths are divided by (0: the smallest that fits the
-    # server's context), and the replay's speed (2: the trace's times halved).
+    # trace's own), and the factor lengths are divided by (0: the smallest that fits the
+    # server's context). Its speed is the point's value (runner.py's trace mode).
     trace_paths: tuple[str, ...] = ()
     trace_block_size: int | None = None
     trace_scale: int = 0
-    time_scale: float = 1.0
     num_requests_set: bool = True  # trace: False replays the whole trace
 
     def __post_init__(self) -> None:
@@ -126,8 +124,6 @@ class WorkloadConfig:
             raise ValueError("--trace-scale must be a power of two (or auto)")
         if self.trace_block_size is not None and self.trace_block_size < 1:
             raise ValueError("--trace-block-size must be at least 1")
-        if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
-            raise ValueError("--time-scale must be a positive number")
         if self.kind == "fixed" and (self.isl.kind != "fixed" or self.osl.kind != "fixed"):
             raise ValueError("the fixed workload takes plain integer --isl and --osl")
         if self.num_requests < 1 or self.num_sessions < 1 or self.num_prefix_groups < 1:
@@ -143,7 +139,7 @@ class WorkloadConfig:
                 "turns": str(self.turns), "tool_len": str(self.tool_len),
                 "words_per_token": self.words_per_token, "dataset_path": self.dataset_path,
                 **({"trace_paths": list(self.trace_paths), "trace_block_size": self.trace_block_size,
-                    "trace_scale": self.trace_scale or "auto", "time_scale": self.time_scale}
+                    "trace_scale": self.trace_scale or "auto"}
                    if self.kind == "trace" else {})}
 
 
@@ -216,9 +212,9 @@ def build(cfg: WorkloadConfig, seed: int, salt: int | str = 0, tokenizer=None,
         seed: drives lengths, turn counts, prefix groups and arrival offsets.
         salt: varies only the words, so sweep points get identical shapes but fresh text
             that a server's prefix cache has not seen at an earlier point.
+        max_model_len: the server's context; a trace is scaled to fit it.
     Returns:
         A Workload; the same (cfg, seed, salt) always gives an equal one.
-        max_model_len: the server's context; a trace is scaled to fit it.
     """
     if cfg.kind == "trace":
         return trace_stream(cfg, seed, salt, tokenizer, max_model_len)
@@ -276,7 +272,7 @@ def trace_stream(cfg: WorkloadConfig, seed: int, salt: int | str, tokenizer, max
     hit = sum(r.implied_hit for r in sent)
     info = {"formats": list(t.formats), "block_size": t.block_size, "scale": factor,
             "block_tokens": t.block_size // factor, "requests": len(sent),
-            "span_s": (t.requests[-1].t_s if t.requests else 0.0), "time_scale": cfg.time_scale,
+            "span_s": (t.requests[-1].t_s if t.requests else 0.0),
             "longest_context": t.longest, "prompt_tokens": prompt, "implied_cached_tokens": hit,
             "implied_hit_rate": hit / prompt if prompt else None}
     return Workload(sessions, tuple(r.t_s for r in sent), info)
