@@ -288,7 +288,7 @@ class DecodeService(AsyncService):
                 self._drop_pull(pull)
             return True
 
-        rt.loop.retry_each_step(attempt)
+        rt.loop.retry_each_step(attempt, params.priority)  # blocks that free up go to the best class first
 
     def _import_forks(self, pull: Pull) -> None:
         """The children of one prompt, their bytes as one buffer: imported together."""
@@ -317,7 +317,7 @@ class DecodeService(AsyncService):
                 self._drop_pull(pull)
             return True
 
-        rt.loop.retry_each_step(attempt)
+        rt.loop.retry_each_step(attempt, members[0][2].priority)
 
     def _joined(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -404,7 +404,7 @@ class DecodeService(AsyncService):
                 rt.spawn(self._fail(job.request_id, f"bench request refused: {e}"), "fail")
             return True
 
-        rt.loop.retry_each_step(attempt)
+        rt.loop.retry_each_step(attempt, params.priority)
         return Ack()
 
     # ---- steps ------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """Continuous batching with a per-step token budget, chunked prefill and preemption.
 
-Each step: running sequences first, in arrival order (decode tokens and draft tokens to
-verify, or the next prefill chunk), then waiting sequences in arrival order while the
+Order: by class, then arrival. A sequence's class is its request's priority
+(SamplingParams.priority, vLLM's: lower is served earlier); within a class the earlier
+arrival goes first. Both queues are kept in that order (`_rank`).
+
+Each step: running sequences first, in that order (decode tokens and draft tokens to
+verify, or the next prefill chunk), then waiting sequences in that order while the
 budget and free blocks last. A running prefill chunk leaves room (at most half the
 budget) for the short prompts at the head of the queue: a later turn of a conversation,
 whose prefix is cached, then waits one step behind another's long cold prompt rather
 than for the whole of it. When a running sequence cannot get the blocks it needs,
-the newest running sequence is preempted: its blocks are freed and it will be
-recomputed from its tokens. This keeps the oldest requests moving.
+the last running sequence is preempted, the worst class's newest: its blocks are freed
+and it will be recomputed from its tokens. This keeps the best and oldest requests moving.
 
 Parallel sampling (engine/fork.py): a parent counts as the n sequences it forks into,
 against max_num_seqs, from the step it is admitted; its chunks end one position short of
@@ -85,8 +89,9 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-def _arrival(seq: Sequence) -> int:
-    return seq.arrival
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """Where a sequence goes in either queue: its class, then its arrival."""
+    return seq.params.priority, seq.arrival
 
 
 class Scheduler:
@@ -101,12 +106,19 @@ class Scheduler:
     # ---- queue management --------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into `waiting` at its rank: at the end for the common case of one class."""
+        if not self.waiting or _rank(self.waiting[-1]) <= _rank(seq):
+            self.waiting.append(seq)
+        else:
+            bisect.insort(self.waiting, seq, key=_rank)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose KV is already in the cache (imported from a prefill worker)."""
         seq.status = SeqStatus.RUNNING
-        bisect.insort(self.running, seq, key=_arrival)  # in arrival order, without a sort per import
+        bisect.insort(self.running, seq, key=_rank)  # in order, without a sort per import
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status == SeqStatus.FINISHED:
@@ -126,7 +138,7 @@ class Scheduler:
         seq.status = SeqStatus.HELD
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
-        """The running parent's children take its place (they share its arrival)."""
+        """The running parent's children take its place (they share its arrival and class)."""
         i = self.running.index(parent)
         self.running[i : i + 1] = children
         self._parents.pop(parent.request_id, None)
@@ -199,7 +211,7 @@ class Scheduler:
                 seq.fork_rings = [self.blocks.take_ring() for _ in range(rings - 1)]
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
-            bisect.insort(self.running, seq, key=_arrival)  # a preempted sequence goes back to its place
+            bisect.insort(self.running, seq, key=_rank)  # a preempted sequence goes back to its place
             num_seqs += width
             if seq.forks:
                 self._parents[seq.request_id] = seq
@@ -288,7 +300,7 @@ class Scheduler:
         seq.draft_ids = []
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)  # ahead of the later arrivals of its class, behind any better class
 
     def _free(self, seq: Sequence) -> None:
         if seq.restore_ring >= 0:  # it never ran: the snapshot it was to start from is not needed

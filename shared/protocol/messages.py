@@ -34,6 +34,7 @@ class WireSampling:
     grammar_kind: str = ""
     grammar: str = ""
     prompt_logprobs: int | None = None  # the prefill worker scores the prompt (SamplingParams.prompt_logprobs)
+    priority: int = 0  # the request's class (SamplingParams.priority); a sender without it means the default
 
     def to_params(self) -> SamplingParams:
         # Stop strings never reach workers: the gateway detokenizes and applies them.
@@ -42,14 +43,14 @@ class WireSampling:
             seed=self.seed, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
             logprobs=self.logprobs, min_tokens=self.min_tokens,
             grammar=GrammarSpec(self.grammar_kind, self.grammar) if self.grammar_kind else None,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs, priority=self.priority,
         )
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> "WireSampling":
         g = p.grammar
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, list(p.stop_token_ids), p.ignore_eos,
-                   p.logprobs, p.min_tokens, g.kind if g else "", g.text if g else "", p.prompt_logprobs)
+                   p.logprobs, p.min_tokens, g.kind if g else "", g.text if g else "", p.prompt_logprobs, p.priority)
 
 
 @dataclass

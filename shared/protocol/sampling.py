@@ -1,4 +1,5 @@
-"""Per-request sampling settings, validated once when the request arrives."""
+"""Per-request settings, validated once when the request arrives: how its tokens are
+sampled, and its priority class, which travels with them to every worker that serves it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ class SamplingParamError(ValueError):
         super().__init__(f"{param}: {message}")
         self.param = param
 
+
+# A request's class (vLLM's `priority`): lower is served earlier, 0 is the default class.
+# Bounded so that a value from a client stays a small integer wherever it travels; a
+# thousand classes either side is more than any deployment names.
+PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "lark")
 MAX_GRAMMAR_CHARS = 1 << 20
@@ -55,6 +61,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     grammar: GrammarSpec | None = None  # structured output: sampled tokens must keep to it
+    # Its class: admission, the prefill queue and preemption go by (priority, arrival).
+    priority: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -81,6 +89,8 @@ class SamplingParams:
              "prompt_logprobs", "must be an integer in [0, 20]")
         need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              "must be in [0, max_tokens]")
+        need(_is_int(self.priority) and PRIORITY_MIN <= self.priority <= PRIORITY_MAX, "priority",
+             f"must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is served earlier)")
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,8 @@ between steps.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
 import queue
 import threading
@@ -58,7 +60,9 @@ class EngineLoop:
         self._ended = False  # run() has returned: no step will run again
         self._idle_poll_s = idle_poll_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
-        self.pending_retry: list[Callable[[LLMEngine], bool]] = []
+        # Attempts still to succeed, by (class, submission): the best class's oldest goes first.
+        self.pending_retry: list[tuple[tuple[int, int], Callable[[LLMEngine], bool]]] = []
+        self._retries = itertools.count()
         self.after_ops: Callable[[bool], None] | None = None  # e.g. refresh a load snapshot (force: bool)
         self.after_step: list[Callable[[], None]] = []  # e.g. close a load-tracking window step
         self.last_gap_s = 0.0  # loop time between the previous step's end and this step's start
@@ -101,13 +105,15 @@ class EngineLoop:
                               or log.error("%s failed: %s", what, f.exception()))
         return fut
 
-    def retry_each_step(self, attempt: Callable[[LLMEngine], bool]) -> None:
+    def retry_each_step(self, attempt: Callable[[LLMEngine], bool], priority: int = 0) -> None:
         """attempt(engine) runs until it returns True (e.g. waits for blocks): at once when
-        ops run as submitted, then before every step."""
+        ops run as submitted, then before every step, in order of priority (the request's
+        class, lower first) and then of submission, so that the blocks a step frees go to
+        the best class's oldest waiter."""
         if self._immediate and _safe(attempt, self.engine):
             self._wake.set()
             return
-        self.pending_retry.append(attempt)
+        bisect.insort(self.pending_retry, ((priority, next(self._retries)), attempt), key=_first)
         self._wake.set()
 
     def wake(self) -> None:
@@ -412,7 +418,7 @@ class EngineLoop:
         for op, fut in ops:
             _settle(fut, op, self.engine)
         if self.pending_retry:
-            self.pending_retry = [a for a in self.pending_retry if not _safe(a, self.engine)]
+            self.pending_retry = [(k, a) for k, a in self.pending_retry if not _safe(a, self.engine)]
         if ops and self.after_ops is not None:
             self.after_ops(False)
         self._ops_s += time.perf_counter() - t
@@ -497,6 +503,10 @@ def _settle(fut: asyncio.Future, op: Op, engine: LLMEngine) -> None:
     else:
         if not fut.done():
             fut.set_result(res)
+
+
+def _first(pair: tuple) -> Any:
+    return pair[0]
 
 
 def _safe(attempt: Callable[[LLMEngine], bool], engine: LLMEngine) -> bool:

@@ -96,3 +96,20 @@ def test_msgspec_writes_the_bytes_the_field_walk_wrote():
     for msg in (job, beat):
         assert encode(msg) == msgpack.packb(walk(msg), use_bin_type=True)
         assert decode(encode(msg), type(msg)) == msg
+
+
+def test_priority_travels_with_the_sampling_and_an_old_sender_means_the_default():
+    from moemesh.shared.protocol.sampling import PRIORITY_MAX, PRIORITY_MIN, SamplingParamError, SamplingParams
+
+    job = PrefillJob("r", [1, 2], WireSampling.from_params(SamplingParams(priority=-3)), "g", "d")
+    assert decode(encode(job), PrefillJob).sampling.to_params().priority == -3
+    old = msgpack.packb({"request_id": "r", "prompt_ids": [1], "sampling": {"max_tokens": 2}, "gateway_id": "g",
+                         "decode_id": "d"})
+    assert decode(old, PrefillJob).sampling.to_params().priority == 0
+    assert WireSampling(priority=PRIORITY_MIN).to_params().priority == PRIORITY_MIN
+    for bad in (PRIORITY_MIN - 1, PRIORITY_MAX + 1):
+        with pytest.raises(SamplingParamError, match="priority"):
+            WireSampling(priority=bad).to_params()
+    with pytest.raises(ProtocolError, match="sampling.priority: expected int"):
+        decode(msgpack.packb({"request_id": "r", "prompt_ids": [1], "sampling": {"priority": "high"},
+                              "gateway_id": "g", "decode_id": "d"}), PrefillJob)

@@ -119,3 +119,32 @@ def test_the_late_plan_margin_grows_with_late_wake_ups_and_never_passes_half_a_s
     assert loop._join_margin_s() == pytest.approx(JOIN_MARGIN_S / 2 + 0.0015)  # room for waking as late as lately
     loop._late_peak_s = 0.004
     assert loop._join_margin_s() == pytest.approx(0.0025)  # at most half the step: planned no earlier than mid-step
+
+
+def test_retried_operations_go_by_class_then_submission():
+    """A decode worker's imports that wait for blocks: those a step frees go to the best
+    class's oldest waiter first, whatever order they were submitted in."""
+    class Engine:
+        free = 0
+
+    engine, taken = Engine(), []
+
+    def importer(name: str):
+        def attempt(e) -> bool:
+            if not e.free:
+                return False
+            e.free -= 1
+            taken.append(name)
+            return True
+        return attempt
+
+    loop = EngineLoop(engine, lambda out, stats: None)
+    for name, priority in (("low-a", 0), ("low-b", 0), ("high", -1), ("worst", 3), ("high-2", -1)):
+        loop.retry_each_step(importer(name), priority)
+    loop._apply_ops()
+    assert taken == [] and len(loop.pending_retry) == 5
+    for _ in range(5):  # one block frees per step
+        engine.free = 1
+        loop._apply_ops()
+    assert taken == ["high", "high-2", "low-a", "low-b", "worst"] and not loop.pending_retry
+    loop._pool.shutdown()
