@@ -96,7 +96,9 @@ def corpus(num_sentences: int = 6000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int):
+def build_tokenizer(vocab_size: int, texts: list[str] | None = None):
+    """texts: what to learn the merges from (a trained model's corpus); by default the
+    seeded word-list corpus above."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -108,7 +110,7 @@ def build_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator(texts if texts is not None else corpus(), trainer)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
     )

@@ -118,10 +118,12 @@ def init_model(
     layout: str | None = None,
     quantize: bool = False,
     overrides: dict | None = None,
+    tokenizer_texts: list[str] | None = None,
 ) -> Path:
     """layout: transformers, hf or (V4) upstream; by default upstream when quantizing, hf
     for fused experts, else transformers where it is installed, else hf. quantize: V4's published FP8/FP4
-    storage, in the upstream layout."""
+    storage, in the upstream layout. tokenizer_texts: the text the tokenizer learns its merges
+    from (a model about to be trained on it); by default a seeded word-list corpus."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = preset_config(preset, num_layers)
@@ -130,7 +132,7 @@ def init_model(
             raw.pop(k, None)
         else:
             raw[k] = v
-    tok = build_tokenizer(TOKENIZER_VOCAB[preset])
+    tok = build_tokenizer(TOKENIZER_VOCAB[preset], tokenizer_texts)
     if preset in VOCAB_FROM_TOKENIZER:
         raw["vocab_size"] = tok.get_vocab_size()
     dtype = dtype or ("bfloat16" if preset in REAL_DIMENSIONS else "float32")
@@ -154,7 +156,7 @@ def init_model(
         tensors = v4_tensors(cfg, seed, tdtype, "ours" if layout == "transformers" else layout, quantize)
         if layout == "transformers":
             tensors = writer_transformers.as_saved(raw, tensors)
-        _write_shards(out, tensors, shard_size)
+        write_shards(out, tensors, shard_size)
         return _write_meta(out, raw, tok, {"preset": preset, "seed": seed, "dtype": dtype,
                                            "num_layers": cfg.num_hidden_layers, "layout": layout,
                                            "quantized": quantize})
@@ -167,7 +169,7 @@ def init_model(
         tensors = _fuse_names(tensors, cfg)
     if layout == "transformers":  # from transformers' in-memory (fused) names
         named = ((n, _materialise(n, shape, cfg, seed, tdtype)) for n, shape in tensors)
-        _write_shards(out, writer_transformers.as_saved(raw, named), shard_size)
+        write_shards(out, writer_transformers.as_saved(raw, named), shard_size)
         return _write_meta(out, raw, tok, info)
 
     def nbytes(name: str, shape) -> int:
@@ -203,7 +205,7 @@ def default_layout(quantize: bool = False) -> str:
     return "transformers" if writer_transformers.available() else "hf"
 
 
-def _write_shards(out: Path, tensors, shard_size: int) -> None:
+def write_shards(out: Path, tensors, shard_size: int) -> None:
     """Streams (name, tensor) into shards of about shard_size bytes, then the index."""
     shard: dict[str, torch.Tensor] = {}
     done: list[dict[str, int]] = []  # per shard: name -> bytes

@@ -1,4 +1,5 @@
-"""`moemesh init-model DIR --preset NAME`: write a random-weight checkpoint."""
+"""`moemesh init-model DIR --preset NAME`: write a random-weight checkpoint, or with
+`--train` a tiny one trained on CPU (tools/train/trainer.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 
 from moemesh.shared.checkpoint.presets import PRESETS
+from moemesh.tools.train.config import TrainConfig
 
 
 def register(sub) -> None:
@@ -27,12 +29,27 @@ def register(sub) -> None:
                         "Hub's for V2/V3 (hf), or DeepSeek-V4's release (upstream: the default with --quantize)")
     p.add_argument("--quantize", action="store_true",
                    help="DeepSeek-V4, upstream layout: FP8 block-scaled weights and FP4 experts, as released")
+    t = p.add_argument_group("training (--train)")
+    t.add_argument("--train", action="store_true",
+                   help="train the tiny model (tiny, tiny-v2, v4-tiny) on the Python standard library's sources, "
+                        "on CPU, and save it in the same layout; a loss curve goes to DIR/train_loss.png "
+                        "(needs transformers)")
+    d = TrainConfig()
+    t.add_argument("--train-steps", type=int, default=d.steps, help="optimizer steps")
+    t.add_argument("--train-batch", type=int, default=d.batch, help="sequences per step")
+    t.add_argument("--train-seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    t.add_argument("--train-lr", type=float, default=d.lr, help="peak learning rate (warm-up, then cosine)")
+    t.add_argument("--train-corpus-mb", type=float, default=d.corpus_mb, help="MiB of standard library text")
+    t.add_argument("--train-bias-rate", type=float, default=d.bias_rate,
+                   help="routers' correction-bias update per step (DeepSeek-V3's loss-free balancing; 0: off)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from moemesh.shared.checkpoint.writer import init_model
 
+    if args.train:
+        return _train(args)
     try:
         out = init_model(args.dir, args.preset, seed=args.seed, dtype=args.dtype, num_layers=args.num_layers,
                          shard_size=args.shard_size_mb << 20, fused_experts=args.fused_experts,
@@ -41,4 +58,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"moemesh: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.preset} checkpoint to {out}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from moemesh.tools.train.trainer import train
+
+    if args.layout not in (None, "transformers") or args.quantize or args.fused_experts or args.num_layers:
+        print("moemesh: error: --train writes the preset's shape in the transformers layout "
+              "(drop --layout, --quantize, --fused-experts, --num-layers)", file=sys.stderr)
+        return 2
+    try:
+        cfg = TrainConfig(steps=args.train_steps, batch=args.train_batch, seq_len=args.train_seq_len,
+                          lr=args.train_lr, corpus_mb=args.train_corpus_mb, bias_rate=args.train_bias_rate,
+                          seed=args.seed)
+        result = train(args.dir, args.preset, cfg, init_seed=args.seed)
+    except ValueError as e:
+        print(f"moemesh: error: {e}", file=sys.stderr)
+        return 2
+    last = result.held_out[-1]
+    draft = f", MTP draft {last[2]:.3f}" if result.mtp_trained else " (MTP head not trained)"
+    print(f"trained {args.preset} for {cfg.steps} steps in {result.seconds:.0f}s: held-out loss {last[1]:.3f}"
+          f"{draft}; wrote {result.out_dir} and {result.out_dir / 'train_loss.png'}")
     return 0

@@ -1,0 +1,1 @@
+"""Training the tiny test models on CPU (`moemesh init-model --train`)."""
