@@ -31,6 +31,18 @@ def tiny_v4_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_trained(tmp_path_factory):
+    """A short seeded `init-model --train` run of the tiny model (the full run is ~1,500
+    steps): a TrainResult, the checkpoint in .out_dir."""
+    pytest.importorskip("transformers")
+    from moemesh.tools.train.config import TrainConfig
+    from moemesh.tools.train.trainer import train
+
+    cfg = TrainConfig(steps=24, batch=8, seq_len=64, warmup=4, eval_every=12, eval_batches=2, corpus_mb=0.25)
+    return train(tmp_path_factory.mktemp("trained") / "tiny", "tiny", cfg, progress=lambda step, loss: None)
+
+
+@pytest.fixture(scope="session")
 def hf_saved(tmp_path_factory):
     """hf_saved(arch, **save_kwargs): a checkpoint that transformers built and wrote with
     save_pretrained (tests/checkpoint/hf_built.py), made once per session and arguments."""

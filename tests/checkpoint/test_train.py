@@ -1,4 +1,4 @@
-"""`init-model --train`: a short seeded run (the default run is ~1,500 steps; this is 8)
+"""`init-model --train`: a short seeded run (the default run is 1,500 steps; this is 24)
 writes a checkpoint in the usual layout that the engine runs as the trainer computed it,
 the MTP draft head included, with its loss curve and what it trained on."""
 
@@ -13,23 +13,19 @@ from moemesh.tools.train.config import TrainConfig
 
 pytest.importorskip("transformers")
 
-SHORT = TrainConfig(steps=8, batch=4, seq_len=64, warmup=2, eval_every=4, eval_batches=2, corpus_mb=0.25)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    from moemesh.tools.train.trainer import train
-
-    out = tmp_path_factory.mktemp("trained") / "tiny"
-    return train(out, "tiny", SHORT, progress=lambda step, loss: None)
+@pytest.fixture
+def trained(tiny_trained):  # tests/conftest.py: 24 steps
+    return tiny_trained
 
 
 def test_the_run_learns_and_says_what_it_did(trained):
-    assert len(trained.losses) == SHORT.steps and len(trained.mtp_losses) == SHORT.steps
+    assert len(trained.losses) == 24 and len(trained.mtp_losses) == 24
     assert trained.losses[-1] < trained.losses[0] - 0.05  # seeded: the same numbers every run
-    assert [s for s, _, _ in trained.held_out] == [4, 8]
+    assert [s for s, _, _ in trained.held_out] == [12, 24]
     info = json.loads((trained.out_dir / "moemesh_init.json").read_text())["trained"]
-    assert info["steps"] == 8 and info["mtp"] == "trained"
+    assert info["steps"] == 24 and info["mtp"] == "trained"
     assert info["corpus"]["source"].endswith("standard library, top-level modules")
     assert len(info["corpus"]["sha256"]) == 64 and info["corpus_tokens"] == trained.tokens
     assert (trained.out_dir / "train_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -23,14 +23,22 @@ ITEMS = [
     {"question": "A mesh of services talks over", "choices": [" NATS", " carrier pigeons", " UCX and NATS"],
      "answer": 2},
 ]
+# For the model trained on the standard library's sources: Python, against noise.
+CODE_ITEMS = [
+    {"question": "def __init__(self", "choices": [", name):", " the river", " über alles"], "answer": 0},
+    {"question": "import os\nimport", "choices": [" sys", " café"], "answer": 0},
+    {"question": "        return", "choices": [" None", " 日本語"], "answer": 0},
+    {"question": "for i in", "choices": [" range(", " pigeons"], "answer": 0},
+    {"question": "    if not", "choices": [" isinstance(", " 🙂 🙂"], "answer": 0},
+]
 TASK = "moemesh_tiny_choice"
 
 
-def _task_dir(tmp_path) -> str:
+def _task_dir(tmp_path, items) -> str:
     d = tmp_path / "tasks"
     d.mkdir()
     data = d / "items.jsonl"
-    data.write_text("".join(json.dumps(i) + "\n" for i in ITEMS))
+    data.write_text("".join(json.dumps(i) + "\n" for i in items))
     (d / f"{TASK}.yaml").write_text(f"""task: {TASK}
 dataset_path: json
 dataset_kwargs:
@@ -68,9 +76,20 @@ def _transformers_loglikelihood(model_dir: str, pairs: list[tuple[list[int], lis
     return out
 
 
+@pytest.fixture(params=["random", "trained"])
+def subject(request, tiny_model, tiny_engine_factory):
+    """(model dir, engine factory, task items): the seeded random tiny model on English
+    choices, or the (shortly) trained one on Python."""
+    if request.param == "random":
+        return tiny_model, tiny_engine_factory, ITEMS
+    from tests.conftest import _engine_factory
+
+    model_dir = str(request.getfixturevalue("tiny_trained").out_dir)
+    return model_dir, _engine_factory(model_dir, num_kv_blocks=512), CODE_ITEMS
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
-def test_lm_eval_loglikelihoods_are_transformers(nats_url, tiny_model, tiny_engine_factory, tmp_path,  # noqa: F811
-                                                  monkeypatch):
+def test_lm_eval_loglikelihoods_are_transformers(nats_url, subject, tmp_path, monkeypatch):  # noqa: F811
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
@@ -78,7 +97,8 @@ def test_lm_eval_loglikelihoods_are_transformers(nats_url, tiny_model, tiny_engi
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
 
-    tasks = _task_dir(tmp_path)
+    model_dir, engine_factory, items = subject
+    tasks = _task_dir(tmp_path, items)
 
     def evaluate(url: str):
         lm = LocalCompletionsAPI(base_url=url + "/v1/completions", model="tiny", batch_size=2, max_retries=1)
@@ -90,21 +110,21 @@ def test_lm_eval_loglikelihoods_are_transformers(nats_url, tiny_model, tiny_engi
         return res, pairs
 
     async def go():
-        engines = (tiny_engine_factory(role="prefill", num_kv_blocks=256, max_num_batched_tokens=8),
-                   tiny_engine_factory(role="decode", num_kv_blocks=256))
-        async with mesh(nats_url, tiny_model, tmp_path, engines) as m:
+        engines = (engine_factory(role="prefill", num_kv_blocks=256, max_num_batched_tokens=8),
+                   engine_factory(role="decode", num_kv_blocks=256))
+        async with mesh(nats_url, model_dir, tmp_path, engines) as m:
             res, pairs = await asyncio.to_thread(evaluate, m.url)
             await _wait_free(m)
             return res, pairs, _served(m.gateway.state.metrics.render()[0].decode())
 
     res, pairs, served = asyncio.run(go())
     samples = res["samples"][TASK]
-    assert len(samples) == len(ITEMS) and 0 <= res["results"][TASK]["acc,none"] <= 1
+    assert len(samples) == len(items) and 0 <= res["results"][TASK]["acc,none"] <= 1
     got = [resp[0][0] for inst in samples for resp in inst["resps"]]
-    assert len(got) == len(pairs) == sum(len(i["choices"]) for i in ITEMS)
+    assert len(got) == len(pairs) == sum(len(i["choices"]) for i in items)
     assert served == -(-len(pairs) // 2)  # two prompts a request: lm-eval's batches went as batches
-    want = _transformers_loglikelihood(tiny_model, pairs)
+    want = _transformers_loglikelihood(model_dir, pairs)
     worst = max(abs(a - b) for a, b in zip(got, want))
-    print(f"lm-eval {lm_eval.__version__}: max |Δ loglikelihood| vs transformers {worst:.2e} over {len(got)} "
-          f"continuations")
+    print(f"lm-eval {lm_eval.__version__}: acc {res['results'][TASK]['acc,none']:.2f}, max |Δ loglikelihood| vs "
+          f"transformers {worst:.2e} over {len(got)} continuations")
     assert worst < 1e-4, (worst, got, want)
