@@ -10,7 +10,14 @@ from moemesh.shared.protocol.forks import MAX_N
 class GatewayConfig(ServiceConfig):
     host: str = "127.0.0.1"
     port: int = 8000
-    max_inflight: int = 512  # admitted requests; beyond this, 429 with Retry-After
+    max_inflight: int = 512  # admitted requests in flight at most
+    # Requests that find max_inflight in flight wait for a slot, by priority class and then
+    # arrival (services/gateway/admission/): at most admission_queue of them (0: refused at
+    # once), each for at most admission_wait_s; then, or when the queue is full of classes
+    # as good or better, 429 with Retry-After. A better class takes the place of the worst
+    # class's latest waiter when the queue is full.
+    admission_queue: int = 256
+    admission_wait_s: float = 5.0
     retry_after_s: int = 1
     prefill_timeout_s: float = 5.0  # for a prefill worker to accept a job
     # A new request's job waits this long for the gateway's NATS link to come back (and
@@ -65,6 +72,8 @@ class GatewayConfig(ServiceConfig):
             raise ValueError("port must be in [0, 65535]")
         if self.max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
+        if self.admission_queue < 0 or not self.admission_wait_s > 0:
+            raise ValueError("admission_queue must be >= 0 and admission_wait_s > 0")
         if not 1 <= self.max_n <= MAX_N:
             raise ValueError(f"max_n must be in [1, {MAX_N}]")
         if self.max_prompts < 1:

@@ -53,6 +53,7 @@ class GatewayService(AsyncService):
     async def drain(self) -> None:
         st = self.state
         st.draining = True
+        st.gate.close()  # those waiting for a slot get a 503; those in flight finish
         while st.inflight:
             await asyncio.sleep(0.05)
 

@@ -37,7 +37,7 @@ def fault_mesh(request, tiny_model, tmp_path_factory):
     m = start_mesh(tmp_path_factory.mktemp("faults"), tiny_model,
                    prefill_set=["debug_kv_fault=drop"],
                    decode_set=["transfer_timeout_s=1.0", f"on_transfer_failure={request.param}"],
-                   gateway_set=["max_inflight=2"])
+                   gateway_set=["max_inflight=2", "admission_queue=0"])  # full means 429 at once
     m.mode = request.param
     yield m
     m.group.stop()

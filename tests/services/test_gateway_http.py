@@ -343,3 +343,29 @@ def test_the_serving_worker_is_named_in_a_header_only_when_asked_for():
     on = SimpleNamespace(cfg=GatewayConfig(model="m", worker_header=True))
     assert _headers(off, req, handle) == {"x-request-id": "cmpl-1"}
     assert _headers(on, req, handle) == {"x-request-id": "cmpl-1", "x-moemesh-worker": "decode-7"}
+
+
+def test_priority_from_the_field_or_the_header_and_bad_values_are_400s(tiny_model, nats_url):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    completion = {"model": "tiny", "prompt": "hi"}
+
+    async def body(svc, client):
+        for path, base in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+            for fields, headers in (({"priority": -5}, {}), ({}, {"x-request-priority": "-5"}),
+                                    ({"priority": 3}, {"x-request-priority": "-5"})):
+                r = await client.post(path, json={**base, **fields}, headers=headers)
+                assert r.status_code == 503, r.text  # admitted; no workers to serve it
+            for fields, headers, param in (({"priority": "urgent"}, {}, "priority"),
+                                           ({"priority": 1001}, {}, "priority"),
+                                           ({}, {"x-request-priority": "urgent"}, "x-request-priority"),
+                                           ({}, {"x-request-priority": "-1001"}, "x-request-priority")):
+                r = await client.post(path, json={**base, **fields}, headers=headers)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert svc.state.inflight == 0 and svc.state.gate.num_waiting == 0
+        doc = (await client.get("/openapi.json")).json()
+        op = doc["paths"]["/v1/chat/completions"]["post"]
+        assert [p["name"] for p in op["parameters"]] == ["x-request-priority"]
+        schema = op["requestBody"]["content"]["application/json"]["schema"]
+        assert schema["properties"]["priority"]["anyOf"][0]["minimum"] == -1000
+
+    _serve(tiny_model, nats_url, body)

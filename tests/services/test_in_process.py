@@ -62,10 +62,12 @@ async def _wait_ready(url: str, timeout: float = 30.0) -> None:
 
 
 @asynccontextmanager
-async def mesh(nats_url: str, model: str, tmp: Path, engines=None, prefill_only=None, decode_only=None, **worker):
+async def mesh(nats_url: str, model: str, tmp: Path, engines=None, prefill_only=None, decode_only=None,
+               gateway=None, **worker):
     """Prefill, decode and a gateway on this event loop, the KV moving over loopback.
     engines: (prefill engine, decode engine) built already; else from the config.
-    prefill_only, decode_only: settings of one role (worker: both roles')."""
+    prefill_only, decode_only: settings of one role (worker: both roles'); gateway: the
+    gateway's."""
     prefix = f"t{next(_prefixes)}"
     hub = LoopbackHub()
     trace = tmp / f"{prefix}-trace.jsonl"
@@ -79,7 +81,7 @@ async def mesh(nats_url: str, model: str, tmp: Path, engines=None, prefill_only=
             DecodeConfig(worker_id="decode-t", **common, **(decode_only or {})), dec_engine, lambda: LoopbackTransport(hub)))
         gw = await stack.enter_async_context(GatewayService(GatewayConfig(
             nats_url=nats_url, model=model, subject_prefix=prefix, served_model_name="tiny", port=0,
-            worker_id="gw-t", trace_file=str(trace))))
+            worker_id="gw-t", trace_file=str(trace), **(gateway or {}))))
         url = f"http://127.0.0.1:{gw.port}"
         await _wait_ready(url)
         yield Mesh(url, nats_url, prefix, pre, dec, gw, trace)

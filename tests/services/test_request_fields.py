@@ -110,3 +110,42 @@ def test_the_evaluation_fields_of_completions(tok):
         with pytest.raises(api.ApiError) as e:
             _completion(tok, **fields)
         assert e.value.status == 400 and e.value.param == "prompt_logprobs"
+
+
+def test_priority_comes_from_the_body_or_the_header_and_the_body_wins(tok):
+    """vLLM's `priority` (lower is served earlier, 0 by default), or x-request-priority."""
+    for parse in (_chat, _completion):
+        assert parse(tok).params.priority == 0
+        assert parse(tok, priority=-3).params.priority == -3
+        assert parse(tok, priority=2.0).params.priority == 2  # JSON's integer 2
+        assert parse(tok, priority=None).params.priority == 0
+    assert api.parse_completion({"model": "tiny", "prompt": "hi"}, tok, 16, priority_header=" -7 ").params.priority \
+        == -7
+    assert api.parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "priority": 4}, tok, 16,
+                          priority_header="-7").params.priority == 4
+    assert api.parse_completion({"model": "tiny", "prompt": "hi", "priority": None}, tok, 16,
+                                priority_header="+9").params.priority == 9
+
+
+@pytest.mark.parametrize("fields, header, param", [
+    ({"priority": "high"}, None, "priority"),
+    ({"priority": True}, None, "priority"),
+    ({"priority": 1.5}, None, "priority"),
+    ({"priority": 1001}, None, "priority"),
+    ({"priority": -1001}, None, "priority"),
+    ({"priority": 2 ** 70}, None, "priority"),
+    ({}, "high", "x-request-priority"),
+    ({}, "1.5", "x-request-priority"),
+    ({}, "", "x-request-priority"),
+    ({}, "5000", "x-request-priority"),
+    ({}, "9" * 40, "x-request-priority"),
+    ({"priority": 1}, "nope", "x-request-priority"),  # a malformed header is refused even when the field wins
+])
+def test_a_bad_priority_is_a_400_naming_the_field_or_the_header(tok, fields, header, param):
+    for parse in (api.parse_completion, api.parse_chat):
+        body = {"model": "tiny", **fields, **({"prompt": "hi"} if parse is api.parse_completion else
+                                               {"messages": [{"role": "user", "content": "hi"}]})}
+        with pytest.raises(api.ApiError) as e:
+            parse(body, tok, 16, priority_header=header)
+        assert e.value.status == 400 and e.value.param == param, e.value.message
+        assert "[-1000, 1000]" in e.value.message or "must be an integer" in e.value.message

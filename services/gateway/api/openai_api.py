@@ -7,6 +7,7 @@ app turns into OpenAI's error object: {"error": {"message", "type", "param", "co
 from __future__ import annotations
 
 import random
+import re
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -15,7 +16,9 @@ from moemesh.services.gateway.api.completion_logprobs import token_text
 from moemesh.services.gateway.api.request_fields import ONLY_AT, FieldError, caller_attributes, check_known
 from moemesh.services.gateway.api.structured import FormatError, grammar_of
 from moemesh.services.gateway.api.tool_calls import Delta, ToolCallParser, ToolError, Tools, parse_tools
-from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParamError, SamplingParams
+from moemesh.shared.protocol.sampling import (
+    INT32_MAX, PRIORITY_MAX, PRIORITY_MIN, GrammarSpec, SamplingParamError, SamplingParams,
+)
 from moemesh.shared.tokenizer.tokenizer import Tokenizer, TokenizerError
 
 
@@ -72,6 +75,10 @@ CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+# The request's class for clients that cannot add a body field (a proxy that sets it by
+# route or key): the same integer as the body's `priority`, which wins when both are given.
+PRIORITY_HEADER = "x-request-priority"
+_HEADER_INT = re.compile(r"[+-]?[0-9]{1,16}")
 
 
 def _known(body: dict, kind: str) -> None:
@@ -139,10 +146,11 @@ def _n(body: dict, max_n: int) -> int:
 
 
 def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
-            grammar: GrammarSpec | None = None) -> tuple[SamplingParams, dict]:
+            grammar: GrammarSpec | None = None, priority_header: str | None = None) -> tuple[SamplingParams, dict]:
     """What completions and chat share: the sampling parameters and the stream options.
-    grammar: a constraint the caller built (forced tool calls). The fields are checked in
-    one order, so that a body with several faults always gets the same 400."""
+    grammar: a constraint the caller built (forced tool calls). priority_header: the
+    request's x-request-priority, if it came with one. The fields are checked in one
+    order, so that a body with several faults always gets the same 400."""
     _unsupported(body)
     try:
         trace_attrs = caller_attributes(body)
@@ -152,11 +160,30 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
     stop = _stop(body)
     stream_opts = _stream_options(body)
     max_tokens, min_tokens = _token_limits(body, default_max_tokens, max_key)
-    params = _sampling(body, max_key, max_tokens, min_tokens, stop, grammar)
+    priority = _priority(body, priority_header)
+    params = replace(_sampling(body, max_key, max_tokens, min_tokens, stop, grammar), priority=priority)
     return params, {"stream": _get(body, "stream", (bool,), False),
                     "include_usage": stream_opts.get("include_usage", False),
                     "continuous_usage": stream_opts.get("continuous_usage_stats", False), "trace_attrs": trace_attrs,
                     "tokens_as_ids": _get(body, "return_tokens_as_token_ids", (bool,), False)}
+
+
+def _priority(body: dict, header: str | None) -> int:
+    """The request's class (vLLM's `priority`: lower is served earlier, 0 by default): the
+    body's field, else the header's. A header that came is checked even when the field wins:
+    a malformed one is a client's mistake either way."""
+    from_header = 0
+    if header is not None:
+        h = header.strip()
+        if not _HEADER_INT.fullmatch(h) or not PRIORITY_MIN <= int(h) <= PRIORITY_MAX:
+            raise ApiError(400, f"header '{PRIORITY_HEADER}' must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] "
+                                f"(lower is served earlier), got {header[:32]!r}", PRIORITY_HEADER)
+        from_header = int(h)
+    v = _get(body, "priority", (int,), from_header)
+    if not PRIORITY_MIN <= v <= PRIORITY_MAX:
+        raise ApiError(400, f"'priority' must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is served "
+                            f"earlier), got {v}", "priority")
+    return v
 
 
 def _unsupported(body: dict) -> None:
@@ -249,7 +276,7 @@ def _model(body: Any, kind: str) -> str:
 
 
 def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
-                     max_n: int = 1, max_prompts: int = 64) -> GenerateRequest:
+                     max_n: int = 1, max_prompts: int = 64, priority_header: str | None = None) -> GenerateRequest:
     model = _model(body, "completion")
     special = _get(body, "add_special_tokens", (bool,), True)
     prompts, texts = _prompts(body.get("prompt"), tok, vocab_size, max_prompts, special)
@@ -262,7 +289,8 @@ def parse_completion(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_s
         raise ApiError(400, "'max_tokens' 0 is taken with echo only (the prompt scored, nothing generated)",
                        "max_tokens")
     # The workers always sample a first token (as vLLM's do for max_tokens 0); it is not returned.
-    params, opts = _common(body if generate else {**body, "max_tokens": 1}, default_max_tokens)
+    params, opts = _common(body if generate else {**body, "max_tokens": 1}, default_max_tokens,
+                           priority_header=priority_header)
     lp = _get(body, "logprobs", (int,), None)
     if lp is not None and not 0 <= lp <= 20:
         raise ApiError(400, "'logprobs' must be in [0, 20]", "logprobs")
@@ -311,7 +339,7 @@ def _token_ids(p) -> bool:
 
 
 def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: int | None = None,
-               max_n: int = 1) -> GenerateRequest:
+               max_n: int = 1, priority_header: str | None = None) -> GenerateRequest:
     model = _model(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -327,7 +355,8 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
                          add_special_tokens=_get(body, "add_special_tokens", (bool,), False))
     except TokenizerError as e:
         raise ApiError(400, str(e), "messages") from None
-    params, opts = _common(body, default_max_tokens, "max_completion_tokens", tools.grammar() if tools else None)
+    params, opts = _common(body, default_max_tokens, "max_completion_tokens", tools.grammar() if tools else None,
+                           priority_header)
     lp = None
     top = _get(body, "top_logprobs", (int,), 0)
     if not 0 <= top <= 20:  # checked even without logprobs: the request asked for something

@@ -6,9 +6,15 @@ may be null, which means "the default", as the parser treats them."""
 
 from __future__ import annotations
 
-from moemesh.shared.protocol.sampling import INT32_MAX, INT64
+from moemesh.shared.protocol.sampling import INT32_MAX, INT64, PRIORITY_MAX, PRIORITY_MIN
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
+_PRIORITY = ("extension (vLLM's): the request's class; lower is served earlier (admission, the prefill queue, "
+             "preemption), then by arrival; default 0")
+# The same class as a header, for clients that cannot add a body field; the field wins.
+_PRIORITY_HEADER = {"name": "x-request-priority", "in": "header", "required": False,
+                    "schema": {"type": "integer", "minimum": PRIORITY_MIN, "maximum": PRIORITY_MAX},
+                    "description": "the request's priority when the body has none (a body's priority wins)"}
 _CONTEXT = ("prompt tokens plus this must fit the model's context (max_model_len); a request that does not "
             "is a 400 with code context_length_exceeded")
 
@@ -84,6 +90,7 @@ def _sampling(max_tokens_key: str, max_model_len: int, max_n: int) -> dict:
         "return_tokens_as_token_ids": _opt({"type": "boolean", "description": "extension (vLLM's): logprobs name "
                                                                              "each token \"token_id:<id>\""}),
         "min_tokens": _opt(_int(0, INT32_MAX, description=f"extension; at most {max_tokens_key}")),
+        "priority": _opt(_int(PRIORITY_MIN, PRIORITY_MAX, description=_PRIORITY)),
         "stop_token_ids": _opt({"type": "array", "items": _int(0, INT32_MAX), "maxItems": 1024,
                                 "description": "extension"}),
         # Accepted only at the one value this server honours (openai_api.UNSUPPORTED).
@@ -119,7 +126,8 @@ def _errors(*codes: int) -> dict:
     return {str(c): {"description": d, "content": {"application/json": {"schema": _ERROR}}}
             for c, d in ((400, "bad parameter or context too long"), (404, "unknown model"),
                          (408, "the body did not arrive in time"), (413, "body too large"),
-                         (429, "at capacity; see Retry-After"), (500, "internal error"),
+                         (429, "at capacity: the admission queue is full, or no slot freed within the wait; see "
+                                "Retry-After"), (500, "internal error"),
                          (503, "no worker alive; see Retry-After"))
             if c in codes}
 
@@ -203,7 +211,7 @@ def _chat(model: dict, max_model_len: int, max_n: int) -> dict:
 
 def _post(summary: str, op: str, schema: dict, response: dict | None = None) -> dict:
     return {"post": {
-        "summary": summary, "operationId": op,
+        "summary": summary, "operationId": op, "parameters": [_PRIORITY_HEADER],
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "responses": {"200": {"description": "the completion, or an SSE stream when stream is true",
                               "content": {"application/json": {"schema": response or {"type": "object"}},

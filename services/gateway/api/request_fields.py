@@ -16,7 +16,7 @@ from typing import Any
 COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
                     "stop", "stop_token_ids", "ignore_eos", "min_tokens", "n", "response_format", "logprobs",
                     "user", "tools", "tool_choice", "parallel_tool_calls", "return_tokens_as_token_ids",
-                    "add_special_tokens"})
+                    "add_special_tokens", "priority"})
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier",
                  "modalities", "safety_identifier"}
 COMPLETION = COMMON | {"prompt", "echo", "prompt_logprobs"}

@@ -2,7 +2,9 @@
 
 Request lifecycle at the gateway:
 1. parsed and validated (400 naming the parameter), model checked (404), context
-   length checked (400 with the numbers), admitted (429 with Retry-After when full);
+   length checked (400 with the numbers), admitted by its priority class (admission/:
+   it may wait for an in-flight slot behind better classes and earlier arrivals; 429
+   with Retry-After when the queue is full, or no slot came within the wait);
 2. routed (mesh/client.py with routing/router.py): a decode worker and a KV-aware prefill
    worker are chosen and the job sent to that prefill worker; when it does not answer,
    to the prefill queue group (503 when no worker is alive or takes it);
@@ -31,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from moemesh.services.gateway.admission.gate import Gate, Refused
 from moemesh.services.gateway.api import openai_api as api
 from moemesh.services.gateway.api import span_attrs as attrs
 from moemesh.services.gateway.api import tokenize as tokenizer_api
@@ -40,7 +43,7 @@ from moemesh.services.gateway.http.auth import ApiKeyMiddleware, load_api_keys
 from moemesh.services.gateway.http.slow_clients import read_body
 from moemesh.services.gateway.mesh.client import MeshClient, NoWorkers, Rejected
 from moemesh.services.gateway.streaming import choices
-from moemesh.services.gateway.streaming.sse import EventStream
+from moemesh.services.gateway.streaming.sse import EventStream, disconnected
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.telemetry.metrics import REQUEST_LATENCY_BUCKETS, Metrics
@@ -61,9 +64,17 @@ class GatewayState:
     metrics: Metrics
     vocab_size: int = 0
     openapi: dict = field(default_factory=dict)
-    inflight: int = 0
     draining: bool = False
     m: dict = field(default_factory=dict)
+    gate: Gate | None = None  # the in-flight slots and their queue; built from cfg when not given
+
+    def __post_init__(self):
+        if self.gate is None:
+            self.gate = Gate(self.cfg.max_inflight, self.cfg.admission_queue, self.cfg.admission_wait_s)
+
+    @property
+    def inflight(self) -> int:
+        return self.gate.inflight
 
 
 def build_app(cfg: GatewayConfig, gateway_id: str | None = None) -> Starlette:
@@ -141,7 +152,12 @@ async def _start(cfg: GatewayConfig, gateway_id: str | None, provider) -> Gatewa
                                  "a streamed request's mean gap between tokens after the first (one per request)"),
         "tokens": metrics.counter("output_tokens_total", "tokens streamed to clients"),
         "inflight": metrics.gauge("inflight_requests", "admitted requests in flight"),
+        "admission_wait": metrics.histogram("admission_wait_seconds",
+                                            "an admitted request's wait for an in-flight slot (those that waited)",
+                                            buckets=REQUEST_LATENCY_BUCKETS),
     }
+    metrics.gauge("admission_queue_requests", "requests waiting for an in-flight slot").set_function(
+        lambda: st.gate.num_waiting)
     return st
 
 
@@ -233,9 +249,9 @@ def _refused(st: GatewayState, route: str, span, e: Exception) -> api.ApiError:
 
 
 def _admitted(st: GatewayState, route: str, span, t0: float) -> Callable[[int], None]:
-    """Takes an in-flight slot for an admitted request. Returns done(status), its one way
-    out: the slot given back, the request counted and timed, its span ended, once."""
-    st.inflight += 1
+    """For a request that holds an in-flight slot (_admit took it). Returns done(status),
+    its one way out: the slot given back, the request counted and timed, its span ended,
+    once."""
     st.m["inflight"].set(st.inflight)
     handle_done = asyncio.Event()
 
@@ -243,7 +259,7 @@ def _admitted(st: GatewayState, route: str, span, t0: float) -> Callable[[int], 
         if handle_done.is_set():
             return
         handle_done.set()
-        st.inflight -= 1
+        st.gate.release()
         st.m["inflight"].set(st.inflight)
         st.m["requests"].labels(route, str(status)).inc()
         st.m["e2e"].observe(time.perf_counter() - t0)
@@ -265,13 +281,14 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
     if st.draining:
         raise api.ApiError(503, "gateway is shutting down", type_="service_unavailable",
                            headers={"Retry-After": str(st.cfg.retry_after_s)})
-    if st.inflight >= st.cfg.max_inflight:  # before reading and tokenizing what would be refused anyway
-        raise _at_capacity(st)
+    if st.gate.hopeless():  # before reading and tokenizing what would be refused whatever its class
+        raise _at_capacity(st, "full")
     raw = await read_body(request, st.cfg.max_body_bytes, st.cfg.body_timeout_s)
+    header = request.headers.get(api.PRIORITY_HEADER)
     if len(raw) > st.cfg.inline_parse_bytes:
-        req = await asyncio.to_thread(_parse, raw, st, kind)
+        req = await asyncio.to_thread(_parse, raw, st, kind, header)
     else:
-        req = _parse(raw, st, kind)
+        req = _parse(raw, st, kind, header)
     if req.model != st.cfg.model_name:
         raise api.ApiError(404, f"model {req.model!r} does not exist; this server serves {st.cfg.model_name!r}",
                            "model", code="model_not_found")
@@ -280,27 +297,49 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
         raise api.ApiError(400, f"This model's maximum context length is {st.max_model_len} tokens. However, you "
                                 f"requested {n + m} tokens ({n} in the prompt, {m} for the completion).",
                            "messages" if kind == "chat" else "prompt", code="context_length_exceeded")
-    if st.inflight >= st.cfg.max_inflight:  # others were admitted while this one was parsed
-        raise _at_capacity(st)
     span.set_attributes({"request.id": req.request_id, "prompt.tokens": sum(map(len, req.prompts)), "max_tokens": m,
-                         "stream": req.stream})
+                         "stream": req.stream, "request.priority": req.params.priority})
     if span.is_recording():
         span.set_attributes(attrs.gen_ai_request(req))
         span.set_attributes(req.trace_attrs)
+    try:  # the last step: from here the slot is the request's, given back by done()
+        waited = await st.gate.enter(req.params.priority, disconnected(request.receive))
+    except Refused as e:
+        raise _not_admitted(st, e.reason) from None
+    if waited:
+        st.m["admission_wait"].observe(waited)
     return req
 
 
-def _parse(raw: bytes, st: GatewayState, kind: str) -> api.GenerateRequest:
+def _parse(raw: bytes, st: GatewayState, kind: str, priority_header: str | None) -> api.GenerateRequest:
     body = _loads(raw)
     if kind == "chat":
-        return api.parse_chat(body, st.tok, st.cfg.default_max_tokens, st.vocab_size, st.cfg.max_n)
+        return api.parse_chat(body, st.tok, st.cfg.default_max_tokens, st.vocab_size, st.cfg.max_n, priority_header)
     return api.parse_completion(body, st.tok, st.cfg.default_max_tokens, st.vocab_size, st.cfg.max_n,
-                                st.cfg.max_prompts)
+                                st.cfg.max_prompts, priority_header)
 
 
-def _at_capacity(st: GatewayState) -> api.ApiError:
-    return api.ApiError(429, f"server is at capacity ({st.cfg.max_inflight} requests in flight)",
-                        type_="rate_limit_error", code="capacity", headers={"Retry-After": str(st.cfg.retry_after_s)})
+def _not_admitted(st: GatewayState, reason: str) -> api.ApiError:
+    if reason == "closed":
+        return api.ApiError(503, "gateway is shutting down", type_="service_unavailable",
+                            headers={"Retry-After": str(st.cfg.retry_after_s)})
+    if reason == "gone":  # nobody reads this answer; the status is for the count
+        return api.ApiError(499, "client closed the request while it waited for admission")
+    return _at_capacity(st, reason)
+
+
+def _at_capacity(st: GatewayState, reason: str) -> api.ApiError:
+    """The 429 of a request not admitted for want of a slot, saying why (gate.Refused)."""
+    cfg = st.cfg
+    msg = f"server is at capacity ({cfg.max_inflight} requests in flight"
+    if reason == "full":
+        msg += f", {cfg.admission_queue} waiting of this priority or better)" if cfg.admission_queue else ")"
+    elif reason == "waited":
+        msg += f"): no slot freed within the admission wait ({cfg.admission_wait_s:g} s)"
+    else:
+        msg += "): a request of a better priority took this one's place in the admission queue"
+    return api.ApiError(429, msg, type_="rate_limit_error", code="capacity",
+                        headers={"Retry-After": str(cfg.retry_after_s)})
 
 
 def _headers(st: GatewayState, req: api.GenerateRequest, handle) -> dict[str, str]:

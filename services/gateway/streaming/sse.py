@@ -32,7 +32,7 @@ class EventStream:
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         send = scope.get(SERVER_SEND, send)
-        watch = asyncio.ensure_future(_disconnected(receive))
+        watch = asyncio.ensure_future(disconnected(receive))
         watch.add_done_callback(lambda t: t.cancelled() or self.handle.disconnect())
         try:
             async for chunk in self.chunks:
@@ -48,7 +48,7 @@ async def unless_gone(request, gather, handle) -> tuple[bool, asyncio.Future]:
     client leaves first, the gather is cancelled and the request's work stopped.
     Returns (gone, the gather's future)."""
     work = asyncio.ensure_future(gather)
-    watch = asyncio.ensure_future(_disconnected(request.receive))
+    watch = asyncio.ensure_future(disconnected(request.receive))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -60,7 +60,8 @@ async def unless_gone(request, gather, handle) -> tuple[bool, asyncio.Future]:
     return gone, work
 
 
-async def _disconnected(receive) -> None:
+async def disconnected(receive) -> None:
+    """Returns when the client has gone (for a request whose body is all read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
 

@@ -1,0 +1,92 @@
+"""Priority classes through the whole mesh, in one process (a real nats-server, the mock
+engine): with every in-flight slot taken, a high-priority request that arrives after
+low-priority ones is admitted and answered before them, and displaces the latest of them
+from a full queue. Deterministic: the one slot is held by a stream that ends only when
+its client leaves, every arrival waits for the queue to show it, and the order is read
+from the jobs the prefill worker is sent, never from the clock."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import nats
+
+from moemesh.shared.protocol.messages import PrefillJob
+from moemesh.shared.protocol.subjects import Subjects
+from moemesh.shared.protocol.wire import decode
+from tests.services.test_in_process import _wait_free, mesh
+
+GATEWAY = {"max_inflight": 1, "admission_queue": 3, "admission_wait_s": 120.0}
+
+
+async def _until(cond, what: str, timeout: float = 30.0) -> None:
+    """Waits for a state, not for a time: the deadline only bounds a broken run."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+def test_a_high_priority_request_overtakes_queued_low_ones(nats_url, tiny_model, tmp_path):
+    async def go():
+        async with mesh(nats_url, tiny_model, tmp_path, engine="mock", mock_step_ms=20.0, gateway=GATEWAY) as m:
+            gate = m.gateway.state.gate
+            nc = await nats.connect(nats_url)
+            jobs: list[tuple[str, int]] = []
+
+            async def spy(msg):  # sees each job the gateway sends the prefill worker, in order
+                job = decode(msg.data, PrefillJob)
+                jobs.append((job.request_id, job.sampling.priority))
+
+            await nc.subscribe(Subjects(m.prefix).prefill_direct("prefill-t"), cb=spy)
+            await nc.flush()
+            client = httpx.AsyncClient(base_url=m.url, timeout=60)
+            names: dict[str, str] = {}
+
+            async def send(name: str, priority: int | None = None, header: str | None = None) -> int:
+                body = {"model": "tiny", "prompt": f"{name} asks", "max_tokens": 2, "ignore_eos": True}
+                if priority is not None:
+                    body["priority"] = priority
+                r = await client.post("/v1/completions", json=body,
+                                      headers={"x-request-priority": header} if header is not None else {})
+                if r.status_code == 200:
+                    names[r.json()["id"].removeprefix("cmpl-")] = name
+                return r.status_code
+
+            try:
+                # The one slot: a stream far longer than the test, held until its client leaves.
+                hold = {"model": "tiny", "prompt": "hold the slot", "max_tokens": 3000, "ignore_eos": True,
+                        "stream": True}
+                async with client.stream("POST", "/v1/completions", json=hold) as held:
+                    assert held.status_code == 200
+                    chunks = held.aiter_bytes()  # kept: a dropped iterator closes the stream
+                    await chunks.__anext__()  # streaming: it holds the slot
+                    waiting = {}
+                    for k, name in enumerate(("low-1", "low-2", "low-3"), 1):
+                        waiting[name] = asyncio.create_task(send(name))
+                        await _until(lambda: gate.num_waiting == k, f"{name} queued")
+                    # A better class takes the place of the latest low one in the full queue...
+                    waiting["high"] = asyncio.create_task(send("high", priority=-1))
+                    assert await waiting.pop("low-3") == 429
+                    # ...by the body's field or by the header, and a low one finds no place.
+                    waiting["high-2"] = asyncio.create_task(send("high-2", header="-1"))
+                    assert await waiting.pop("low-2") == 429
+                    assert await send("low-4", header="0") == 429
+                    assert gate.num_waiting == 3 and gate.inflight == 1
+                # The holder's client has gone: its slot goes to the best waiter.
+                statuses = {name: await t for name, t in waiting.items()}
+                await _wait_free(m)
+                return statuses, jobs, names, gate.inflight, gate.num_waiting
+            finally:
+                await client.aclose()
+                await nc.close()
+
+    statuses, jobs, names, inflight, num_waiting = asyncio.run(go())
+    assert statuses == {"low-1": 200, "high": 200, "high-2": 200}
+    # Admitted, and so sent to the prefill worker, by class and then arrival; each job
+    # carries its class on to the workers.
+    order = [(names.get(rid, "holder"), p) for rid, p in jobs]
+    assert order == [("holder", 0), ("high", -1), ("high-2", -1), ("low-1", 0)]
+    assert (inflight, num_waiting) == (0, 0)
