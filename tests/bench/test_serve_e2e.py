@@ -224,3 +224,28 @@ def test_a_dataset_file_drives_the_prompts(stub, tmp_path):
         with pytest.raises(ValueError, match=needle):
             runner.wl.load_dataset(tmp_path / name)
     assert main(["bench", "serve", "--url", stub.url, "--workload", "dataset", "--no-progress"]) == 2
+
+
+def test_a_priority_mix_sends_its_share_high_and_reports_each_class(stub, tmp_path):
+    stub.state.reset(fail_every=3, fail_status=429, workers=())
+    out = tmp_path / "mix"
+    cmd = [sys.executable, "-m", "moemesh.tools.cli.main", "bench", "serve", "--url", stub.url, "--out-dir", str(out),
+           "--no-progress", "--isl", "8", "--osl", "4", "--num-requests", "10", "--concurrency", "1",
+           "--priority-mix", "0.3", "--high-priority", "-2"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "| point | priority | ok/total | 429 |" in p.stdout
+    r = json.loads((out / "result.json").read_text())
+    assert r["config"]["workload"]["priority_mix"] == 0.3
+    (point,) = r["points"]
+    reqs, by = point["requests"], point["summary"]["by_priority"]
+    assert list(by) == ["-2", "0"]  # best class first
+    assert [b.get("priority") for b in stub.state.bodies].count(-2) == 3  # the rest send no field
+    assert sum("priority" in b for b in stub.state.bodies) == 3
+    for cls, b in by.items():
+        mine = [q for q in reqs if q["priority"] == int(cls)]
+        assert b["num_requests"] == len(mine) == (3 if cls == "-2" else 7)
+        assert b["num_429"] == sum(q["status"] == 429 for q in mine)
+        assert b["num_ok"] == sum(q["error"] is None for q in mine) == b["ttft_ms"]["count"]
+    assert sum(b["num_429"] for b in by.values()) == 3  # every third request
+    assert "By priority class" in (out / "summary.md").read_text()

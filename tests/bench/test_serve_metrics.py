@@ -115,3 +115,22 @@ def test_event_errors_and_content():
     comp = {"choices": [{"text": "x", "finish_reason": "length"}]}
     assert event_content(comp, "completions") == ("x", "x", "length")
     assert event_content({"choices": [], "usage": {}}, "chat") == ("", "", None)
+
+
+def test_by_priority_known_answers():
+    records = [
+        rec(0, 0.0, [0.1, 0.2], end=0.2, priority=-1),
+        rec(1, 0.0, [0.3, 0.5], end=0.5, priority=0),
+        rec(2, 0.0, [], end=0.01, priority=0, status=429, error="HTTP 429: at capacity"),
+        rec(3, 0.0, [], end=0.01, priority=0, status=500, error="HTTP 500: boom"),
+        rec(4, 0.0, [0.05], end=0.05, priority=-1),
+    ]
+    s = m.summarize(records)
+    by = s["by_priority"]
+    assert list(by) == ["-1", "0"]
+    hi, lo = by["-1"], by["0"]
+    assert (hi["num_requests"], hi["num_ok"], hi["num_429"], hi["num_errors"]) == (2, 2, 0, 0)
+    assert (lo["num_requests"], lo["num_ok"], lo["num_429"], lo["num_errors"]) == (3, 1, 1, 2)
+    assert hi["ttft_ms"]["p50"] == pytest.approx(75) and hi["itl_ms"]["count"] == 1
+    assert lo["ttft_ms"]["p99"] == pytest.approx(300) and lo["e2e_ms"]["p50"] == pytest.approx(500)
+    assert "by_priority" not in m.summarize([rec(0, 0.0, [0.1])])  # no mix, no classes

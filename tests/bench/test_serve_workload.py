@@ -164,3 +164,18 @@ def test_over_context_counts_what_a_servers_context_will_refuse():
     work = wl.build(cfg, 0)
     # turns need 120, 150 and 180 tokens of context
     assert [wl.over_context(work, n) for n in (None, 0, 200, 180, 179, 150, 119)] == [0, 0, 0, 0, 3, 3, 9]
+
+
+def test_a_priority_mix_puts_its_share_of_sessions_high_and_changes_nothing_else():
+    cfg = WorkloadConfig(num_requests=50)
+    mixed_cfg = WorkloadConfig(num_requests=50, priority_mix=0.2, high_priority=-3)
+    plain, mixed = wl.build(cfg, seed=4), wl.build(mixed_cfg, seed=4)
+    assert _stream(plain) == _stream(mixed)
+    assert {s.priority for s in plain.sessions} == {None}
+    assert [s.priority for s in mixed.sessions].count(-3) == 10
+    assert {s.priority for s in mixed.sessions} == {-3, 0}
+    assert [s.priority for s in wl.build(mixed_cfg, seed=4, salt=1).sessions] == [s.priority for s in mixed.sessions]
+    assert [s.priority for s in wl.build(mixed_cfg, seed=5).sessions] != [s.priority for s in mixed.sessions]
+    for bad in ({"priority_mix": 1.5}, {"priority_mix": -0.1}, {"priority_mix": 0.5, "high_priority": 0}):
+        with pytest.raises(ValueError, match="priority"):
+            WorkloadConfig(**bad)

@@ -80,6 +80,11 @@ def register(bsub) -> None:
                    help="response header naming the worker that served a request ('' to ignore)")
     s.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature to send (default: the server's)")
+    s.add_argument("--priority-mix", type=float, default=0.0, metavar="F",
+                   help="send this share of requests (sessions) at --high-priority (vLLM's priority field), the rest "
+                        "in the default class; the report then gives TTFT, ITL and 429s per class")
+    s.add_argument("--high-priority", type=int, default=-1,
+                   help="the priority sent with --priority-mix (lower is served earlier; default -1)")
     s.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     s.add_argument("--timeout-s", type=float, default=600.0, help="connect/read timeout per request")
     s.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
@@ -129,7 +134,8 @@ def build_config(args: argparse.Namespace):
         prefix_len=args.prefix_len, num_sessions=args.num_sessions, turns=LengthDist.parse(args.turns),
         tool_len=LengthDist.parse(args.tool_len), words_per_token=args.words_per_token,
         dataset_path=args.dataset_path, trace_paths=tuple(args.trace), trace_block_size=args.trace_block_size,
-        trace_scale=0 if args.trace_scale == "auto" else int(args.trace_scale))
+        trace_scale=0 if args.trace_scale == "auto" else int(args.trace_scale), priority_mix=args.priority_mix,
+        high_priority=args.high_priority)
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
@@ -172,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out_dir or f"bench-results/serve-{time.strftime('%Y%m%d-%H%M%S')}"
     paths = report.write_all(result, out_dir)
     print(report.table(result))
+    if prio := report.priority_lines(result):
+        print("\n".join(["", *prio]))
     for p in result["points"]:
         if p.get("trace"):
             print("\n".join(report.trace_lines(p)))

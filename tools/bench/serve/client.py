@@ -155,8 +155,9 @@ class ServeClient:
                                  f"({type(e).__name__}: {e}); pass --model") from None
         return self.model
 
-    def body(self, messages: list[dict] | None, max_tokens: int, prompt_ids=None) -> dict:
-        """prompt_ids: the prompt as token ids (a replayed trace), for completions only."""
+    def body(self, messages: list[dict] | None, max_tokens: int, prompt_ids=None, priority: int | None = None) -> dict:
+        """prompt_ids: the prompt as token ids (a replayed trace), for completions only.
+        priority: the request's class; the default class (0 or None) sends no field."""
         from moemesh.tools.bench.serve.workload import render_completion
 
         b = {"model": self.model, "max_tokens": max_tokens, "stream": True}
@@ -176,11 +177,13 @@ class ServeClient:
             b["ignore_eos"] = True
         if self.cfg.temperature is not None:
             b["temperature"] = self.cfg.temperature
+        if priority:
+            b["priority"] = priority
         return b | self.cfg.extra_body
 
     async def send(self, rec: RequestRecord, messages: list[dict] | None, prompt_ids=None) -> None:
         """Send one request and fill rec in; never raises for a failed request."""
-        body = self.body(messages, rec.max_tokens, prompt_ids)
+        body = self.body(messages, rec.max_tokens, prompt_ids, rec.priority)
         rec.start = self.now()
         try:
             async with self._http.stream("POST", ENDPOINTS[self.cfg.endpoint], json=body) as resp:

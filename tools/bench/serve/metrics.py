@@ -10,6 +10,8 @@ Definitions (times in seconds on one monotonic clock, reported in ms):
 - tokens/s per user: output_tokens / E2E of each request, so queueing and prefill count
   against it (what the user waits for). decode tokens/s per user is 1 / TPOT.
 - duration: first request sent -> last stream ended, over every measured request.
+- by class (a priority mix): the same latencies for the requests of each priority, with
+  how many of them were refused for capacity (429).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class RequestRecord:
     error: str | None = None
     finish_reason: str | None = None
     worker: str | None = None
+    priority: int | None = None  # the class it was sent in (a priority mix); None: no mix
     text: str = ""  # the answer; feeds the next agentic turn, not the report
 
     @property
@@ -127,6 +130,8 @@ def summarize(records: list[RequestRecord], slo_ttft_ms: float | None = None,
     s.update(vllm_fields(s, ok))
     if any(r.cached_tokens is not None for r in ok):
         s["prefix_hit_rate"] = prefix_cache(ok)["hit_rate"]
+    if any(r.priority is not None for r in records):
+        s["by_priority"] = by_priority(records)
     if any(r.turn > 1 for r in records):
         s["ttft_ms_by_turn"] = {
             "1": dist([x for r in ok if r.turn == 1 and (x := ttft(r)) is not None], scale=1e3),
@@ -155,6 +160,24 @@ def by_band(ok: list[RequestRecord], band_of, order: list[str]) -> dict:
                 "ttft_ms": dist([x for r in groups[b] if (x := ttft(r)) is not None], scale=1e3),
                 "itl_ms": dist([g for r in groups[b] for g in itl(r)], scale=1e3)}
             for b in [*order, *sorted(set(groups) - set(order))] if b in groups}
+
+
+def by_priority(records: list[RequestRecord]) -> dict:
+    """Per class, best (lowest) first: requests, how many succeeded and were refused for
+    capacity (429), and the TTFT, ITL and E2E of those that succeeded."""
+    groups: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        groups.setdefault(r.priority or 0, []).append(r)
+    out = {}
+    for p in sorted(groups):
+        rs = groups[p]
+        ok = [r for r in rs if r.ok]
+        out[str(p)] = {"num_requests": len(rs), "num_ok": len(ok), "num_429": sum(r.status == 429 for r in rs),
+                       "num_errors": len(rs) - len(ok),
+                       "ttft_ms": dist([x for r in ok if (x := ttft(r)) is not None], scale=1e3),
+                       "itl_ms": dist([g for r in ok for g in itl(r)], scale=1e3),
+                       "e2e_ms": dist([e2e(r) for r in ok], scale=1e3)}
+    return out
 
 
 VLLM_PERCENTILES = (50, 90, 99)

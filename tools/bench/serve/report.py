@@ -58,6 +58,22 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def priority_lines(result: dict) -> list[str]:
+    """Per point and class (a priority mix), best class first: requests, how many were
+    served and refused for capacity (429), and their TTFT, ITL and E2E."""
+    rows = [(p, c, b) for p in result["points"] for c, b in p["summary"].get("by_priority", {}).items()]
+    if not rows:
+        return []
+    lines = ["| point | priority | ok/total | 429 | TTFT p50/p90/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |",
+             "|---|---|---|---|---|---|---|"]
+    for p, c, b in rows:
+        t, i, e = b["ttft_ms"], b["itl_ms"], b["e2e_ms"]
+        lines.append(f"| {_point_name(p)} | {c} | {b['num_ok']}/{b['num_requests']} | {b['num_429']} "
+                     f"| {_f(t['p50'])}/{_f(t['p90'])}/{_f(t['p99'])} | {_f(i['p50'], '.2f')}/{_f(i['p99'], '.2f')} "
+                     f"| {_f(e['p50'])}/{_f(e['p99'])} |")
+    return lines
+
+
 def trace_lines(p: dict) -> list[str]:
     """A replayed trace's point: its scale, the hit rate it implies beside the server's, and
     TTFT/ITL by the trace's context-length band."""
@@ -103,6 +119,9 @@ def markdown(result: dict, images: list[str]) -> str:
         table(result), "",
         "tok/s/user is output tokens / end-to-end latency of each request; **p90** is the headline.", "",
     ]
+    if prio := priority_lines(result):
+        lines += [f"By priority class (lower is served earlier; {w.get('priority_mix', 0):.0%} of requests sent at "
+                  f"{w.get('high_priority')}, the rest at the default 0):", "", *prio, ""]
     for p in result["points"]:
         s = p["summary"]
         extra = []

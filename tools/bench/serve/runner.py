@@ -112,7 +112,7 @@ async def run_session(client: ServeClient, spec: wl.SessionSpec, first_index: in
         context_target += turn.input_len
         rec = RequestRecord(index=first_index + k, session=spec.session, turn=k + 1,
                             max_tokens=turn.max_tokens, target_input_tokens=context_target, group=spec.group,
-                            trace_input_tokens=turn.trace_input_len)
+                            trace_input_tokens=turn.trace_input_len, priority=spec.priority)
         await client.send(rec, messages, turn.prompt_ids)
         records.append(rec)
         if progress is not None:

@@ -9,6 +9,10 @@ Glossary:
   the model's answers, so the context grows turn by turn (SemiAnalysis AgentX style).
 - arrival: the start offset of a session in a unit-rate Poisson process; the runner
   divides it by the requested rate, so one stream serves every rate of a sweep.
+- class: with a priority mix, a session's requests are all sent at one priority: the
+  high class's value (`priority` in the body) for the mix's share of sessions, the
+  default class (no field) for the rest. Which sessions are drawn from an RNG of their
+  own, so a mix changes nothing else about the stream.
 
 Lengths are counted in tokens of the server's tokenizer when one is given (`tokenizer.json`
 loaded with `tokenizers`); otherwise a words-per-token estimate sets the number of words.
@@ -17,7 +21,7 @@ loaded with `tokenizers`); otherwise a words-per-token estimate sets the number 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 KINDS = ("random", "fixed", "prefix", "agentic", "dataset", "trace")
@@ -112,6 +116,10 @@ class WorkloadConfig:
     trace_block_size: int | None = None
     trace_scale: int = 0
     num_requests_set: bool = True  # trace: False replays the whole trace
+    # The share of sessions sent at high_priority (vLLM's `priority`: lower is served
+    # earlier); the rest go in the default class. 0: no priorities at all.
+    priority_mix: float = 0.0
+    high_priority: int = -1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -130,6 +138,11 @@ class WorkloadConfig:
             raise ValueError("request, session and prefix-group counts must be at least 1")
         if self.prefix_len < 1 or self.words_per_token <= 0:
             raise ValueError("prefix length and words-per-token must be positive")
+        if not 0 <= self.priority_mix <= 1:
+            raise ValueError(f"--priority-mix is the share of requests sent as high priority, in [0, 1], got "
+                             f"{self.priority_mix:g}")
+        if self.priority_mix and self.high_priority == 0:
+            raise ValueError("--high-priority must not be 0, the default class")
 
     @property
     def description(self) -> dict:
@@ -140,7 +153,9 @@ class WorkloadConfig:
                 "words_per_token": self.words_per_token, "dataset_path": self.dataset_path,
                 **({"trace_paths": list(self.trace_paths), "trace_block_size": self.trace_block_size,
                     "trace_scale": self.trace_scale or "auto"}
-                   if self.kind == "trace" else {})}
+                   if self.kind == "trace" else {}),
+                **({"priority_mix": self.priority_mix, "high_priority": self.high_priority}
+                   if self.priority_mix else {})}
 
 
 @dataclass(frozen=True)
@@ -157,6 +172,7 @@ class SessionSpec:
     session: int
     turns: tuple[Turn, ...]
     group: int | None = None  # prefix-sharing group
+    priority: int | None = None  # with a priority mix: its class (0: the default's); None: no mix
 
 
 @dataclass(frozen=True)
@@ -216,8 +232,21 @@ def build(cfg: WorkloadConfig, seed: int, salt: int | str = 0, tokenizer=None,
     Returns:
         A Workload; the same (cfg, seed, salt) always gives an equal one.
     """
-    if cfg.kind == "trace":
-        return trace_stream(cfg, seed, salt, tokenizer, max_model_len)
+    work = trace_stream(cfg, seed, salt, tokenizer, max_model_len) if cfg.kind == "trace" else \
+        _stream(cfg, seed, salt, tokenizer)
+    return with_priorities(work, cfg, seed) if cfg.priority_mix else work
+
+
+def with_priorities(work: Workload, cfg: WorkloadConfig, seed: int) -> Workload:
+    """round(priority_mix x sessions) of the sessions, drawn at random, in the high class;
+    the rest in the default one."""
+    n = len(work.sessions)
+    high = set(random.Random(f"moemesh-serve:{seed}:priority").sample(range(n), round(cfg.priority_mix * n)))
+    sessions = tuple(replace(s, priority=cfg.high_priority if i in high else 0) for i, s in enumerate(work.sessions))
+    return replace(work, sessions=sessions)
+
+
+def _stream(cfg: WorkloadConfig, seed: int, salt: int | str, tokenizer) -> Workload:
     shape = random.Random(f"moemesh-serve:{seed}:shape")
     text = TextSource(random.Random(f"moemesh-serve:{seed}:text:{salt}"), tokenizer, cfg.words_per_token)
     sessions = []
