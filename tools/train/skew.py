@@ -48,6 +48,17 @@ def balance(loads_fit: torch.Tensor, loads_eval: torch.Tensor, ranks: int, redun
     return [float(x) for x in naive], [float(x) for x in placed]
 
 
+def synthetic(kind: str, num_layers: int, num_experts: int, top_k: int, tokens: int, ranks: int,
+              redundant: int) -> tuple[list, list]:
+    """The same two ratios for a calibrated synthetic workload (shared/eplb/workloads.py) of
+    the model's shape: placement on one window, scored on the next."""
+    from moemesh.shared.eplb.workloads import Workload
+
+    w = Workload(kind=kind, num_layers=num_layers, num_experts=num_experts, tokens_per_window=tokens,
+                 top_k=top_k).windows(2).float()
+    return balance(w[0], w[1], ranks, redundant)
+
+
 def measure(model_dir: str, texts: list[str] | None = None, *, windows: int = 32, window_len: int = 256,
             ranks: int = 4, redundant: int = 1) -> SkewReport:
     """texts: what to route; by default the held-out tail of the corpus the model trained on."""
@@ -111,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
                 redundant=args.redundant)
     print(f"{r.tokens} tokens, {r.ranks} ranks, {r.redundant} redundant slot(s) per rank")
     print(r.table())
+    raw = json.loads((Path(args.model_dir) / "config.json").read_text())
+    for kind in ("zipf", "hot"):
+        naive, placed = synthetic(kind, len(r.layers), raw["n_routed_experts"], raw["num_experts_per_tok"],
+                                  r.tokens // 2, r.ranks, r.redundant)
+        print(f"synthetic {kind} at this shape: naive {min(naive):.3f}-{max(naive):.3f}, "
+              f"after EPLB {min(placed):.3f}-{max(placed):.3f}")
     return 0
 
 
