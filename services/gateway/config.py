@@ -18,6 +18,12 @@ class GatewayConfig(ServiceConfig):
     # class's latest waiter when the queue is full.
     admission_queue: int = 256
     admission_wait_s: float = 5.0
+    # Of max_inflight, the slots only classes below admission_reserve_below may take (by
+    # default those better than the default class, 0): the others stop short of them, so
+    # that a better class arriving under overload finds a slot at once rather than waiting
+    # for one to free. 0: no reserve; every class may take every slot.
+    admission_reserve: int = 0
+    admission_reserve_below: int = 0
     retry_after_s: int = 1
     prefill_timeout_s: float = 5.0  # for a prefill worker to accept a job
     # A new request's job waits this long for the gateway's NATS link to come back (and
@@ -74,6 +80,8 @@ class GatewayConfig(ServiceConfig):
             raise ValueError("max_inflight must be >= 1")
         if self.admission_queue < 0 or not self.admission_wait_s > 0:
             raise ValueError("admission_queue must be >= 0 and admission_wait_s > 0")
+        if not 0 <= self.admission_reserve < self.max_inflight:
+            raise ValueError("admission_reserve must be in [0, max_inflight)")
         if not 1 <= self.max_n <= MAX_N:
             raise ValueError(f"max_n must be in [1, {MAX_N}]")
         if self.max_prompts < 1:

@@ -61,16 +61,36 @@ def test_a_waiter_that_leaves_is_gone_and_one_already_admitted_is_told_so():
     assert o.num_waiting == 0 and o.num_inflight == 1
 
 
-@settings(max_examples=80, deadline=None)
+def test_reserved_slots_are_left_to_better_classes():
+    o = AdmissionOrder(num_slots=3, max_waiting=4, reserve=1)  # classes below 0 may take the last slot
+    assert [o.arrive(0).outcome for _ in range(2)] == [Outcome.ADMITTED, Outcome.ADMITTED]
+    low = o.arrive(0)
+    assert low.outcome is Outcome.QUEUED and o.num_inflight == 2  # the third slot is free, but reserved
+    assert o.arrive(-1).outcome is Outcome.ADMITTED and o.num_inflight == 3  # at once, past the low waiter
+    high = o.arrive(-1).waiter
+    assert o.release() == high  # the best waiter first
+    assert o.release() is None and o.num_inflight == 2  # the low waiter may not take what is left
+    assert o.release() == low.waiter and o.num_inflight == 2
+    assert AdmissionOrder(num_slots=2, max_waiting=1, reserve=1, reserve_below=5).arrive(4).outcome \
+        is Outcome.ADMITTED
+    with pytest.raises(ValueError):
+        AdmissionOrder(num_slots=2, max_waiting=1, reserve=2)
+
+
+@settings(max_examples=120, deadline=None)
 @given(ops=st.lists(st.one_of(st.tuples(st.just("arrive"), st.integers(-2, 2)), st.just(("release", 0)),
                               st.tuples(st.just("leave"), st.integers(0, 20))), max_size=60),
-       num_slots=st.integers(1, 3), max_waiting=st.integers(0, 4))
-def test_slots_are_never_lost_nor_doubled_and_nobody_waits_while_one_is_free(ops, num_slots, max_waiting):
-    o = AdmissionOrder(num_slots, max_waiting)
+       num_slots=st.integers(1, 4), max_waiting=st.integers(0, 4), reserve=st.integers(0, 3))
+def test_slots_are_never_lost_nor_doubled_and_nobody_waits_while_one_they_may_take_is_free(
+        ops, num_slots, max_waiting, reserve):
+    reserve = min(reserve, num_slots - 1)
+    o = AdmissionOrder(num_slots, max_waiting, reserve)
+    limit = lambda p: num_slots - (reserve if p >= 0 else 0)  # noqa: E731
     held, queued = 0, []
     for op, x in ops:
         if op == "arrive":
             a = o.arrive(x)
+            assert (a.outcome is Outcome.ADMITTED) == (held < limit(x))
             if a.outcome is Outcome.ADMITTED:
                 held += 1
             elif a.outcome is Outcome.QUEUED:
@@ -82,8 +102,9 @@ def test_slots_are_never_lost_nor_doubled_and_nobody_waits_while_one_is_free(ops
             w = o.release()
             if w is None:
                 held -= 1
+                assert not queued or held >= limit(min(queued).priority)
             else:
-                assert w == min(queued)  # the best class's earliest
+                assert w == min(queued) and held - 1 < limit(w.priority)  # the best class's earliest
                 queued.remove(w)
         elif op == "leave" and queued:
             w = queued[x % len(queued)]
@@ -91,7 +112,7 @@ def test_slots_are_never_lost_nor_doubled_and_nobody_waits_while_one_is_free(ops
             queued.remove(w)
         assert o.num_inflight == held <= num_slots
         assert o.waiting() == sorted(queued) and len(queued) <= max_waiting
-        assert not queued or held == num_slots
+        assert all(held >= limit(w.priority) for w in queued)
 
 
 # ---- the gate ---------------------------------------------------------------------------

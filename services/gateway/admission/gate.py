@@ -27,8 +27,9 @@ class Refused(Exception):
 
 
 class Gate:
-    def __init__(self, num_slots: int, max_waiting: int, wait_s: float):
-        self.order = AdmissionOrder(num_slots, max_waiting)
+    def __init__(self, num_slots: int, max_waiting: int, wait_s: float, reserve: int = 0, reserve_below: int = 0):
+        """See AdmissionOrder for the slots, the queue and the reserve."""
+        self.order = AdmissionOrder(num_slots, max_waiting, reserve, reserve_below)
         self.wait_s = wait_s
         self._futures: dict[Waiter, asyncio.Future] = {}
 

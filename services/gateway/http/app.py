@@ -70,7 +70,9 @@ class GatewayState:
 
     def __post_init__(self):
         if self.gate is None:
-            self.gate = Gate(self.cfg.max_inflight, self.cfg.admission_queue, self.cfg.admission_wait_s)
+            c = self.cfg
+            self.gate = Gate(c.max_inflight, c.admission_queue, c.admission_wait_s, c.admission_reserve,
+                             c.admission_reserve_below)
 
     @property
     def inflight(self) -> int:
