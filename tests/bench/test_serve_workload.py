@@ -179,3 +179,21 @@ def test_a_priority_mix_puts_its_share_of_sessions_high_and_changes_nothing_else
     for bad in ({"priority_mix": 1.5}, {"priority_mix": -0.1}, {"priority_mix": 0.5, "high_priority": 0}):
         with pytest.raises(ValueError, match="priority"):
             WorkloadConfig(**bad)
+
+
+def test_a_point_runs_without_full_collections_and_the_collector_comes_back_after():
+    import gc
+
+    before = gc.get_threshold()
+    full = []
+    cb = lambda phase, info: phase == "start" and info["generation"] == 2 and full.append(1)  # noqa: E731
+    gc.callbacks.append(cb)
+    try:
+        with runner.no_full_collections():
+            full.clear()
+            junk = [[object()] for _ in range(200_000)]  # enough young collections for several full ones
+            del junk
+            assert gc.get_threshold()[:2] == before[:2] and not full
+    finally:
+        gc.callbacks.remove(cb)
+    assert gc.get_threshold() == before
