@@ -23,8 +23,9 @@ def available() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
-def _group(name: str) -> str:
-    """Tensors that one conversion must see together: a decoder (or MTP) layer's."""
+def layer_group(name: str) -> str:
+    """Tensors that one conversion must see together: a decoder (or MTP) layer's. Callers
+    of as_saved pass each group's tensors together."""
     parts = name.split(".")
     if parts[0] == "model" and len(parts) > 2 and parts[1] == "layers":
         return ".".join(parts[:3])
@@ -42,5 +43,5 @@ def as_saved(raw_config: dict, tensors: Iterable[tuple[str, torch.Tensor]]) -> I
     config = AutoConfig.for_model(**raw_config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    for _, group in groupby(tensors, key=lambda item: _group(item[0])):
+    for _, group in groupby(tensors, key=lambda item: layer_group(item[0])):
         yield from revert_weight_conversion(model, dict(group)).items()

@@ -23,6 +23,7 @@ import asyncio
 import bisect
 import itertools
 import logging
+import operator
 import queue
 import threading
 import time
@@ -113,7 +114,7 @@ class EngineLoop:
         if self._immediate and _safe(attempt, self.engine):
             self._wake.set()
             return
-        bisect.insort(self.pending_retry, ((priority, next(self._retries)), attempt), key=_first)
+        bisect.insort(self.pending_retry, ((priority, next(self._retries)), attempt), key=operator.itemgetter(0))
         self._wake.set()
 
     def wake(self) -> None:
@@ -503,10 +504,6 @@ def _settle(fut: asyncio.Future, op: Op, engine: LLMEngine) -> None:
     else:
         if not fut.done():
             fut.set_result(res)
-
-
-def _first(pair: tuple) -> Any:
-    return pair[0]
 
 
 def _safe(attempt: Callable[[LLMEngine], bool], engine: LLMEngine) -> bool:

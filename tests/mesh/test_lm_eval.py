@@ -77,11 +77,11 @@ def _transformers_loglikelihood(model_dir: str, pairs: list[tuple[list[int], lis
 
 
 @pytest.fixture(params=["random", "trained"])
-def subject(request, tiny_model, tiny_engine_factory):
+def subject(request):
     """(model dir, engine factory, task items): the seeded random tiny model on English
     choices, or the (shortly) trained one on Python."""
     if request.param == "random":
-        return tiny_model, tiny_engine_factory, ITEMS
+        return request.getfixturevalue("tiny_model"), request.getfixturevalue("tiny_engine_factory"), ITEMS
     from tests.conftest import _engine_factory
 
     model_dir = str(request.getfixturevalue("tiny_trained").out_dir)

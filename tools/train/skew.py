@@ -85,10 +85,10 @@ def measure(model_dir: str, texts: list[str] | None = None, *, windows: int = 32
     order = sorted(layers)
     E = raw["n_routed_experts"]
     counts = {lid: [torch.zeros(E, dtype=torch.long), torch.zeros(E, dtype=torch.long)] for lid in order}
-    half = {"i": 0}
+    part = 0  # 0: the windows the placement is built on, 1: those it is scored on
 
     def hook(layer_id: int, ids_: torch.Tensor) -> None:
-        counts[layer_id][half["i"]] += torch.bincount(ids_.flatten().cpu(), minlength=E)
+        counts[layer_id][part] += torch.bincount(ids_.flatten().cpu(), minlength=E)
 
     for m in layers.values():
         m.on_route = hook
@@ -96,7 +96,7 @@ def measure(model_dir: str, texts: list[str] | None = None, *, windows: int = 32
                                  enable_prefix_caching=False), model=model)
     # two tokens: a request that ends at its prefill has no draft pass over its prompt
     for i, p in enumerate(prompts):
-        half["i"] = 0 if i < len(prompts) // 2 else 1
+        part = 0 if i < len(prompts) // 2 else 1
         eng.add_request(f"w{i}", p, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         while eng.has_unfinished():
             eng.step()

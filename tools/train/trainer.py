@@ -27,6 +27,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -62,6 +63,22 @@ def balance_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
     bias.add_(rate * torch.sign(counts.float().mean() - counts.float()))
 
 
+@contextmanager
+def _quiet_load():
+    """transformers' load report lists the MTP tensors it leaves to us, and a bar: neither
+    is news here."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+
+
 class _Draft(nn.Module):
     """The MTP head's parts outside its decoder layer, named as the checkpoint names them
     under `model.layers.{N}.` (the embedding and head are the target's, shared)."""
@@ -90,7 +107,8 @@ class _V3Trainee(nn.Module):
         config = AutoConfig.from_pretrained(model_dir, attn_implementation="sdpa")
         if self.has_mtp:
             config.num_hidden_layers = self.num_layers + 1
-        self.hf = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
+        with _quiet_load():
+            self.hf = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
         self.hf.config.num_hidden_layers = self.num_layers  # the target runs the first N
         self.draft = _Draft(raw["hidden_size"], raw["rms_norm_eps"]) if self.has_mtp else None
         if self.draft is not None:  # its own tensors, which transformers leaves unread
@@ -149,7 +167,8 @@ class _V4Trainee(nn.Module):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with _quiet_load():
+            self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.draft = None
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -246,16 +265,7 @@ def train(out_dir: str | Path, preset: str, cfg: TrainConfig, *, init_seed: int 
     ids = corpus_mod.encode(tok, text.texts, raw["eos_token_id"])
     train_ids, held_ids = corpus_mod.split(ids, cfg.held_out)
 
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its load report lists the MTP tensors it leaves to us
-    hf_logging.disable_progress_bar()
-    try:
-        model = (_V4Trainee if raw["model_type"] == "deepseek_v4" else _V3Trainee)(out, raw)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
+    model = (_V4Trainee if raw["model_type"] == "deepseek_v4" else _V3Trainee)(out, raw)
     _reinit(model, cfg.seed)
     model.train()
     routes = _Routes(model.routers())
@@ -324,7 +334,8 @@ def _save(out: Path, raw: dict, tensors: dict[str, torch.Tensor]) -> None:
     from moemesh.shared.checkpoint import writer, writer_transformers
 
     seeded = _read_all(out)
-    saved = dict(writer_transformers.as_saved(raw, sorted(tensors.items(), key=lambda kv: _order(kv[0]))))
+    grouped = sorted(tensors.items(), key=lambda kv: writer_transformers.layer_group(kv[0]))
+    saved = dict(writer_transformers.as_saved(raw, grouped))
     missing = [k for k in seeded if k not in saved]
     if any(not k.startswith("mtp.") for k in missing):  # only V4's MTP head is not trained
         raise RuntimeError(f"trained model lacks checkpoint tensors: {missing[:5]}")
@@ -336,14 +347,6 @@ def _save(out: Path, raw: dict, tensors: dict[str, torch.Tensor]) -> None:
     for p in out.glob("model*.safetensors*"):
         p.unlink()
     writer.write_shards(out, ((k, saved[k].to(seeded[k].dtype).clone()) for k in seeded), 2 << 30)
-
-
-def _order(name: str) -> tuple:
-    """Groups each layer's tensors together, layers in order (as_saved converts by group)."""
-    parts = name.split(".")
-    if parts[0] == "model" and len(parts) > 2 and parts[1] == "layers":
-        return (1, int(parts[2]), name)
-    return (0 if parts[0] == "model" else 2, 0, name)
 
 
 def _read_all(out: Path) -> dict[str, torch.Tensor]:
