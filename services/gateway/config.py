@@ -21,7 +21,10 @@ class GatewayConfig(ServiceConfig):
     # Of max_inflight, the slots only classes below admission_reserve_below may take (by
     # default those better than the default class, 0): the others stop short of them, so
     # that a better class arriving under overload finds a slot at once rather than waiting
-    # for one to free. 0: no reserve; every class may take every slot.
+    # for one to free. 0: no reserve; every class may take every slot. Sized above the
+    # decode pool's seats (max_inflight = their max_num_seqs + the reserve), it costs no
+    # throughput: the decode scheduler seats a better class first and parks the worse
+    # (docs/architecture.md#priority-classes).
     admission_reserve: int = 0
     admission_reserve_below: int = 0
     retry_after_s: int = 1

@@ -9,7 +9,10 @@ verify, or the next prefill chunk), then waiting sequences in that order while t
 budget and free blocks last. A running prefill chunk leaves room (at most half the
 budget) for the short prompts at the head of the queue: a later turn of a conversation,
 whose prefix is cached, then waits one step behind another's long cold prompt rather
-than for the whole of it. When a running sequence cannot get the blocks it needs,
+than for the whole of it. When max_num_seqs are running, a waiting sequence of a better
+class than some of them still joins them (`_takes_a_seat`): the worst class's newest are
+parked past max_num_seqs with their blocks, so a better class's first token waits a step,
+not for a worse class's answer. When a running sequence cannot get the blocks it needs,
 the last running sequence is preempted, the worst class's newest: its blocks are freed
 and it will be recomputed from its tokens. This keeps the best and oldest requests moving.
 
@@ -191,10 +194,10 @@ class Scheduler:
 
         # A parent not forked yet holds the places of its children.
         num_seqs = len(self.running) + sum(len(p.forks) - 1 for p in self._parents.values())
-        while self.waiting and budget > 0 and num_seqs < self.cfg.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             width = max(1, len(seq.forks))
-            if num_seqs + width > self.cfg.max_num_seqs:
+            if num_seqs + width > self.cfg.max_num_seqs and not self._takes_a_seat(seq, width):
                 break
             cached = self._reuse_prefix(seq)
             num_new = self._cut(seq, min(seq.num_tokens - seq.num_computed, budget))
@@ -215,9 +218,23 @@ class Scheduler:
             num_seqs += width
             if seq.forks:
                 self._parents[seq.request_id] = seq
+            if len(scheduled) + width > self.cfg.max_num_seqs:
+                # It took a seat from a worse class, and this step's batch is full: its
+                # first chunk goes with the next step, where it ranks ahead of that class.
+                break
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
+
+    def _takes_a_seat(self, seq: Sequence, width: int) -> bool:
+        """Whether a waiting sequence may join `running` although max_num_seqs are there: its
+        class is better than some of theirs, and it would be among the first max_num_seqs by
+        class. The worst class's sequences past max_num_seqs are then parked (they keep their
+        blocks and wait their turn, as imports past max_num_seqs do), so a better class's
+        first token never waits for a worse class's whole answer."""
+        p = seq.params.priority
+        as_good = bisect.bisect_right(self.running, (p, float("inf")), key=_rank)
+        return as_good < len(self.running) and as_good + width <= self.cfg.max_num_seqs
 
     def _short_waiting(self, limit: int) -> int:
         """Tokens that the sequences at the head of the queue have left to prefill (after

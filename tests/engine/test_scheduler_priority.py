@@ -96,6 +96,46 @@ def test_imported_sequences_past_max_num_seqs_run_by_class():
     assert [s.seq.request_id for s in out.scheduled] == ["high", "low-a"]
 
 
+def test_a_better_class_takes_a_seat_from_a_worse_one_when_max_num_seqs_are_running():
+    """An aggregated worker full of the default class: a better class starts at once,
+    the worst class's newest is parked with its blocks, and it resumes where it stopped."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), bm)
+    low_a, low_b = _seq("low-a", 8, max_tokens=8), _seq("low-b", 8, max_tokens=8)
+    sched.add(low_a)
+    sched.add(low_b)
+    _execute(sched, sched.schedule())
+    high = _seq("high", 8, priority=-1, max_tokens=2)
+    sched.add(high)
+    out = sched.schedule()
+    # the batch was full of decodes: high is seated now and computes from the next step
+    assert [s.seq.request_id for s in out.scheduled] == ["low-a", "low-b"] and not out.preempted
+    assert [s.request_id for s in sched.running] == ["high", "low-a", "low-b"]
+    _execute(sched, out)
+    parked_blocks, parked_done = list(low_b.block_ids), low_b.num_computed
+    out = sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == ["high", "low-a"] and not out.preempted
+    assert low_b.status == SeqStatus.RUNNING and low_b.block_ids == parked_blocks
+    _first_scheduled(sched, [low_a, low_b, high])
+    assert low_b.num_computed >= parked_done and low_b.num_preemptions == 0
+    assert bm.num_free_blocks == 64
+
+
+def test_no_seat_is_taken_from_the_same_class_or_past_max_num_seqs_better_ones():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), BlockManager(64, 4))
+    first = [_seq("high-a", 8, priority=-1), _seq("low", 8)]
+    for s in first:
+        sched.add(s)
+    _execute(sched, sched.schedule())
+    same, high_b, high_c = _seq("low-late", 8), _seq("high-b", 8, priority=-1), _seq("high-c", 8, priority=-1)
+    for s in (same, high_b, high_c):
+        sched.add(s)
+    sched.schedule()
+    # high-b takes low's seat; high-c would be a third of its class or better in two seats
+    assert [s.request_id for s in sched.running] == ["high-a", "high-b", "low"]
+    assert [s.request_id for s in sched.waiting] == ["high-c", "low-late"]
+
+
 @settings(max_examples=40, deadline=None)
 @given(priorities=st.lists(st.integers(-2, 2), min_size=1, max_size=12), num_blocks=st.integers(3, 12),
        max_seqs=st.integers(1, 3))
@@ -110,5 +150,29 @@ def test_every_request_finishes_and_each_class_starts_in_arrival_order(prioritie
     order = _first_scheduled(sched, seqs)
     rank = {s.request_id: (s.params.priority, s.arrival) for s in seqs}
     assert order == sorted(order, key=rank.__getitem__)
+    assert bm.num_free_blocks == num_blocks
+    bm.check()
+
+
+@settings(max_examples=40, deadline=None)
+@given(arrivals=st.lists(st.tuples(st.integers(0, 6), st.integers(-2, 2)), min_size=1, max_size=12),
+       num_blocks=st.integers(4, 14), max_seqs=st.integers(1, 3))
+def test_seats_taken_midway_leave_every_batch_within_max_num_seqs_and_leak_nothing(arrivals, num_blocks, max_seqs):
+    """Requests of mixed classes arriving over several steps, KV tight: better classes take
+    seats and worse ones are parked or preempted, yet no batch passes max_num_seqs,
+    everything finishes and every block comes back."""
+    bm = BlockManager(num_blocks, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=16), bm)
+    seqs = [_seq(f"r{i}", 6, p, max_tokens=4) for i, (_, p) in enumerate(arrivals)]
+    for step in range(500):
+        for s, (at, _) in zip(seqs, arrivals):
+            if at == step:
+                sched.add(s)
+        if step > max(a for a, _ in arrivals) and not sched.has_work():
+            break
+        out = sched.schedule()
+        assert len(out.scheduled) <= max_seqs
+        _execute(sched, out)
+    assert all(s.is_finished for s in seqs)
     assert bm.num_free_blocks == num_blocks
     bm.check()

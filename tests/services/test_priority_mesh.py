@@ -90,3 +90,48 @@ def test_a_high_priority_request_overtakes_queued_low_ones(nats_url, tiny_model,
     order = [(names.get(rid, "holder"), p) for rid, p in jobs]
     assert order == [("holder", 0), ("high", -1), ("high-2", -1), ("low-1", 0)]
     assert (inflight, num_waiting) == (0, 0)
+
+
+def test_a_reserve_above_the_decode_seats_seats_the_high_class_and_parks_the_low(nats_url, tiny_model, tmp_path):
+    """The gateway admits one more request than the decode worker's one seat, that one for
+    the better class only: a high request arriving while a low stream holds the seat is
+    answered in full while the low stream is parked, and the low stream then goes on.
+    The low stream is far longer than the test and ends only when its client leaves, so
+    nothing depends on how long a step takes."""
+    gateway = {"max_inflight": 2, "admission_reserve": 1, "admission_queue": 0}
+
+    async def go():
+        async with mesh(nats_url, tiny_model, tmp_path, engine="mock", mock_step_ms=20.0, gateway=gateway,
+                        decode_only={"max_num_seqs": 1}) as m:
+            client = httpx.AsyncClient(base_url=m.url, timeout=60)
+            try:
+                low = {"model": "tiny", "prompt": "low holds the seat", "max_tokens": 3000, "ignore_eos": True,
+                       "stream": True}
+                async with client.stream("POST", "/v1/completions", json=low) as held:
+                    assert held.status_code == 200
+                    lines = held.aiter_lines()
+                    await _tokens(lines, 3)  # decoding: it holds the one seat
+                    # The default class may not take the reserve...
+                    other = await client.post("/v1/completions", json={"model": "tiny", "prompt": "another low",
+                                                                       "max_tokens": 4})
+                    high = await client.post("/v1/completions", json={
+                        "model": "tiny", "prompt": "high asks", "max_tokens": 8, "ignore_eos": True,
+                        "priority": -1})
+                    # ...and after the high request's whole answer, the low stream goes on.
+                    await _tokens(lines, 3)
+                return other.status_code, high.status_code, high.json()["usage"]["completion_tokens"]
+            finally:
+                await client.aclose()
+
+    assert asyncio.run(go()) == (429, 200, 8)
+
+
+async def _tokens(lines, n: int) -> None:
+    """Reads a stream until n more chunks with text have come."""
+    got = 0
+    async for line in lines:
+        if line.startswith("data: {"):
+            got += 1
+            if got == n:
+                return
+    raise AssertionError("the stream ended")
