@@ -1,4 +1,4 @@
-"""`init-model --train`: a short seeded run (the default run is 1,500 steps; this is 24)
+"""`init-model --train`: a short seeded run (the default run is 1,500 steps, 1,200 on v4-tiny; this is 24)
 writes a checkpoint in the usual layout that the engine runs as the trainer computed it,
 the MTP draft head included, with its loss curve and what it trained on."""
 
@@ -110,3 +110,18 @@ def test_cli_refuses_presets_it_cannot_train(tmp_path, capsys):
     assert "tiny presets" in capsys.readouterr().err
     assert main(["init-model", str(tmp_path / "m"), "--preset", "tiny", "--train", "--num-layers", "2"]) == 2
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("preset, given, steps", [("tiny", None, 1500), ("v4-tiny", None, 1200), ("v4-tiny", "7", 7)])
+def test_the_default_run_is_sized_per_preset(tmp_path, monkeypatch, preset, given, steps):
+    """v4-tiny's step costs about twice the V3 tiny's: its default run is shorter, so each
+    fits in 15 minutes on 2 cores; --train-steps overrides either."""
+    from moemesh.tools.cli.main import main
+    from moemesh.tools.train import trainer
+
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda out, preset, cfg, init_seed: seen.append(cfg) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # stopped before any training
+        main(["init-model", str(tmp_path / "m"), "--preset", preset, "--train",
+              *(["--train-steps", given] if given else [])])
+    assert [c.steps for c in seen] == [steps]

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from moemesh.shared.checkpoint.presets import PRESETS
-from moemesh.tools.train.config import TrainConfig
+from moemesh.tools.train.config import DEFAULT_STEPS, TrainConfig, default_steps
 
 
 def register(sub) -> None:
@@ -35,7 +35,9 @@ def register(sub) -> None:
                         "on CPU, and save it in the same layout; a loss curve goes to DIR/train_loss.png "
                         "(needs transformers)")
     d = TrainConfig()
-    t.add_argument("--train-steps", type=int, default=d.steps, help="optimizer steps")
+    t.add_argument("--train-steps", type=int, default=None,
+                   help=f"optimizer steps (default {d.steps}; " + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items())
+                   + ")")
     t.add_argument("--train-batch", type=int, default=d.batch, help="sequences per step")
     t.add_argument("--train-seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     t.add_argument("--train-lr", type=float, default=d.lr, help="peak learning rate (warm-up, then cosine)")
@@ -69,7 +71,8 @@ def _train(args: argparse.Namespace) -> int:
               "(drop --layout, --quantize, --fused-experts, --num-layers)", file=sys.stderr)
         return 2
     try:
-        cfg = TrainConfig(steps=args.train_steps, batch=args.train_batch, seq_len=args.train_seq_len,
+        steps = args.train_steps if args.train_steps is not None else default_steps(args.preset)
+        cfg = TrainConfig(steps=steps, batch=args.train_batch, seq_len=args.train_seq_len,
                           lr=args.train_lr, corpus_mb=args.train_corpus_mb, bias_rate=args.train_bias_rate,
                           seed=args.seed)
         result = train(args.dir, args.preset, cfg, init_seed=args.seed)
