@@ -20,7 +20,8 @@ hand-off notice), in the request's current migration attempt.
 
 A worker is suspect, and gets no new requests, from the moment a request to it finds
 nobody there or its prefill worker could not hand KV to it; if its heartbeats stop too,
-it is dead sooner than by its heartbeats alone, and its requests move (migration.py).
+it is dead sooner than by its heartbeats alone, and its requests move (migration.py,
+which the client owns: the watch of silent workers, probes, drains, and the moves).
 When the reader closes the handle, the request is forgotten here and, if it was aborted, the
 abort goes out to the workers from a tracked task.
 
@@ -69,7 +70,7 @@ RESEND_EVERY_S = 0.5
 SILENT_S = 2.0  # a stream this long without a batch: its workers are asked what it missed
 
 
-class MeshClient(Migration):
+class MeshClient:
     def __init__(self, cfg: GatewayConfig, gateway_id: str | None = None, metrics: Metrics | None = None):
         self.cfg = cfg
         m = metrics or Metrics()
@@ -84,12 +85,10 @@ class MeshClient(Migration):
         # Silent for silent_worker_limit beats, or found gone by a probe: its streams move
         # (migration). Only the watch forgets workers, so that every death moves its streams.
         self.registry = WorkerRegistry(miss_factor=cfg.silent_worker_limit, min_timeout_s=1.0, owner_prunes=True)
-        self._probing: set[str] = set()  # silent workers asked whether they are still there
         # DEP instances a rank left (its peer died): down until a rank of it beats again,
         # which a restarted instance only does once all its ranks have met.
         self.instances_down: dict[str, tuple[str, float]] = {}  # instance -> (why, unix time it went)
         self.g_down = m.gauge("dep_instances_down", "DEP instances that lost a rank and have not come back")
-        self._draining: dict[str, tuple[float, float]] = {}  # worker -> (last beat, silence that means dead)
         self.handles: dict[str, Handle] = {}
         # Requests whose job is on its way and not yet taken: _send_job's own fallbacks see
         # them through a worker's death, and a migration then would send a second job.
@@ -107,18 +106,21 @@ class MeshClient(Migration):
         self._leaving = False
         # Workers re-subscribe within a beat or two of the server coming back.
         self.link = LinkState(settle_s=max(2.0, 2 * cfg.heartbeat_interval_s))
+        self.migration = Migration(self.registry, self.subjects, self._tasks, self.handles, self._sending,
+                                   cfg.max_migrations, self.c_migrations, self._send_job,
+                                   lambda rid, why: self._send_abort(self.nc, rid, why), self._forget)
 
     async def start(self) -> None:
         link = LinkEvents()
         link.down += [self.registry.hold, self.link.on_down]
         link.up += [self.registry.resume, self.link.on_up, self._recover]
-        self.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}", link)
+        self.nc = self.migration.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}", link)
         self.link.on_connected()
         s = self.subjects
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
         self._subs.append(await subscribe(self.nc, s.gateway_tokens(self.gateway_id, "*"), TokenBatch, self._on_tokens))
         self._subs.append(await subscribe(self.nc, s.kv_events("*"), KVEvents, self._on_kv_events))
-        self._watcher = self._tasks.spawn(self._watch_workers(), "worker-watch")
+        self._watcher = self._tasks.spawn(self.migration.watch(), "worker-watch")
         self._sweeper = self._tasks.spawn(sweep_inactive(self.handles, self.cfg.inactivity_timeout_s,
                                                          silent_s=SILENT_S, on_silent=self.ask_resend),
                                           "inactivity-sweep")
@@ -147,36 +149,36 @@ class MeshClient(Migration):
         if self.nc is None:
             return
         nc, self.nc = self.nc, None
+        self.migration.nc = None
         await disconnect(nc)
 
     # ---- workers ---------------------------------------------------------------------
     async def _on_heartbeat(self, hb: Heartbeat, msg, ctx) -> None:
         self.registry.observe(hb)
         if hb.leaving and hb.role in ("prefill", "decode"):
-            self._draining.pop(hb.worker_id, None)
-            self._gone([hb.worker_id], "its worker left", seen="left")
+            self.migration.left(hb.worker_id)
             if hb.dp_size > 1:  # an instance short of a rank cannot step: none of its ranks gets work
                 self.instances_down[hb.instance_id] = (f"rank {hb.worker_id} left", hb.sent_at)
                 self.g_down.set(len(self.instances_down))
                 for w, lw in list(self.registry.workers.items()):
                     if lw.beat.instance_id == hb.instance_id:
-                        self._suspect(w, f"rank {hb.worker_id} of its instance left")
+                        self.migration.suspect(w, f"rank {hb.worker_id} of its instance left")
             return
         if hb.instance_id in self.instances_down and hb.started_at > self.instances_down[hb.instance_id][1]:
             del self.instances_down[hb.instance_id]  # restarted: its ranks met again
             self.g_down.set(len(self.instances_down))
-        if hb.draining and hb.role in ("prefill", "decode"):
-            # No new work goes there, but its streams still do: if it dies before they end
-            # (its drain timed out), they move.
-            self._draining[hb.worker_id] = (time.monotonic(), max(1.0, 2 * hb.interval_s))
-        else:
-            self._draining.pop(hb.worker_id, None)
+        self.migration.beat(hb.worker_id, hb.draining and hb.role in ("prefill", "decode"), hb.interval_s)
         self._assigned.pop(hb.worker_id, None)  # the beat now reflects what we sent
         self._assigned_prompt.pop(hb.worker_id, None)
         if hb.kv_identity and hb.worker_id not in self._snapshots and not hb.draining:
             self._snapshots.add(hb.worker_id)  # catch up on what it held before we listened
             self._tasks.spawn(self._snapshot(hb.worker_id), f"kv-snapshot-{hb.worker_id}")
-        self._check_workers()
+        self.migration.check()
+
+    def _forget(self, worker_id: str) -> None:
+        """A gone worker's blocks are no longer anywhere to be found."""
+        self.kv.forget(worker_id)
+        self._snapshots.discard(worker_id)
 
     async def _snapshot(self, holder: str) -> None:
         try:
@@ -186,7 +188,7 @@ class MeshClient(Migration):
             self._snapshots.discard(holder)  # try again on a later heartbeat
             log.debug("KV snapshot of %s failed: %s", holder, e)
             if isinstance(e, Unreachable):
-                self._suspect(holder, "its KV snapshot went unanswered")
+                self.migration.suspect(holder, "its KV snapshot went unanswered")
 
     async def _on_kv_events(self, ev: KVEvents, msg, ctx) -> None:
         self.kv.apply(ev)
@@ -283,7 +285,7 @@ class MeshClient(Migration):
             try:
                 await self._request_job(subject, job, h, deadline)
             except Unreachable as e:
-                self._suspect(h.prefill_id or h.decode_id, str(e))
+                self.migration.suspect(h.prefill_id or h.decode_id, str(e))
                 if self.cfg.decode_only_bench:
                     raise
                 # The chosen worker just went away: any prefill worker will do.
@@ -324,8 +326,7 @@ class MeshClient(Migration):
 
     def _recover(self) -> None:
         """Back from a NATS outage: what was sent meanwhile may be lost; ask for all of it."""
-        now = time.monotonic()
-        self._draining = {w: (now, t) for w, (_, t) in self._draining.items()}
+        self.migration.recover()
         for h in self.handles.values():
             h.asked_at = -1e9
         self.ask_resend(list(self.handles.values()))
@@ -410,7 +411,7 @@ class MeshClient(Migration):
                 refused += 1
                 continue
             old, h.decode_id = h.decode_id, decode_id
-            self._suspect(old, f"prefill worker {w} could not hand it a request")
+            self.migration.suspect(old, f"prefill worker {w} could not hand it a request")
         if refused:
             self._refuse(w, refused)
 

@@ -1,5 +1,7 @@
 """The gateway's side of a worker's death: which workers are gone, and moving their
-requests (MeshClient takes these methods from Migration).
+requests. MeshClient owns one Migration and gives it what it uses: the registry it
+reads the beats into, its handles and the requests on their way, and how to send a job
+or an abort.
 
 Slow or dead: a worker that misses two beats (a suspect: one) is probed with a stats
 request. Nothing subscribed ("no responders") means its process is gone, since the NATS
@@ -20,16 +22,24 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import Awaitable, Callable
+
+from nats.aio.client import Client as NATS
+from prometheus_client import Counter
 
 from moemesh.services.gateway.streaming.stream import Handle
 from moemesh.shared.protocol.messages import StatsRequest, TokenEnd, WorkerStats
+from moemesh.shared.protocol.registry import WorkerRegistry
+from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.nats_io import NoResponders, Unreachable, request
+from moemesh.shared.service.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 WATCH_EVERY_S = 0.25
 PROBE_AFTER_BEATS, PROBE_SUSPECT_AFTER_BEATS = 2.0, 1.0
 PROBE_TIMEOUT_S = 1.0
-PAUSED_AFTER_S = 1.0  # _check_workers runs every WATCH_EVERY_S: a gap this long is our own pause
+PAUSED_AFTER_S = 1.0  # check() runs every WATCH_EVERY_S: a gap this long is our own pause
 
 
 class NoWorkers(RuntimeError):
@@ -41,13 +51,47 @@ class Rejected(RuntimeError):
 
 
 class Migration:
-    def _suspect(self, worker_id: str, why: str) -> None:
+    def __init__(self, registry: WorkerRegistry, subjects: Subjects, tasks: TaskSet, handles: dict[str, Handle],
+                 sending: set[str], max_migrations: int, migrations: Counter,
+                 send_job: Callable[[Handle, list[int], SamplingParams], Awaitable[None]],
+                 send_abort: Callable[[str, str], Awaitable[None]], forget: Callable[[str], None]):
+        """handles: the client's streams by request id; sending: the requests whose job is
+        on its way (their sender sees them through a death, so they are not moved here);
+        send_job(h, prompt, params) sends a moved request; send_abort(request_id, reason)
+        aborts its old attempt; forget(worker) drops what the client knew of a gone worker."""
+        self.registry, self.subjects, self._tasks = registry, subjects, tasks
+        self.handles, self._sending = handles, sending
+        self.max_migrations, self.c_migrations = max_migrations, migrations
+        self._send_job, self._send_abort, self._forget = send_job, send_abort, forget
+        self.nc: NATS | None = None  # the client's connection, once it has one: probes need it
+        self._probing: set[str] = set()  # silent workers asked whether they are still there
+        self._draining: dict[str, tuple[float, float]] = {}  # worker -> (last beat, silence that means dead)
+
+    def beat(self, worker_id: str, draining: bool, interval_s: float) -> None:
+        """A worker's beat. A draining one gets no new work, but its streams still come: if it
+        dies before they end (its drain timed out), they move."""
+        if draining:
+            self._draining[worker_id] = (time.monotonic(), max(1.0, 2 * interval_s))
+        else:
+            self._draining.pop(worker_id, None)
+
+    def left(self, worker_id: str) -> None:
+        """Its last beat says it is leaving: its requests move now."""
+        self._draining.pop(worker_id, None)
+        self.gone([worker_id], "its worker left", seen="left")
+
+    def recover(self) -> None:
+        """Back from a NATS outage: a draining worker's silence counts from now."""
+        now = time.monotonic()
+        self._draining = {w: (now, t) for w, (_, t) in self._draining.items()}
+
+    def suspect(self, worker_id: str, why: str) -> None:
         """No new requests go to the worker from now on; if its heartbeats stop too, its
         requests move sooner than by heartbeats alone (WorkerRegistry.suspect)."""
         if self.registry.suspect(worker_id):
             log.warning("worker %s is suspect (%s): no new requests go to it until it beats again", worker_id, why)
 
-    def _check_workers(self) -> None:
+    def check(self) -> None:
         """Workers that fell silent: probed; the dead: their requests go elsewhere (each sweep)."""
         paused = self.registry.tick(PAUSED_AFTER_S)
         if paused:
@@ -66,16 +110,21 @@ class Migration:
             for w in gone:
                 del self._draining[w]
             dead += gone
-        self._gone(dead, "its worker stopped")
+        self.gone(dead, "its worker stopped")
 
-    def _gone(self, dead: list[str], why: str, seen: str = "stopped sending heartbeats") -> None:
+    def gone(self, dead: list[str], why: str, seen: str = "stopped sending heartbeats") -> None:
         """Workers known to be gone (silent, or they said they are leaving): their requests
         move. seen: how the gateway learnt it, for the log."""
         for w in dead:
-            self.kv.forget(w)
-            self._snapshots.discard(w)
+            self._forget(w)
         if dead:
             self._migrate_from(set(dead), why, seen)
+
+    async def watch(self) -> None:
+        """The sweep, every WATCH_EVERY_S, until cancelled."""
+        while True:
+            await asyncio.sleep(WATCH_EVERY_S)
+            self.check()
 
     async def _probe(self, worker_id: str) -> None:
         try:
@@ -83,18 +132,13 @@ class Migration:
         except NoResponders:
             if self.registry.confirm_gone(worker_id):
                 log.warning("worker %s is gone: nothing is subscribed to its subjects any more", worker_id)
-                self._check_workers()
+                self.check()
         except Unreachable:
             log.info("worker %s is silent but still subscribed: slow, not dead", worker_id)
         except Exception as e:  # a garbled reply still says it is there
             log.debug("probe of %s: %s", worker_id, e)
         finally:
             self._probing.discard(worker_id)
-
-    async def _watch_workers(self) -> None:
-        while True:
-            await asyncio.sleep(WATCH_EVERY_S)
-            self._check_workers()
 
     def _migrate_from(self, dead: set[str], why: str, seen: str = "stopped sending heartbeats") -> None:
         # A dead prefill worker strands what has not reached its decode worker: no first
@@ -111,7 +155,7 @@ class Migration:
     async def _migrate(self, h: Handle, why: str) -> None:
         """Resubmit h as its prompt plus every id it has streamed so far, to live workers:
         the new worker prefills that and goes on; the client's stream goes on unbroken."""
-        if h.migrations >= self.cfg.max_migrations:
+        if h.migrations >= self.max_migrations:
             h.end(TokenEnd(0, "error", f"request failed: {why} and it was moved {h.migrations} times already"))
             return
         old, done = h.request_id, len(h.streamed) + len(h.ids)
@@ -121,7 +165,7 @@ class Migration:
         h.migrations += 1
         self.c_migrations.inc()
         self.handles.pop(old, None)  # late rows of the old attempt are not its
-        self._tasks.spawn(self._send_abort(self.nc, old, "migrated"), f"abort-{old}")
+        self._tasks.spawn(self._send_abort(old, "migrated"), f"abort-{old}")
         h.request_id = f"{old.split('~', 1)[0]}~m{h.migrations}"
         h.next_pos, h.asked_at = 0, -1e9
         # The prompt's scores came with the first token: a new prefill of prompt + output
