@@ -114,9 +114,11 @@ def test_a_reserve_above_the_decode_seats_seats_the_high_class_and_parks_the_low
                     # The default class may not take the reserve...
                     other = await client.post("/v1/completions", json={"model": "tiny", "prompt": "another low",
                                                                        "max_tokens": 4})
+                    # Without parking it would wait for the low stream's 3000 tokens (60 s):
+                    # its own timeout says so long before.
                     high = await client.post("/v1/completions", json={
                         "model": "tiny", "prompt": "high asks", "max_tokens": 8, "ignore_eos": True,
-                        "priority": -1})
+                        "priority": -1}, timeout=20)
                     # ...and after the high request's whole answer, the low stream goes on.
                     await _tokens(lines, 3)
                 return other.status_code, high.status_code, high.json()["usage"]["completion_tokens"]
