@@ -134,7 +134,6 @@ def test_waiters_enter_by_class_as_slots_are_released():
         assert gate.num_waiting == 3
         for _ in range(3):
             gate.release()
-            await asyncio.sleep(0)
         await asyncio.gather(*tasks)
         return entered, gate.inflight
 
@@ -165,7 +164,7 @@ def test_a_client_gone_while_it_waits_leaves_the_queue():
     async def go():
         gate, left = Gate(num_slots=1, max_waiting=4, wait_s=60), asyncio.Event()
         await gate.enter(0)
-        waiter = asyncio.create_task(gate.enter(0, left.wait()))
+        waiter = asyncio.create_task(gate.enter(0, left.wait))
         await asyncio.sleep(0)
         assert gate.num_waiting == 1
         left.set()

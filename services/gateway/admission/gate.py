@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable
+from typing import Awaitable, Callable
 
 from moemesh.services.gateway.admission.order import AdmissionOrder, Outcome, Waiter
 
@@ -46,23 +46,22 @@ class Gate:
         refused before its body is read."""
         return self.order.would_refuse(-(1 << 62))
 
-    async def enter(self, priority: int, gone: Awaitable | None = None) -> float:
-        """Take a slot, waiting for one in class order. gone: completes when the client
-        leaves (it is cancelled here once the wait ends). Returns the seconds waited.
-        Raises Refused; a slot taken is given back with release()."""
+    async def enter(self, priority: int, gone: Callable[[], Awaitable] | None = None) -> float:
+        """Take a slot, waiting for one in class order. gone: called only if the request
+        waits, gives what completes when the client leaves (cancelled here once the wait
+        ends). Returns the seconds waited. Raises Refused; a slot taken is given back with
+        release()."""
         a = self.order.arrive(priority)
         if a.outcome is Outcome.ADMITTED:
-            _close(gone)
             return 0.0
         if a.outcome is Outcome.REFUSED:
-            _close(gone)
             raise Refused("full")
         if a.displaced is not None:
             self._settle(a.displaced, _DISPLACED)
         t0 = time.monotonic()
         fut = asyncio.get_running_loop().create_future()
         self._futures[a.waiter] = fut
-        watch = asyncio.ensure_future(gone) if gone is not None else None
+        watch = asyncio.ensure_future(gone()) if gone is not None else None
         try:
             await asyncio.wait([f for f in (fut, watch) if f is not None], timeout=self.wait_s,
                                return_when=asyncio.FIRST_COMPLETED)
@@ -101,9 +100,3 @@ class Gate:
             del self._futures[w]
         elif fut.done() and fut.result() == _ADMITTED:
             self.release()
-
-
-def _close(gone: Awaitable | None) -> None:
-    """A coroutine handed in but never awaited is closed, so it is never reported as such."""
-    if asyncio.iscoroutine(gone):
-        gone.close()

@@ -305,7 +305,7 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
         span.set_attributes(attrs.gen_ai_request(req))
         span.set_attributes(req.trace_attrs)
     try:  # the last step: from here the slot is the request's, given back by done()
-        waited = await st.gate.enter(req.params.priority, disconnected(request.receive))
+        waited = await st.gate.enter(req.params.priority, lambda: disconnected(request.receive))
     except Refused as e:
         raise _not_admitted(st, e.reason) from None
     if waited:

@@ -108,13 +108,14 @@ class MeshClient:
         self.link = LinkState(settle_s=max(2.0, 2 * cfg.heartbeat_interval_s))
         self.migration = Migration(self.registry, self.subjects, self._tasks, self.handles, self._sending,
                                    cfg.max_migrations, self.c_migrations, self._send_job,
-                                   lambda rid, why: self._send_abort(self.nc, rid, why), self._forget)
+                                   lambda rid, why: self._send_abort(self.nc, rid, why), self._forget,
+                                   lambda: self.nc)
 
     async def start(self) -> None:
         link = LinkEvents()
         link.down += [self.registry.hold, self.link.on_down]
         link.up += [self.registry.resume, self.link.on_up, self._recover]
-        self.nc = self.migration.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}", link)
+        self.nc = await connect(self.cfg, f"moemesh-gateway-{self.gateway_id}", link)
         self.link.on_connected()
         s = self.subjects
         self._subs.append(await subscribe(self.nc, s.heartbeat_all, Heartbeat, self._on_heartbeat))
@@ -149,7 +150,6 @@ class MeshClient:
         if self.nc is None:
             return
         nc, self.nc = self.nc, None
-        self.migration.nc = None
         await disconnect(nc)
 
     # ---- workers ---------------------------------------------------------------------

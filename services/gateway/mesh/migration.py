@@ -54,16 +54,18 @@ class Migration:
     def __init__(self, registry: WorkerRegistry, subjects: Subjects, tasks: TaskSet, handles: dict[str, Handle],
                  sending: set[str], max_migrations: int, migrations: Counter,
                  send_job: Callable[[Handle, list[int], SamplingParams], Awaitable[None]],
-                 send_abort: Callable[[str, str], Awaitable[None]], forget: Callable[[str], None]):
+                 send_abort: Callable[[str, str], Awaitable[None]], forget: Callable[[str], None],
+                 nc: Callable[[], NATS | None]):
         """handles: the client's streams by request id; sending: the requests whose job is
         on its way (their sender sees them through a death, so they are not moved here);
         send_job(h, prompt, params) sends a moved request; send_abort(request_id, reason)
-        aborts its old attempt; forget(worker) drops what the client knew of a gone worker."""
+        aborts its old attempt; forget(worker) drops what the client knew of a gone worker;
+        nc() is the client's connection, None while it has none (no probes then)."""
         self.registry, self.subjects, self._tasks = registry, subjects, tasks
         self.handles, self._sending = handles, sending
         self.max_migrations, self.c_migrations = max_migrations, migrations
         self._send_job, self._send_abort, self._forget = send_job, send_abort, forget
-        self.nc: NATS | None = None  # the client's connection, once it has one: probes need it
+        self._nc = nc
         self._probing: set[str] = set()  # silent workers asked whether they are still there
         self._draining: dict[str, tuple[float, float]] = {}  # worker -> (last beat, silence that means dead)
 
@@ -98,7 +100,7 @@ class Migration:
             log.warning("the gateway did not run for %.1fs (stopped, or its event loop held): no worker is "
                         "judged by the beats it could not read meanwhile", paused)
             return
-        if self.nc is not None:
+        if self._nc() is not None:
             for w in self.registry.silent(PROBE_AFTER_BEATS, PROBE_SUSPECT_AFTER_BEATS):
                 if w not in self._probing:
                     self._probing.add(w)
@@ -128,7 +130,7 @@ class Migration:
 
     async def _probe(self, worker_id: str) -> None:
         try:
-            await request(self.nc, self.subjects.stats(worker_id), StatsRequest(), WorkerStats, PROBE_TIMEOUT_S)
+            await request(self._nc(), self.subjects.stats(worker_id), StatsRequest(), WorkerStats, PROBE_TIMEOUT_S)
         except NoResponders:
             if self.registry.confirm_gone(worker_id):
                 log.warning("worker %s is gone: nothing is subscribed to its subjects any more", worker_id)

@@ -156,10 +156,14 @@ def by_band(ok: list[RequestRecord], band_of, order: list[str]) -> dict:
     groups: dict[str, list[RequestRecord]] = {}
     for r in ok:
         groups.setdefault(band_of(r), []).append(r)
-    return {b: {"count": len(groups[b]),
-                "ttft_ms": dist([x for r in groups[b] if (x := ttft(r)) is not None], scale=1e3),
-                "itl_ms": dist([g for r in groups[b] for g in itl(r)], scale=1e3)}
+    return {b: {"count": len(groups[b]), **_first_and_gaps(groups[b])}
             for b in [*order, *sorted(set(groups) - set(order))] if b in groups}
+
+
+def _first_and_gaps(ok: list[RequestRecord]) -> dict:
+    """TTFT and ITL distributions (ms) of requests that succeeded."""
+    return {"ttft_ms": dist([x for r in ok if (x := ttft(r)) is not None], scale=1e3),
+            "itl_ms": dist([g for r in ok for g in itl(r)], scale=1e3)}
 
 
 def by_priority(records: list[RequestRecord]) -> dict:
@@ -173,9 +177,7 @@ def by_priority(records: list[RequestRecord]) -> dict:
         rs = groups[p]
         ok = [r for r in rs if r.ok]
         out[str(p)] = {"num_requests": len(rs), "num_ok": len(ok), "num_429": sum(r.status == 429 for r in rs),
-                       "num_errors": len(rs) - len(ok),
-                       "ttft_ms": dist([x for r in ok if (x := ttft(r)) is not None], scale=1e3),
-                       "itl_ms": dist([g for r in ok for g in itl(r)], scale=1e3),
+                       "num_errors": len(rs) - len(ok), **_first_and_gaps(ok),
                        "e2e_ms": dist([e2e(r) for r in ok], scale=1e3)}
     return out
 
