@@ -152,6 +152,11 @@ class EngineLoop:
         there, and never waits for a step that will not come."""
         return asyncio.wrap_future(self._pool.submit(op, self.engine))
 
+    def shutdown(self) -> None:
+        """Let the step thread go once the service's tasks are done with the engine (their
+        last ops run there, _after_end); a step still finishing there ends first."""
+        self._pool.shutdown(wait=False)
+
     async def _idle(self, timeout: float) -> None:
         self._step_end = None  # the next gap is waiting for work, not host overhead
         self._wake.clear()

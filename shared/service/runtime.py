@@ -123,6 +123,8 @@ class WorkerRuntime:
         self.dep.attach(self.engine, self.transport, self.staging)
         await stack.enter_async_context(self.bus)
         stack.callback(self.dep.close)  # after the tasks stop, before NATS goes (a no-op the second time)
+        # After the tasks stop, which may still give the engine blocks back on its step thread.
+        stack.callback(lambda: self.loop is not None and self.loop.shutdown())
         await stack.enter_async_context(self.tasks)
         self.tokens = TokenPublisher(self.nc, self.subjects, self.worker_id, cfg.token_retention_s)
         self.loop = loop = EngineLoop(self.engine, self._on_outputs, lockstep=self.dep.lockstep)

@@ -49,7 +49,7 @@ def _swap_halves() -> torch.Tensor:
     return torch.cat([naive[9:], naive[:9]]).repeat(LAYERS, 1)
 
 
-def _rebalance(mesh, phy2log: torch.Tensor | None) -> RebalanceReply:
+def _rebalance(mesh, phy2log: torch.Tensor | None, timeout_s: float = 30) -> RebalanceReply:
     async def go():
         nc = await nats.connect(mesh.nats_url)
         try:
@@ -57,7 +57,7 @@ def _rebalance(mesh, phy2log: torch.Tensor | None) -> RebalanceReply:
                                    phy2log.shape[0] if phy2log is not None else 0)
             deadline = time.monotonic() + 20
             while True:
-                reply = await request(nc, Subjects().eplb(mesh.decode_id, "rebalance"), req, RebalanceReply, 30)
+                reply = await request(nc, Subjects().eplb(mesh.decode_id, "rebalance"), req, RebalanceReply, timeout_s)
                 if reply.ok or "has not reported" not in reply.error or time.monotonic() > deadline:
                     return reply
                 await asyncio.sleep(0.2)

@@ -27,8 +27,10 @@ from tests.mesh.test_dep_mesh import PROMPTS, _mesh, _placement_version, _rebala
 MOVE_TIMEOUT_S = 4.0
 
 
-def _cut_once_staged(mesh, kill) -> None:
-    """Start a move; once both ranks have staged it, call kill()."""
+def _cut_once_staged(mesh, kill) -> threading.Thread:
+    """Start a move; once both ranks have staged it, call kill(). Returns the thread that asked
+    for the move, for the test to join: its request ends by its own timeout when the balancer
+    that took it is gone, and a thread left asking would outlive the mesh and the test."""
     async def watch():
         nc = await nats.connect(mesh.nats_url)
         try:
@@ -46,7 +48,7 @@ def _cut_once_staged(mesh, kill) -> None:
     def move():
         deadline = time.monotonic() + 30
         while True:  # a balancer just started may not have subscribed yet
-            r = _safe(lambda: _rebalance(mesh, _swap_halves()))
+            r = _safe(lambda: _rebalance(mesh, _swap_halves(), timeout_s=MOVE_TIMEOUT_S + 4))
             if not isinstance(r, NoResponders) or time.monotonic() > deadline:
                 return reply.append(r)
             time.sleep(0.2)
@@ -64,6 +66,7 @@ def _cut_once_staged(mesh, kill) -> None:
     mover.start()
     assert done.wait(40), f"the ranks never staged the move: {reply}"
     kill()
+    return mover
 
 
 def _safe(f):
@@ -95,23 +98,27 @@ def test_a_move_cut_before_its_commit_switches_no_rank(tiny_model, tmp_path_fact
         want = [o.text for o in offline.generate(PROMPTS[:4], SamplingParams(max_tokens=8, temperature=0,
                                                                              ignore_eos=True))]
         # 1. The balancer dies between staged and commit.
-        _cut_once_staged(mesh, lambda: _child(mesh, "balancer").popen.send_signal(signal.SIGKILL))
+        mover = _cut_once_staged(mesh, lambda: _child(mesh, "balancer").popen.send_signal(signal.SIGKILL))
         for r in (0, 1):
             _until(lambda: "was never committed; dropping it" in _log(mesh, f"decode-r{r}"), MOVE_TIMEOUT_S + 10,
                    f"rank {r} kept the staged move")
         assert _placement_version(mesh) == 0
         got, _ = _stream_all(mesh, PROMPTS[:4], 8)
         assert got == want
+        mover.join(MOVE_TIMEOUT_S + 10)
+        assert not mover.is_alive()
 
         # 2. A new balancer; a second move; a rank dies between staged and commit.
         argv = next(c for c in mesh.group.children if c.name == "balancer").popen.args
         mesh.group.start("balancer", list(argv))
-        _cut_once_staged(mesh, lambda: _child(mesh, "decode-r1").popen.send_signal(signal.SIGKILL))
+        mover = _cut_once_staged(mesh, lambda: _child(mesh, "decode-r1").popen.send_signal(signal.SIGKILL))
         r0 = next(c for c in mesh.group.children if c.name == "decode-r0")
         assert r0.popen.wait(30) == 1  # it left: its instance is short of a rank
         for r in (0, 1):
             assert "switched to expert placement" not in _log(mesh, f"decode-r{r}")
         _until(lambda: httpx.get(mesh.url + "/health").json()["workers"]["decode"] == 0, 10,
                "the broken instance is still routed to")
+        mover.join(MOVE_TIMEOUT_S + 10)
+        assert not mover.is_alive()
     finally:
         mesh.group.stop()

@@ -26,6 +26,28 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
 from schemathesis import GenerationMode  # noqa: E402
 
+# What schemathesis imports lazily, imported here, at collection, while no test has a thread
+# running. pytest rewrites a plugin's modules as they load, and on CPython 3.11 an ast.parse
+# that runs while another thread parses can fail with "AST constructor recursion depth
+# mismatch" (cpython gh-106905), which once failed this test's setup.
+import schemathesis.engine.errors  # noqa: E402, F401
+import schemathesis.engine.events  # noqa: E402, F401
+import schemathesis.engine.statistic  # noqa: E402, F401
+import schemathesis.engine.summary  # noqa: E402, F401
+import schemathesis.generation.body_overrides  # noqa: E402, F401
+import schemathesis.generation.dictionaries  # noqa: E402, F401
+import schemathesis.reporting.html.writer  # noqa: E402, F401
+import schemathesis.reporting.junitxml  # noqa: E402, F401
+import schemathesis.reporting.recorders  # noqa: E402, F401
+import schemathesis.specs.openapi.checks  # noqa: E402, F401
+import schemathesis.specs.openapi.object_authorization  # noqa: E402, F401
+import schemathesis.specs.openapi.schemas  # noqa: E402, F401
+import schemathesis.specs.openapi.stateful  # noqa: E402, F401
+import schemathesis.transport.asgi  # noqa: E402, F401
+import schemathesis.transport.requests  # noqa: E402, F401
+import schemathesis.transport.wsgi  # noqa: E402, F401
+import schemathesis.wfc.escalation  # noqa: E402, F401
+
 
 @pytest.fixture(scope="module")
 def mock_mesh_url(tmp_path_factory, tiny_model):
