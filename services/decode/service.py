@@ -44,7 +44,8 @@ from moemesh.shared.service.nats_io import publish
 from moemesh.shared.service.gateway_watch import GatewayWatch
 from moemesh.shared.service.phase_log import PhaseLog
 from moemesh.shared.service.tombstones import Tombstones
-from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime, end_fields
+from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime
+from moemesh.shared.service.token_publisher import end_fields
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.telemetry.tracing import exports_spans
 from moemesh.shared.transport.base import TransferState

@@ -47,7 +47,7 @@ from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.service.parts import Bus, TransportFactory, opened, running, tracing, ucx_transport
 from moemesh.shared.service.step_accounting import StepAccounting
 from moemesh.shared.service.tasks import TaskSet
-from moemesh.shared.service.token_publisher import TokenPublisher, end_fields  # noqa: F401 (services import it here)
+from moemesh.shared.service.token_publisher import TokenPublisher
 from moemesh.shared.telemetry.metrics import Metrics
 from moemesh.shared.telemetry.tracing import get_tracer
 from moemesh.shared.transport.base import KVTransport
