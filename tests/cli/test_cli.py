@@ -1,8 +1,12 @@
-"""The moemesh command as a user runs it: a subprocess, exit codes, printed output."""
+"""The moemesh command as a user runs it: exit codes and printed output. A model made and
+used, and the one-line errors, in a subprocess as a user sees them; the rest in this process
+(tests/cli_in_process.py)."""
 
 import json
 import subprocess
 import sys
+
+from tests.cli_in_process import moemesh as in_process
 
 
 def moemesh(*args, timeout=300):
@@ -23,7 +27,7 @@ def test_init_model_then_generate(tmp_path):
 
 
 def test_generate_with_chat_template(tiny_model):
-    r = moemesh("generate", "--model", tiny_model, "--chat", "--max-tokens", "3", "hi")
+    r = in_process("generate", "--model", tiny_model, "--chat", "--max-tokens", "3", "hi")
     assert r.returncode == 0, r.stderr
     assert "--- 'hi'" in r.stdout
 
@@ -34,7 +38,7 @@ def test_generate_on_deepseek_v4_gives_the_engines_greedy_tokens(tiny_v4_model):
     from moemesh.shared.protocol.sampling import SamplingParams
 
     prompts = ["Hello there", "The experts of the fourth model route every token through the mesh " * 3]
-    r = moemesh("generate", "--model", tiny_v4_model, "--max-tokens", "8", "--json", *prompts)
+    r = in_process("generate", "--model", tiny_v4_model, "--max-tokens", "8", "--json", *prompts)
     assert r.returncode == 0, r.stderr
     got = [json.loads(x)["token_ids"] for x in r.stdout.splitlines()]
     llm = LLM(EngineConfig(model=tiny_v4_model))
@@ -54,7 +58,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, tiny_model):
 
 def test_bench_forward_prints_and_saves(tiny_model, tmp_path):
     out = tmp_path / "fwd.json"
-    r = moemesh("bench", "forward", "--model", tiny_model, "--batch-sizes", "1,4", "--context-len", "40",
+    r = in_process("bench", "forward", "--model", tiny_model, "--batch-sizes", "1,4", "--context-len", "40",
                 "--prefill-lens", "16", "--steps", "2", "--warmup", "1", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "fwd tok/s" in r.stdout

@@ -1,15 +1,11 @@
 """`moemesh plan` as a user runs it: tables, JSON, PNG, the seed scenario, clean errors."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 
-def moemesh(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout)
+from tests.cli_in_process import moemesh
 
 
 def test_plan_prints_both_phases_and_writes_json_and_png(tmp_path, tiny_model):

@@ -1,16 +1,15 @@
 import json
 import subprocess
-import sys
 
 from moemesh.shared.eplb.placement import Placement
 from moemesh.shared.eplb.workloads import Workload
+from tests.cli_in_process import moemesh
 
 SMALL = Workload(num_layers=3, num_experts=32, tokens_per_window=4096)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", "eplb", *args],
-                          capture_output=True, text=True, timeout=120)
+    return moemesh("eplb", *args)
 
 
 def test_place_score_and_incremental_round_trip(tmp_path):

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 
 from tests.profile.test_overhead import decode_result
+from tests.cli_in_process import moemesh
 from tests.profile.traces import BASE_NS, Trace, full_request, step
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def profile(*args, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", "profile", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+def profile(*args) -> subprocess.CompletedProcess:
+    return moemesh("profile", *args, cwd=ROOT)
 
 
 def synthetic(tr: Trace) -> Trace:

@@ -1,16 +1,12 @@
 """`moemesh trace export` as a user runs it: spans recorded by two services, then a Chrome trace."""
 
 import json
-import subprocess
-import sys
 
 from moemesh.shared.telemetry.propagation import extract_context, inject_headers
 from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown
 
 
-def moemesh(*args):
-    return subprocess.run([sys.executable, "-m", "moemesh.tools.cli.main", *args], capture_output=True, text=True,
-                          timeout=120)
+from tests.cli_in_process import moemesh
 
 
 def _record(path, num_requests):
