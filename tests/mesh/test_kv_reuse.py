@@ -82,8 +82,15 @@ def test_turns_reuse_the_prefix_and_match_a_no_reuse_run(kv_mesh, no_reuse):
 def test_a_new_prefill_worker_pulls_the_context_from_the_store(kv_mesh, no_reuse):
     turns = ["A second conversation about a different router"] + TURNS[1:3]
     want = _want(no_reuse, turns)
-    got = _chat(kv_mesh.url, turns[:1])
-    time.sleep(1.0)  # the finished blocks reach the store in the background
+    held = _stats(kv_mesh, "kv-store-t").counters["held_blocks"]
+    usages = []
+    got = _chat(kv_mesh.url, turns[:1], usages=usages)
+    # The prompt's full blocks reach the store in the background, after the answer.
+    full = usages[0]["prompt_tokens"] // BLOCK_SIZE
+    deadline = time.monotonic() + 20
+    while _stats(kv_mesh, "kv-store-t").counters["held_blocks"] < held + full:
+        assert time.monotonic() < deadline, "the first turn's blocks never reached the store"
+        time.sleep(0.1)
     before = {w: _stats(kv_mesh, w) for w in ("prefill-t", "prefill-t1")}
     holder = max(before, key=lambda w: before[w].counters["prompt_tokens"])
     kill_prefill(kv_mesh, holder)  # the worker holding the context is gone
