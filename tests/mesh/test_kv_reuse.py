@@ -83,6 +83,9 @@ def test_a_new_prefill_worker_pulls_the_context_from_the_store(kv_mesh, no_reuse
     turns = ["A second conversation about a different router"] + TURNS[1:3]
     want = _want(no_reuse, turns)
     held = _stats(kv_mesh, "kv-store-t").counters["held_blocks"]
+    # The module's earlier conversations count too: the holder is the worker whose prompt
+    # tokens grew with this one's first turn.
+    start = {w: _stats(kv_mesh, w).counters["prompt_tokens"] for w in ("prefill-t", "prefill-t1")}
     usages = []
     got = _chat(kv_mesh.url, turns[:1], usages=usages)
     # The prompt's full blocks reach the store in the background, after the answer.
@@ -91,8 +94,7 @@ def test_a_new_prefill_worker_pulls_the_context_from_the_store(kv_mesh, no_reuse
     while _stats(kv_mesh, "kv-store-t").counters["held_blocks"] < held + full:
         assert time.monotonic() < deadline, "the first turn's blocks never reached the store"
         time.sleep(0.1)
-    before = {w: _stats(kv_mesh, w) for w in ("prefill-t", "prefill-t1")}
-    holder = max(before, key=lambda w: before[w].counters["prompt_tokens"])
+    holder = max(start, key=lambda w: _stats(kv_mesh, w).counters["prompt_tokens"] - start[w])
     kill_prefill(kv_mesh, holder)  # the worker holding the context is gone
     assert _chat(kv_mesh.url, turns)[1:] == want[1:] and got == want[:1]
     other = "prefill-t1" if holder == "prefill-t" else "prefill-t"
