@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-
 from tests.cli_in_process import moemesh
 
 

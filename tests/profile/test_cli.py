@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.profile.test_overhead import decode_result
 from tests.cli_in_process import moemesh
+from tests.profile.test_overhead import decode_result
 from tests.profile.traces import BASE_NS, Trace, full_request, step
 
 ROOT = Path(__file__).resolve().parents[2]
