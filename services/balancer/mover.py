@@ -88,7 +88,12 @@ class MoveCoordinator:
             staged_s = time.monotonic() - t0
             if self.commit_delay_s:
                 log.warning("FAULT INJECTION: move %d waits %.1fs before its commit", move_id, self.commit_delay_s)
-                await asyncio.sleep(self.commit_delay_s)
+                await asyncio.sleep(min(self.commit_delay_s, max(0.0, deadline - time.monotonic())))
+                if time.monotonic() >= deadline:
+                    # The ranks drop a staged move at its deadline: a commit now could reach
+                    # one rank before it dropped and the other after. Abort instead, and a
+                    # balancer told to stop is not held for the rest of the delay.
+                    return await self._abort(instance, move_id, "the commit was held past the move's deadline")
             await publish(self.nc, self.subjects.eplb(instance, "commit"), MoveCommit(instance, move_id))
             if not await self._wait(key, self._done, dp_size, deadline):
                 # Ranks switch together or not at all (lockstep); an abort now is safe either way.
