@@ -36,13 +36,16 @@ class ForwardBenchConfig:
     decode_graphs: str = "auto"  # EngineConfig.decode_graphs
 
 
-def fill_dummy(engine: LLMEngine, request_id: str, context_len: int, params: SamplingParams, rng: random.Random) -> None:
-    """Give a request a random-filled cache of context_len tokens, as if prefilled elsewhere."""
+def fill_dummy(engine: LLMEngine, request_id: str, context_len: int, params: SamplingParams, rng: random.Random,
+               num_drafts: int = 0) -> None:
+    """Give a request a random-filled cache of context_len tokens, as if prefilled elsewhere.
+    num_drafts: random MTP drafts come with it, as a prefill worker's do, so that its first
+    step already verifies and drafts again (a steady MTP step)."""
     vocab = engine.model_config.vocab_size
     n_blocks = engine.blocks.blocks_for(context_len)
     kv = torch.randn(engine.kv_shape(n_blocks), dtype=engine.kv_dtype, device=engine.device)
     ids = [rng.randrange(vocab) for _ in range(context_len + 1)]
-    engine.add_prefilled(request_id, ids, context_len, params, kv)
+    engine.add_prefilled(request_id, ids, context_len, params, kv, [rng.randrange(vocab) for _ in range(num_drafts)])
 
 
 def run(cfg: ForwardBenchConfig) -> dict:

@@ -194,8 +194,8 @@ def _run(cfg: LaunchesBenchConfig) -> dict:
 
 
 def _mtp_steps(cfg: LaunchesBenchConfig, rng: random.Random) -> list[dict]:
-    """For each batch size, the second step of B sequences with MTP on: the first drafts,
-    the second verifies those drafts and drafts again (a steady MTP step)."""
+    """For each batch size, a steady MTP step of B sequences: each comes with drafts, as
+    from a prefill worker, and the step verifies them and drafts again."""
     engine = _engine(cfg, cfg.spec_tokens)
     if not engine.use_mtp:
         raise ValueError(f"{cfg.model}: no MTP layer to draft with")
@@ -204,9 +204,7 @@ def _mtp_steps(cfg: LaunchesBenchConfig, rng: random.Random) -> list[dict]:
     for b in cfg.batch_sizes:
         ids = [f"m{b}-{i}" for i in range(b)]
         for rid in ids:
-            fill_dummy(engine, rid, cfg.context_len, params, rng)
-        with torch.inference_mode():
-            engine.step()
+            fill_dummy(engine, rid, cfg.context_len, params, rng, cfg.spec_tokens)
         out.append({"batch": b, "context_len": cfg.context_len, "spec_tokens": cfg.spec_tokens,
                     **count_mtp_step(engine, cfg.top)})
         for rid in ids:
