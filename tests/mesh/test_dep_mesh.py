@@ -82,13 +82,13 @@ def _placement_version(mesh) -> int:
     return asyncio.run(go())
 
 
-def _stream_all(mesh, prompts, max_tokens, during=None) -> list[str]:
+def _stream_all(mesh, prompts, max_tokens, during=None, model: str = "tiny") -> list[str]:
     """Streams every prompt concurrently; `during` runs once the streams are flowing."""
     out: list[str | None] = [None] * len(prompts)
     started = threading.Event()
 
     def one(i):
-        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
+        body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         text = []
         with httpx.Client(timeout=120) as c, c.stream("POST", mesh.url + "/v1/completions", json=body) as r:
@@ -166,26 +166,52 @@ def test_a_move_that_fails_half_way_keeps_the_old_placement(tiny_model, tmp_path
         mesh.group.stop()
 
 
-def test_a_dep2_prefill_instance(tiny_model, tmp_path_factory, offline):
-    """Prefill, too, can be an instance of expert-parallel ranks."""
-    from pathlib import Path
-
+@pytest.fixture(scope="module")
+def dep_both(tiny_model, tmp_path_factory):
+    """A prefill instance of two expert-parallel ranks and a decode instance of two ranks
+    without drafts, in one mesh (`moemesh up --prefill-dep 2 --dep 2`)."""
     from moemesh.tools.launch.up import Mesh, UpConfig
 
-    up = UpConfig(model=tiny_model, port=0, prefill_dp=2, log_dir=str(tmp_path_factory.mktemp("pdep")),
-                  balancer=False, service_args=("num_kv_blocks=256", "staging_mb=16"))
+    up = UpConfig(model=tiny_model, port=0, prefill_dp=2, decode_dp=2, log_dir=str(tmp_path_factory.mktemp("pdep")),
+                  balancer=False, service_args=("num_kv_blocks=256", "staging_mb=16"),
+                  decode_args=("num_speculative_tokens=0",))
     with Mesh(up) as mesh:
-        assert httpx.get(mesh.url + "/health").json()["workers"]["prefill"] == 2
-        name = Path(tiny_model).name
-        want = [o.text for o in offline.generate(PROMPTS[:6], SamplingParams(max_tokens=8, temperature=0,
-                                                                             ignore_eos=True))]
-        got = []
-        for p in PROMPTS[:6]:
-            r = httpx.post(mesh.url + "/v1/completions", timeout=60, json={
-                "model": name, "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            got.append(r.json()["choices"][0]["text"])
-        assert got == want
+        yield mesh
+
+
+def _served_name(mesh) -> str:
+    from pathlib import Path
+
+    return Path(mesh.cfg.model).name  # `moemesh up` serves the model under its folder's name
+
+
+def _complete_each(mesh, prompts, max_tokens: int) -> list[str]:
+    name = _served_name(mesh)
+    got = []
+    for p in prompts:
+        r = httpx.post(mesh.url + "/v1/completions", timeout=60, json={
+            "model": name, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"][0]["text"])
+    return got
+
+
+def test_a_dep2_prefill_instance(dep_both, offline):
+    """Prefill, too, can be an instance of expert-parallel ranks."""
+    assert httpx.get(dep_both.url + "/health").json()["workers"]["prefill"] == 2
+    want = [o.text for o in offline.generate(PROMPTS[:6], SamplingParams(max_tokens=8, temperature=0,
+                                                                         ignore_eos=True))]
+    assert _complete_each(dep_both, PROMPTS[:6], 8) == want
+
+
+def test_dep2_without_drafts_plans_its_steps_and_serves_like_one_engine(dep_both, offline):
+    """Lockstep ranks without MTP take planned steps too (an empty one where a rank has no
+    work): greedy output equals one engine's (with drafts or not, greedy is the target's)."""
+    assert httpx.get(dep_both.url + "/health").json()["workers"]["decode"] == 2
+    want = [o.text for o in offline.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0,
+                                                                     ignore_eos=True))]
+    got, _ = _stream_all(dep_both, PROMPTS, 12, model=_served_name(dep_both))
+    assert got == want
 
 
 def test_a_mock_dep2_instance_runs_the_real_lockstep_and_its_moves_shift_the_step(tiny_model, tmp_path_factory):
@@ -214,19 +240,5 @@ def test_a_mock_dep2_instance_runs_the_real_lockstep_and_its_moves_shift_the_ste
         assert _placement_version(mesh) > before
         got, _ = _stream_all(mesh, prompts, 8)
         assert all(t for t in got)
-    finally:
-        mesh.group.stop()
-
-
-def test_dep2_without_drafts_plans_its_steps_and_serves_like_one_engine(tiny_model, tmp_path_factory, offline):
-    """Lockstep ranks without MTP take planned steps too (an empty one where a rank has no
-    work): greedy output equals one engine's (with drafts or not, greedy is the target's)."""
-    mesh = _mesh(tmp_path_factory.mktemp("dep-nomtp"), tiny_model,
-                 rank_set={r: ["num_speculative_tokens=0"] for r in range(2)})
-    try:
-        want = [o.text for o in offline.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0,
-                                                                         ignore_eos=True))]
-        got, _ = _stream_all(mesh, PROMPTS, 12)
-        assert got == want
     finally:
         mesh.group.stop()
