@@ -68,7 +68,7 @@ def test_failed_transfer_takes_the_documented_path(fault_mesh, offline):
 def test_admission_full_gives_429_with_retry_after(fault_mesh):
     import threading
 
-    body = {"model": "tiny", "prompt": "slow", "max_tokens": 4}
+    body = {"model": "tiny", "prompt": "slow", "max_tokens": 4, "ignore_eos": True}  # an early EOS would skip the transfer
     results = []
     threads = [threading.Thread(target=lambda: results.append(
         httpx.post(fault_mesh.url + "/v1/completions", json=body, timeout=30).status_code)) for _ in range(2)]

@@ -217,7 +217,8 @@ def test_one_request_is_one_trace_across_all_services(mesh):
     client_span = "00f067aa0ba902b7"
     headers = {"traceparent": f"00-{client_trace}-{client_span}-01"}
     r = httpx.post(mesh.url + "/v1/chat/completions", headers=headers, timeout=30, json={
-        "model": "tiny", "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 4, "stream": True})
+        "model": "tiny", "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 4, "stream": True,
+        "ignore_eos": True})  # four tokens, so a decode step runs whatever the random model samples
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     deadline = time.monotonic() + 10
     while True:
