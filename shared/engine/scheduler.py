@@ -172,6 +172,15 @@ class Scheduler:
                 budget -= 1
                 i += 1
                 continue
+            # The same with its drafts to verify (MTP), when the slots for them are in place
+            # too and nothing would cut the chunk (the budget, forks, snapshot targets).
+            nd = len(seq.draft_ids)
+            if n_tok - done == 1 and nd and (done + nd + extra) // bs < len(seq.block_ids) and nd < budget \
+                    and not seq.forks and not seq.snap_targets and n_tok > seq.num_prompt_tokens:
+                scheduled.append(ScheduledSeq(seq, 1 + nd, nd))
+                budget -= 1 + nd
+                i += 1
+                continue
             num_new = n_tok - done
             drafts = 0
             if seq.in_decode and seq.draft_ids:
