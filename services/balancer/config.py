@@ -22,7 +22,7 @@ class BalancerConfig(ServiceConfig):
     layers_per_move: int = 0  # 0: all changed layers in one move; k: one move per k layers, in turn
     move_timeout_s: float = 30.0  # a move not staged and done by then is aborted
     auto: bool = True  # False: move only when asked (mm.eplb.{instance}.rebalance)
-    debug_commit_delay_s: float = 0.0  # fault injection: wait this long between staged and commit (past the move's deadline: it aborts there)
+    debug_commit_delay_s: float = 0.0  # fault injection: a wait between staged and commit (at most to the deadline: abort)
 
     def __post_init__(self):
         super().__post_init__()

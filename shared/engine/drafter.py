@@ -125,6 +125,5 @@ class Drafter:
     def budget(self, seq: Sequence) -> int:
         """Draft tokens the sequence can still use: its output and context left after the
         token the next step samples."""
-        left_out = seq.params.max_tokens - seq.num_output_tokens - 1
-        left_ctx = self.max_model_len - seq.num_tokens - 1
-        return max(0, min(left_out, left_ctx))
+        n = len(seq.token_ids)
+        return max(0, min(seq.params.max_tokens - (n - seq.num_prompt_tokens), self.max_model_len - n) - 1)

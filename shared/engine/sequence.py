@@ -129,7 +129,8 @@ class Sequence:
     @property
     def in_decode(self) -> bool:
         """All tokens but the newest are cached: the next step computes one token."""
-        return self.num_computed == self.num_tokens - 1 and self.num_output_tokens > 0
+        n = len(self.token_ids)  # not the properties: this runs for every row of every step
+        return self.num_computed == n - 1 and n > self.num_prompt_tokens
 
     def generator_at(self, slot: int) -> torch.Generator | None:
         """A seeded request's generator for the token at index `slot` of token_ids; None

@@ -97,9 +97,8 @@ def eligible(eng: "LLMEngine") -> bool:
 
 def _decode_chunk(c: Chunk, k: int) -> bool:
     seq = c.seq
-    n = len(seq.token_ids)  # Sequence.in_decode, inline: this runs for every row of every step
-    return (seq.num_computed == n - 1 and n > seq.num_prompt_tokens and len(c.token_ids) <= 1 + k
-            and seq.matcher is None and not seq.forks and seq.cow_src < 0 and seq.status is SeqStatus.RUNNING)
+    return (seq.in_decode and len(c.token_ids) <= 1 + k and seq.matcher is None and not seq.forks
+            and seq.cow_src < 0 and seq.status is SeqStatus.RUNNING)
 
 
 def plan(eng: "LLMEngine", inflight: MTPStep | None, step_id: int):
@@ -123,20 +122,17 @@ def plan(eng: "LLMEngine", inflight: MTPStep | None, step_id: int):
     step = MTPStep(chunks, batch, step_id, [c.q_len - 1 for c in chunks], [c.seq.params for c in chunks],
                    [(c.seq, c.start) for c in chunks], eng.cfg.block_size, inflight,
                    [prev_index.get(id(c.seq), -1) for c in chunks], st)
-    max_len = eng.drafter.max_model_len
+    budget = eng.drafter.budget
     for c in chunks:
         seq = c.seq
         q = len(c.token_ids)
         # The worst case: every draft accepted, then the target's token.
         seq.num_computed = c.start + q
-        toks = seq.token_ids
-        toks += [PLACEHOLDER] * q
+        seq.token_ids += [PLACEHOLDER] * q
         seq.draft_ids = [PLACEHOLDER] * k
         # Planned again while this step runs only if its next step surely drafts k:
-        # otherwise that depends on what this one accepts (Drafter.budget, inline).
-        n = len(toks)
-        budget = min(seq.params.max_tokens - (n - seq.num_prompt_tokens), max_len - n) - 1
-        seq.hold_step = step_id if budget < k or n > seq.last_slot else -1
+        # otherwise that depends on what this one accepts.
+        seq.hold_step = step_id if budget(seq) < k or len(seq.token_ids) > seq.last_slot else -1
     if inflight is not None:
         inflight.next = step
     st.num_seqs, st.num_decode = len(chunks), batch.num_decode
