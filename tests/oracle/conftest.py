@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-PROMPT_LENS = [1, 2, 3, 5, 8, 13, 16, 17, 21, 31, 33, 47, 64, 65, 90, 127]
-NEW_TOKENS = 16
+from moemesh.tools.bench.hf_oracle import NEW_TOKENS, PROMPT_LENS, draw_prompt, generate, load
 
 
 @dataclass
@@ -23,20 +22,15 @@ class Reference:
 
 
 def _reference(model_dir: str, seed: int) -> Reference:
-    from transformers import AutoModelForCausalLM
-
     rng = random.Random(seed)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = load(model_dir)
     vocab = hf.config.vocab_size
     prompts, outputs, logits, prompt_logits = [], [], [], []
     with torch.no_grad():
         for n in PROMPT_LENS:
             for _ in range(MAX_DRAWS):
-                p = [0] + [rng.randrange(4, vocab) for _ in range(n - 1)]
-                ids = torch.tensor([p])
-                gen = hf.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                  pad_token_id=1)
-                out = gen[0, len(p):].tolist()
+                p = draw_prompt(rng, n, vocab)
+                out = generate(hf, p, NEW_TOKENS)
                 # One causal forward over prompt + output gives every step's next-token logits.
                 every = hf(torch.tensor([p + out[:-1]])).logits[0]
                 full = every[len(p) - 1:]

@@ -14,6 +14,7 @@ import random
 
 import torch
 
+from moemesh.tools.bench.hf_oracle import draw_prompt, generate_full
 from tests.oracle.conftest import Reference
 
 MARGIN = 1e-6  # the engine's scores differ from these by ~1e-7 (another order of fp32 sums)
@@ -60,14 +61,11 @@ def reference(model_dir: str, seed: int, lens: list[int], new_tokens: int) -> Re
     hf = _hf(model_dir)
     rng = random.Random(seed)
     vocab = hf.config.vocab_size
-    prompts = [[0] + [rng.randrange(4, vocab) for _ in range(n - 1)] for n in lens]
+    prompts = [draw_prompt(rng, n, vocab) for n in lens]
     outputs, logits = [], []
     with torch.no_grad():
         for p in prompts:
-            toks = list(p)
-            for _ in range(new_tokens):
-                toks.append(int(hf(torch.tensor([toks])).logits[0, -1].argmax()))
-            out = toks[len(p):]
+            out = generate_full(hf, p, new_tokens)
             outputs.append(out)
             logits.append(hf(torch.tensor([p + out[:-1]])).logits[0][len(p) - 1:])
             margin = indexer_margin(hf, p + out[:-1])

@@ -64,7 +64,7 @@ def balance_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
 
 
 @contextmanager
-def _quiet_load():
+def quiet_load():
     """transformers' load report lists the MTP tensors it leaves to us, and a bar: neither
     is news here."""
     from transformers.utils import logging as hf_logging
@@ -107,7 +107,7 @@ class _V3Trainee(nn.Module):
         config = AutoConfig.from_pretrained(model_dir, attn_implementation="sdpa")
         if self.has_mtp:
             config.num_hidden_layers = self.num_layers + 1
-        with _quiet_load():
+        with quiet_load():
             self.hf = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
         self.hf.config.num_hidden_layers = self.num_layers  # the target runs the first N
         self.draft = _Draft(raw["hidden_size"], raw["rms_norm_eps"]) if self.has_mtp else None
@@ -167,7 +167,7 @@ class _V4Trainee(nn.Module):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        with _quiet_load():
+        with quiet_load():
             self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.draft = None
 
