@@ -17,6 +17,10 @@ triton loads), whose own work is not counted. The step is charged by scope:
 The step's read of its sampled ids (`.cpu()`, invisible on a CPU) is the one sync a
 decode step must have, and the batch's copy to the device (one, packed: runner.pack)
 its one transfer; on a CPU both are added to the counts.
+
+On a CUDA device (`device="cuda"`) the kernels are compiled and the copies are seen as
+the ops they are. Decode graphs stay off either way: the count is the op stream a step
+issues, which a captured graph replays in one call.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class LaunchesBenchConfig:
     top: int = 12
     seed: int = 0
     spec_tokens: int = 0  # > 0: also count an MTP step (verify that many drafts, draft as many)
+    device: str = "cpu"
 
 
 def _engine(cfg: LaunchesBenchConfig, spec_tokens: int = 0) -> LLMEngine:
@@ -63,6 +68,7 @@ def _engine(cfg: LaunchesBenchConfig, spec_tokens: int = 0) -> LLMEngine:
         max_num_batched_tokens=max(max_b * (1 + spec_tokens), cfg.prefill_len), num_threads=1,
         num_kv_blocks=max_b * per_seq + -(-cfg.prefill_len // bs) + 2,
         max_model_len=max(cfg.context_len, cfg.prefill_len) + 16, enable_prefix_caching=False,
+        device=cfg.device, decode_graphs="off",
     ))
 
 
@@ -186,7 +192,7 @@ def _run(cfg: LaunchesBenchConfig) -> dict:
         "config": asdict(cfg),
         "model": engine.model_config.identity() | {"path": cfg.model,
                                                    "num_hidden_layers": engine.model_config.num_hidden_layers},
-        "env": environment("cpu") | {"kernels": cfg.kernels, "triton_interpret": os.environ.get("TRITON_INTERPRET")},
+        "env": environment(cfg.device) | {"kernels": cfg.kernels, "triton_interpret": os.environ.get("TRITON_INTERPRET")},
         "decode": decode,
         "prefill": prefill,
         "mtp": mtp,

@@ -20,12 +20,18 @@ def register(bsub) -> None:
                    help="the kernel path (on a CPU under the Triton interpreter) or the torch reference path")
     f.add_argument("--spec-tokens", type=int, default=0,
                    help="also count a steady MTP step verifying and drafting this many tokens (0: off)")
+    f.add_argument("--device", default="cpu", help="cpu (kernels under the Triton interpreter) or cuda")
     f.add_argument("--top", type=int, default=12, help="how many of the most frequent ops to list")
     f.add_argument("--out", default="bench-results/launches.json", help="JSON file for the results")
     f.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"moemesh: error: --device {args.device}, but torch sees no CUDA device", file=sys.stderr)
+        return 2
     if args.kernels == "triton":
         import importlib.util
 
@@ -33,9 +39,7 @@ def run(args: argparse.Namespace) -> int:
             print("moemesh: error: --kernels triton needs triton (pip install moemesh[kernels]); "
                   "or count the reference path with --kernels torch", file=sys.stderr)
             return 2
-        import torch
-
-        if not torch.cuda.is_available():  # before anything loads triton: it settles the mode then
+        if args.device == "cpu":  # before anything loads triton: it settles the mode then
             os.environ["TRITON_INTERPRET"] = "1"
     from moemesh.shared.checkpoint.loader import CheckpointError
     from moemesh.tools.bench import launches
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = launches.LaunchesBenchConfig(model=args.model, batch_sizes=args.batch_sizes, context_len=args.context_len,
                                        prefill_len=args.prefill_len, kernels=args.kernels, top=args.top,
-                                       spec_tokens=args.spec_tokens)
+                                       spec_tokens=args.spec_tokens, device=args.device)
     try:
         result = launches.run(cfg)
     except (CheckpointError, ValueError) as e:
