@@ -55,3 +55,12 @@ def greedy(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     step = generate_full if hf.config.model_type == "deepseek_v4" else generate
     with torch.no_grad():
         return [step(hf, p, new_tokens) for p in prompts]
+
+
+def top2_gap(hf, prompt: list[int], answer: list[int], step: int) -> float:
+    """How far transformers' best next token leads the second at answer[step]: near zero,
+    the choice is a near-tie that rounding decides."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + answer[:step]], device=hf.device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
