@@ -139,6 +139,17 @@ def test_the_cpu_check_never_installs_and_the_gpu_check_installs_first(tmp_path)
         gpu_env.main(["--install", "--device", "cpu", "--out", str(tmp_path / "x.json")])
 
 
+def test_a_run_clears_what_an_earlier_one_wrote_and_nothing_else(tmp_path):
+    from moemesh.tools.bench.gpu_check import clear
+
+    (tmp_path / "engine.json").write_text('{"verdict": "pass"}')
+    (tmp_path / "mesh-logs").mkdir()
+    (tmp_path / "mesh-logs" / "trace.jsonl").write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine")
+    clear(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 def test_install_plan_from_the_project_files():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert gpu_env.install_plan(pyproject, {"version": "2.13.0+cu128", "cuda": "12.8"}, ROOT) == []

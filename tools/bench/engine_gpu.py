@@ -97,21 +97,31 @@ def explain(model_dir: str, prompts: list[list[int]], cpu_ids: list[list[int]], 
         return
     try:
         hf = hf_oracle.load(model_dir)
-    except ImportError:
-        return
-    for d in diffs:
-        d["top2_gap"] = hf_oracle.top2_gap(hf, prompts[d["prompt"]], cpu_ids[d["prompt"]], d["first_diff_at"])
+        for d in diffs:
+            d["top2_gap"] = hf_oracle.top2_gap(hf, prompts[d["prompt"]], cpu_ids[d["prompt"]], d["first_diff_at"])
+    except Exception as e:  # noqa: BLE001 - an explanation that fails leaves the differences as they are
+        diffs[0]["top2_gap_error"] = f"{type(e).__name__}: {e}"
 
 
-def bf16_verdict(engine: dict, hf: dict | None, tolerance: float, judged: bool) -> dict:
+def bf16_verdict(engine: dict, hf: dict | None, tolerance: float, judged: bool, hf_failed: str = "") -> dict:
     """The bf16 shares, and whether the engine's meets transformers' (None: not judged)."""
     out = {"engine_share": engine["equal"] / engine["of"], "engine": engine}
     if hf is None:
-        return out | {"pass": None, "why": "transformers is not installed: nothing to compare with"}
+        return out | {"pass": None, "why": hf_failed or "no transformers answers to compare with"}
     out |= {"transformers_share": hf["equal"] / hf["of"], "transformers": hf, "tolerance": tolerance}
     if not judged:
         return out | {"pass": None, "why": "recorded, not judged: the bf16 target is for a GPU"}
     return out | {"pass": out["engine_share"] >= out["transformers_share"] - tolerance}
+
+
+def _transformers_runs(model_dir: str, cfg: EngineCheckConfig, prompts: list[list[int]]) -> tuple[dict | None, str]:
+    """transformers' answers in each dtype on the device, or why there are none."""
+    try:
+        return {dtype: transformers_ids(model_dir, cfg.device, dtype, prompts, cfg.new_tokens) for dtype in _DTYPES}, ""
+    except ImportError:
+        return None, "transformers is not installed: nothing to compare with"
+    except Exception as e:  # noqa: BLE001 - the engine's own figures still stand
+        return None, f"transformers failed: {type(e).__name__}: {e}"
 
 
 def check_model(name: str, model_dir: str, cfg: EngineCheckConfig) -> dict:
@@ -122,14 +132,10 @@ def check_model(name: str, model_dir: str, cfg: EngineCheckConfig) -> dict:
         run[f"device-{dtype}"] = engine_ids(model_dir, cfg.device, dtype, prompts, cfg.new_tokens)
     fp32 = agreement(run["device-float32"], run["cpu-float32"])
     explain(model_dir, prompts, run["cpu-float32"], fp32["first_diffs"])
-    hf = None
-    try:
-        hf = {dtype: transformers_ids(model_dir, cfg.device, dtype, prompts, cfg.new_tokens) for dtype in _DTYPES}
-    except ImportError:
-        pass
+    hf, hf_failed = _transformers_runs(model_dir, cfg, prompts)
     hf_bf16 = agreement(hf["bfloat16"], hf["float32"]) if hf else None
     bf16 = bf16_verdict(agreement(run["device-bfloat16"], run["device-float32"]), hf_bf16, cfg.bf16_tolerance,
-                        judged=cfg.device.startswith("cuda"))
+                        judged=cfg.device.startswith("cuda"), hf_failed=hf_failed)
     return {
         "model": name, "path": model_dir, "prompt_lens": [len(p) for p in prompts],
         "fp32_equal_to_cpu": fp32["equal"] == fp32["of"], "fp32": fp32, "bf16": bf16,
@@ -164,7 +170,8 @@ def verdict(models: dict[str, dict]) -> tuple[str, str, str]:
     for n, m in models.items():
         b = m["bf16"]
         hf = f", transformers {b['transformers_share']:.0%}" if "transformers_share" in b else ""
-        judged = "" if b["pass"] is not None else " (not judged)"
+        judged = "" if b["pass"] is not None else f" (not judged: {b['why']})" if "transformers_share" not in b \
+            else " (not judged)"
         parts.append(f"{n} fp32 = CPU on {m['fp32']['equal']}/{m['fp32']['of']}, "
                      f"bf16 = fp32 on {b['engine_share']:.0%}{hf}{judged}")
     return ("fail" if bad else "pass"), "; ".join(bad), "; ".join(parts)

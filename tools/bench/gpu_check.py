@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from moemesh.tools.bench.gpu_check_parts import Mode, Part, Step, StepRun, Verdict, all_parts
+from moemesh.tools.bench.gpu_check_parts import OUTPUTS, Mode, Part, Step, StepRun, Verdict, all_parts
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_S = {"gpu": 480.0, "cpu": 180.0}
@@ -101,7 +101,7 @@ class Clock:
 def run_part(python: str, part: Part, mode: Mode, clock: Clock) -> dict:
     t0 = time.monotonic()
     runs = []
-    with open(mode.out / f"{part.name}.log", "ab") as log:
+    with open(mode.out / f"{part.name}.log", "wb") as log:
         for step in part.steps:
             run = run_step(python, step, step_env(mode.cpu, step.env), log, clock.limit(step))
             if not step.budgeted:
@@ -144,6 +144,16 @@ def run_check(mode: Mode, python: str, budget_s: float, parts: list[Part] | None
     return doc
 
 
+def clear(out: Path) -> None:
+    """Removes what an earlier run wrote into out (and nothing else)."""
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out", help="output directory")
@@ -155,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--quick is for --cpu runs: on a GPU the check runs whole")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    clear(out)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     try:
         doc = run_check(Mode(a.cpu, a.quick, out, work), sys.executable,

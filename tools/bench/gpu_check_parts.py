@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 HBM_BYTES_PER_S = 4.8e12  # the H200's, as kernels_gpu.Hardware records it
-BF16_ON_CPU = "bf16 under the Triton interpreter computes wrongly (tests/kernels/cases.py): run on CUDA only"
+BF16_ON_CPU = "the Triton interpreter computes bf16 wrongly (tests/kernels/cases.py): it runs on CUDA only"
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,12 @@ def own_verdict(path: Path, runs: list[StepRun], log: str) -> Verdict:
     return process_verdict(runs, log) or Verdict("fail", f"{path.name} was not written (see {log})")
 
 
+# What the parts write, besides <part>.log: cleared before a run, so that nothing is read
+# from an earlier one.
+OUTPUTS = ("summary.json", "summary.txt", "env.json", "env-install.json", "kernels.json", "engine.json", "graphs.json",
+           "launches.json", "bench_gpu.json", "mesh.json", "mesh-logs")
+
+
 def _mod(module: str, *args: str) -> tuple[str, ...]:
     return ("-m", module, *args)
 
@@ -113,8 +119,9 @@ def env_part(m: Mode) -> Part:
     out = m.out
     steps = [] if m.cpu else [Step(_mod("moemesh.tools.bench.gpu_env", "--install", "--out", str(out / "env-install.json")),
                                    900, 0, budgeted=False)]
-    steps.append(Step(_mod("moemesh.tools.bench.gpu_env", "--device", m.device, "--install-record",
-                           str(out / "env-install.json"), "--out", str(out / "env.json")), 60, 10))
+    record = () if m.cpu else ("--install-record", str(out / "env-install.json"))
+    steps.append(Step(_mod("moemesh.tools.bench.gpu_env", "--device", m.device, *record, "--out", str(out / "env.json")),
+                      60, 10))
     for name in ("tiny", "v4-tiny"):  # the random checkpoints the later parts share
         steps.append(Step(_mod("moemesh.tools.cli.main", "init-model", m.model(name), "--preset", name, "--seed", "0"),
                           60, 10))

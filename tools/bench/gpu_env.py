@@ -151,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if record["ok"] else 1
     record = json.loads(Path(a.install_record).read_text()) if a.install_record and Path(a.install_record).exists() \
         else None
-    info = report(a.device)
-    result = {**info, "install": record or {"needed": False, "why": "not asked to install (--cpu never installs)"}}
+    try:
+        info = report(a.device)
+    except ImportError as e:  # torch missing (and not installed): the later parts cannot run either
+        info = {"device": a.device, "error": f"{type(e).__name__}: {e}"}
+        Path(a.out).write_text(json.dumps(info | {"verdict": "fail", "reason": info["error"], "summary": ""}))
+        print(f"FAIL: {info['error']}")
+        return 1
+    result = {**info, "install": record or {"needed": False, "why": "no install record (--cpu never installs)"}}
     result["verdict"], result["reason"], result["summary"] = verdict(info, record)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(result["summary"] + (f"\nFAIL: {result['reason']}" if result["reason"] else ""))

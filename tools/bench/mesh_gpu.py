@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -28,7 +29,6 @@ from moemesh.tools.launch.nats_server import start_nats
 from moemesh.tools.launch.procs import ProcessGroup, free_port
 from moemesh.tools.launch.up import Mesh, UpConfig
 
-TRACE_ID = "6d6573682d677075636865636b000001"  # the client's trace, so its spans are found
 _PROTO_HEAD = re.compile(r"\|\s*ucp_context_\d+\s+(?P<scope>[\w-]+).*?\|\s*(?P<op>.+?) from (?P<mem>[\w-]+) memory")
 _PROTO_ROW = re.compile(r"\|\s*[\d.KMGinf]+\s*\|\s*(?P<proto>[^|]+?)\s*\|\s*(?P<tl>[^|]+?)\s*\|\s*$")
 
@@ -50,10 +50,11 @@ def ucx_protocols(log_text: str) -> list[dict]:
     return out
 
 
-def stream_chat(url: str, model: str, max_tokens: int) -> dict:
-    """One streamed chat completion: its text, chunks, finish reason and timings."""
+def stream_chat(url: str, model: str, max_tokens: int, trace_id: str) -> dict:
+    """One streamed chat completion, in the client's trace trace_id (so that its spans are
+    found): its text, chunks, finish reason and timings."""
     t0 = time.perf_counter()
-    headers = {"traceparent": f"00-{TRACE_ID}-{'1' * 16}-01"}
+    headers = {"traceparent": f"00-{trace_id}-{'1' * 16}-01"}
     body = {"model": model, "messages": [{"role": "user", "content": "Hello from the GPU check"}],
             "max_tokens": max_tokens, "stream": True}
     first = None
@@ -104,11 +105,11 @@ def _sse_chunks(url: str, body: dict, headers: dict):
                 yield c.get("delta", {}).get("content"), c.get("finish_reason")
 
 
-def handoff_spans(trace_file: Path) -> dict:
+def handoff_spans(trace_file: Path, trace_id: str) -> dict:
     """The client's request's KV hand-off, from the trace file's spans."""
     spans = [json.loads(line) for line in trace_file.read_text().splitlines() if line.strip()] \
         if trace_file.exists() else []
-    mine = [s for s in spans if s.get("trace_id") == TRACE_ID]
+    mine = [s for s in spans if s.get("trace_id") == trace_id]
     out = {}
     for name in ("kv.send", "kv.transfer"):
         hits = [s for s in mine if s["name"] == name]
@@ -118,10 +119,10 @@ def handoff_spans(trace_file: Path) -> dict:
     return out
 
 
-def wait_for_handoff(trace_file: Path, timeout_s: float) -> dict:
+def wait_for_handoff(trace_file: Path, trace_id: str, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        h = handoff_spans(trace_file)
+        h = handoff_spans(trace_file, trace_id)
         if all(h.values()) or time.monotonic() > deadline:
             return h
         time.sleep(0.2)
@@ -161,8 +162,9 @@ def _serve(model: str, device: str, log_dir: Path, nats_url: str, max_tokens: in
     t0 = time.monotonic()
     with Mesh(cfg) as mesh:
         result["up_s"] = round(time.monotonic() - t0, 1)
-        result["stream"] = stream_chat(mesh.url, Path(model).name, max_tokens)
-        result["handoff"] = wait_for_handoff(trace, 10.0)
+        trace_id = secrets.token_hex(16)
+        result["stream"] = stream_chat(mesh.url, Path(model).name, max_tokens, trace_id)
+        result["handoff"] = wait_for_handoff(trace, trace_id, 10.0)
         if device.startswith("cuda"):
             workers = {c.name: c.popen.pid for c in mesh.group.children if c.name.startswith(("prefill", "decode"))}
             result["gpu_memory"] = gpu_processes(workers)
@@ -198,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mesh_gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="model directory (the tiny model)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--log-dir", default="mesh-logs", help="the services' logs and the trace file")
+    ap.add_argument("--log-dir", default="mesh-logs", help="the services' logs and the trace file (a new folder:"
+                    " logs are appended to, and UCX's tables are read from all of them)")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--ready-timeout", type=float, default=90.0)
     ap.add_argument("--out", default="mesh.json")
