@@ -165,6 +165,8 @@ def run(step: MTPStep, model, kv, before_wait=None) -> None:
     if prev is not None and any(i >= 0 for i in step.from_prev):
         _settle(step, prev, batch)
     hidden = model(batch, kv)
+    if before_wait is not None:  # the forward is queued: the step before can land beside it
+        before_wait()
     T = batch.num_tokens
     logits = model.compute_logits(hidden[:T])
     dev = batch.input_ids.device
@@ -182,8 +184,6 @@ def run(step: MTPStep, model, kv, before_wait=None) -> None:
     mtp_ids[last] = bonus
     h = model.mtp_forward(replace(batch, input_ids=mtp_ids), hidden[:T], kv)
     step.bonus, step.drafts = bonus, model.mtp_logits(h[last]).argmax(dim=-1)
-    if before_wait is not None:
-        before_wait()
     want_lp = any(p.logprobs is not None for p in step.params)
     got = host_copy.to_host(accepted, bonus, draft_ids, step.drafts, *((logits,) if want_lp else ()))
     sync = getattr(model, "synchronize", None)
