@@ -235,3 +235,13 @@ def test_the_dep_flags_of_the_mock_benches_are_checked_and_reach_the_ranks(tiny_
     fig = overhead.step_figures(rows, 0.0, 2.0)
     assert fig["rank_wait_ms_p50"] == pytest.approx(8.0) and fig["rank_wait_beyond_ms_p50"] == pytest.approx(2.0)
     assert overhead.step_figures([r[:9] for r in rows], 0.0, 2.0)["rank_wait_beyond_ms_p50"] is None
+    # The step the device set (own 20 ms + the busiest rank's 6 more) bounds the point: at
+    # 20 ms steps a 26 ms device step allows 20/26 of the ideal, of which the point served half.
+    assert fig["device_step_ms_mean"] == pytest.approx(26.0)
+    res = {"tokens": 1000, "cpu_s": {}, "streams": 64, "wall_s": 1.0, "requests": 64, "errors": 0,
+           "error_kinds": {}, "tokens_per_s": 3200 * 20 / 26 / 2, "ttft_ms_p50": 1.0, "ttft_ms_p99": 2.0,
+           "client_cpu_s": 0.1, "started_at": 0.0, "ended_at": 2.0}
+    row = overhead.point_row(res, 20.0, overhead.MESH_ROLES, rows, balance_ratio=0.9)
+    assert row["routing_bound_tokens_per_s"] == pytest.approx(3200 * 20 / 26)
+    assert row["share_of_routing_bound"] == pytest.approx(0.5)
+    assert "0.769  0.500" in overhead.table([row], overhead.MESH_ROLES).splitlines()[1]

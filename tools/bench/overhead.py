@@ -84,7 +84,10 @@ def step_figures(steps: list[list[float]], t0: float, t1: float) -> dict:
     rank wait less the slower ranks' own device time (device_skew_s), which it waited for
     as any rank waits for the slowest: what the lockstep adds on top. The worker keeps its last 4096 steps only: at short steps,
     the window's end. tokens_per_seq_step: what a running sequence gained a step (1, and
-    with drafts the accepted ones on top).
+    with drafts the accepted ones on top). device_step_ms_mean: the mean step the device
+    itself set, its own step plus the slower ranks' (forward + device_skew), which a host
+    that cost nothing would still wait for: on a mock DEP rank, what each step's routing
+    draw dictates.
     """
     sel = [s for s in steps if t0 <= s[0] <= t1]
     if not sel:
@@ -109,6 +112,7 @@ def step_figures(steps: list[list[float]], t0: float, t1: float) -> dict:
         out["tokens_per_seq_step"] = (seqs + sum(s[8] for s in sel)) / seqs if seqs else None
     if all(len(s) > 9 for s in sel):
         out["rank_wait_beyond_ms_p50"] = percentile([s[4] - s[9] for s in sel], 50) * 1e3
+        out["device_step_ms_mean"] = sum(s[2] + s[9] for s in sel) / len(sel) * 1e3
     return out
 
 
@@ -133,6 +137,11 @@ def point_row(res: dict, step_ms: float, roles: tuple[str, ...], steps: list[lis
     per_tok = {r: (s / tokens * 1e6 if tokens else None) for r, s in cpu.items()}
     per_tok["mesh"] = sum(cpu.values()) / tokens * 1e6 if tokens else None
     ideal = res["streams"] * tokens_per_step * 1e3 / step_ms
+    st = step_figures(steps, res["started_at"], res["ended_at"])
+    # The routing bound: the ideal at the step the device set (a mock DEP instance waits for
+    # its busiest rank's draw every step, balanced routing too), and the share of it served.
+    dev = st.get("device_step_ms_mean")
+    bound = ideal * step_ms / dev if dev else None
     return {"streams": res["streams"], "wall_s": res["wall_s"], "tokens": tokens, "requests": res["requests"],
             "errors": res["errors"], "error_kinds": res["error_kinds"], "tokens_per_s": res["tokens_per_s"],
             "ideal_tokens_per_s": ideal, "share_of_ideal": res["tokens_per_s"] / ideal,
@@ -140,8 +149,9 @@ def point_row(res: dict, step_ms: float, roles: tuple[str, ...], steps: list[lis
             "ttft_ms_p50": res["ttft_ms_p50"], "ttft_ms_p99": res["ttft_ms_p99"], "cpu_s": cpu,
             "cpu_us_per_token": per_tok,
             "client_cpu_us_per_token": res["client_cpu_s"] / tokens * 1e6 if tokens else None,
-            "balance_ratio": balance_ratio,
-            "decode_steps": step_figures(steps, res["started_at"], res["ended_at"])}
+            "balance_ratio": balance_ratio, "routing_bound_tokens_per_s": bound,
+            "share_of_routing_bound": res["tokens_per_s"] / bound if bound else None,
+            "decode_steps": st}
 
 
 def table(rows: list[dict], roles: tuple[str, ...], label: str = "streams", extra: str = "") -> str:
@@ -151,7 +161,8 @@ def table(rows: list[dict], roles: tuple[str, ...], label: str = "streams", extr
     dep = any(p.get("balance_ratio") is not None for p in rows)
     lines = [f"{label:>7} {'tok/s':>8} {'ideal':>8} {'share':>6} {'TTFT p50':>9}  {'CPU us/tok ' + cpu_head:>30} "
              f"{'client':>7}  {'step/host/exposed ms':>21} {'hidden':>6} {'tok/seq/step':>12} {'errors':>6}"
-             + (f" {'wait/beyond ms':>14} {'balance':>7}" if dep else "") + (f"  {extra}" if extra else "")]
+             + (f" {'wait/beyond ms':>14} {'balance':>7} {'bound':>6} {'of it':>6}" if dep else "")
+             + (f"  {extra}" if extra else "")]
     for p in rows:
         us = p["cpu_us_per_token"]
         cpu = "/".join(_f(us[r]) for r in (*roles, "mesh"))
@@ -162,9 +173,16 @@ def table(rows: list[dict], roles: tuple[str, ...], label: str = "streams", extr
         lines.append(f"{p['streams']:>7} {p['tokens_per_s']:>8.0f} {p['ideal_tokens_per_s']:>8.0f} "
                      f"{p['share_of_ideal']:>6.3f} {_f(p['ttft_ms_p50']):>9}  {cpu:>30} "
                      f"{_f(p['client_cpu_us_per_token']):>7}  {steps:>21} {hidden:>6} {gain:>12} {p['errors']:>6}"
-                     + (f" {_wait(st):>14} {_f(p.get('balance_ratio'), '.3f'):>7}" if dep else "")
+                     + (f" {_wait(st):>14} {_f(p.get('balance_ratio'), '.3f'):>7} {_bound(p):>6}"
+                        f" {_f(p.get('share_of_routing_bound'), '.3f'):>6}" if dep else "")
                      + (f"  {p.get(extra, '')}" if extra else ""))
     return "\n".join(lines)
+
+
+def _bound(p: dict) -> str:
+    """The routing bound as a share of the ideal: the most this instance's steps allow."""
+    b = p.get("routing_bound_tokens_per_s")
+    return "-" if b is None else f"{b / p['ideal_tokens_per_s']:.3f}"
 
 
 def _wait(st: dict) -> str:
