@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moemesh.shared.kernels.mla_decode import _mla_decode_kernel, _mla_decode_reduce_kernel, mla_decode, mla_decode_ref
-from tests.kernels.cases import DEVICE_DTYPES, check, launches, randn
+from tests.kernels.cases import DEVICE_DTYPES, GPU, check, launches, randn
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (4e-2, 4e-2)}
 
@@ -60,3 +60,24 @@ def test_no_sequences(force_triton):
     args = _case(1, 2, 8, 4, 12, 6, 4, [3], torch.float32, "cpu")
     empty = (args[0][:0], args[1][:0], args[2], args[3][:0], args[4][:0], *args[5:])
     assert mla_decode(*empty).shape == (0, 2, 6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_bf16_scores_are_not_rounded(force_triton, monkeypatch, device):
+    """Two keys whose scores, 192 and 193.5, are 1.5 apart; bf16 spacing there is 1, so a
+    score rounded to bf16 reads 194 and moves a fifth of the weight on the second key's
+    value (8 -> 7.05 instead of 6.54). The reference (CPU) and the kernel (CUDA) keep the
+    scores in fp32, as transformers' attention does."""
+    if device == "cpu":
+        monkeypatch.setenv("MOEMESH_KERNELS", "torch")
+    else:
+        force_triton(device)
+    eye = torch.eye(2, dtype=torch.bfloat16, device=device)[None]  # W_UK = W_UV = I, one head
+    q_nope = torch.tensor([[[1.5, 0.0]]], dtype=torch.bfloat16, device=device)
+    q_pe = torch.zeros(1, 1, 2, dtype=torch.bfloat16, device=device)
+    cache = torch.tensor([[[128.0, 0, 0, 0], [129.0, 8, 0, 0]]], dtype=torch.bfloat16, device=device)
+    args = (q_nope, q_pe, cache, torch.tensor([[0]], device=device), torch.tensor([2], device=device), eye, eye, 1.0)
+    got = (mla_decode if device == "cuda" else mla_decode_ref)(*args)
+    p = torch.tensor([192.0, 193.5], dtype=torch.float64).softmax(0)
+    want = p @ torch.tensor([[128.0, 0], [129.0, 8]], dtype=torch.float64)  # [128.82, 6.54]
+    torch.testing.assert_close(got[0, 0].double(), want, rtol=1e-2, atol=0)
