@@ -2,6 +2,11 @@
 
 T = tokens, D = hidden, I = expert intermediate size, S = expert slots held here,
 K = experts per token.
+
+Rounding: each expert's output rounds to x's dtype, as its GEMM leaves it; the routing
+weights stay in fp32 and a token's weighted outputs are summed in fp32 and rounded once
+(transformers' grouped experts do the same). Rounding the weight and each product to
+bf16 first added two roundings a pair.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ def fused_moe_ref(
     """Plain-torch reference: sort the (token, k) pairs by slot, run each slot's FFN once.
     limit: DeepSeek-V4's SwiGLU clipping, gate <= limit and |up| <= limit before the product."""
     T, K = topk_ids.shape
-    out = torch.zeros_like(x)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # the weighted sum, rounded once at the end
     if T == 0:
-        return out
+        return out.to(x.dtype)
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     sorted_ids = flat[order]
@@ -46,9 +51,9 @@ def fused_moe_ref(
         if limit is not None:
             gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         h = F.silu(gate) * up
-        y = F.linear(h, w2[slot]) * topk_weights[t, kpos[idx], None].to(x.dtype)
+        y = F.linear(h, w2[slot]).float() * topk_weights[t, kpos[idx], None].float()
         out.index_add_(0, t, y)
-    return out
+    return out.to(x.dtype)
 
 
 # ---- Triton path -----------------------------------------------------------------
@@ -148,7 +153,7 @@ def align_tiles(num_slots: int) -> tuple[int, int, int]:
 
 @jit
 def _fused_moe_kernel(
-    a_ptr, w_ptr, out_ptr, pairs_ptr, block_slot_ptr, topk_w_ptr,
+    a_ptr, w_ptr, out_ptr, pairs_ptr, block_slot_ptr,
     N, Kdim, num_pairs, top_k, gate_up_offset, limit,
     stride_am, stride_we, stride_wn, stride_wk, stride_om,
     GATE_UP: tl.constexpr, CLAMP: tl.constexpr, A_PER_TOKEN: tl.constexpr, PRECISION: tl.constexpr,
@@ -156,7 +161,7 @@ def _fused_moe_kernel(
 ):
     """One [BLOCK_M, BLOCK_N] tile of one slot's GEMM. GATE_UP: out = silu(a Wg^T) * (a Wu^T),
     with Wu `gate_up_offset` rows below Wg (CLAMP: gate <= limit, |up| <= limit first).
-    Else: out = (a W^T) * routing weight."""
+    Else: out = a W^T (the combine applies the routing weight)."""
     pid_m = tl.program_id(0)
     slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
     if slot < 0:
@@ -193,24 +198,25 @@ def _fused_moe_kernel(
         g = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         res = g * u
     else:
-        wt = tl.load(topk_w_ptr + pair, mask=mmask, other=0.0).to(dtype).to(tl.float32)
-        res = acc.to(dtype).to(tl.float32) * wt[:, None]
+        res = acc
     tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], res.to(dtype),
              mask=mmask[:, None] & nmask[None, :])
 
 
 @jit
 def _moe_combine_kernel(
-    y_ptr, ids_ptr, out_ptr, D, top_k, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    y_ptr, ids_ptr, w_ptr, out_ptr, D, top_k, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """out[t] = sum over k of y[t*K + k], skipping pairs whose slot is -1 (never written)."""
+    """out[t] = sum over k of weight[t, k] * y[t*K + k] in fp32, rounded once, skipping
+    pairs whose slot is -1 (never written)."""
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ks = tl.arange(0, BLOCK_K)
     held = (ks < top_k) & (tl.load(ids_ptr + t * top_k + ks, mask=ks < top_k, other=-1) >= 0)
     y = tl.load(y_ptr + (t * top_k + ks)[:, None] * D + offs_d[None, :],
                 mask=held[:, None] & (offs_d[None, :] < D), other=0.0)
-    tl.store(out_ptr + t * D + offs_d, tl.sum(y.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty),
+    wt = tl.load(w_ptr + t * top_k + ks, mask=held, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + offs_d, tl.sum(y.to(tl.float32) * wt[:, None], axis=0).to(out_ptr.dtype.element_ty),
              mask=offs_d < D)
 
 
@@ -249,15 +255,15 @@ def fused_moe(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # [P, I], row per (token, k)
     _fused_moe_kernel[(block_slot.numel(), -(-inter // bn))](
-        x, w13, h, sorted_pairs, block_slot, topk_weights,
+        x, w13, h, sorted_pairs, block_slot,
         inter, D, P, K, inter, float(limit or 0.0),
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
         GATE_UP=True, CLAMP=limit is not None, A_PER_TOKEN=True, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=3,
     )
-    y = torch.empty(P, D, dtype=x.dtype, device=x.device)  # [P, D], weighted expert outputs
+    y = torch.empty(P, D, dtype=x.dtype, device=x.device)  # [P, D], expert outputs
     _fused_moe_kernel[(block_slot.numel(), -(-D // bn))](
-        h, w2, y, sorted_pairs, block_slot, topk_weights,
+        h, w2, y, sorted_pairs, block_slot,
         D, inter, P, K, 0, 0.0, h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         GATE_UP=False, CLAMP=False, A_PER_TOKEN=False, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=3,
@@ -265,6 +271,6 @@ def fused_moe(
     out = torch.empty_like(x)
     block_d = min(1024, next_pow2(D))
     _moe_combine_kernel[(T, -(-D // block_d))](
-        y, topk_ids, out, D, K, BLOCK_K=next_pow2(K), BLOCK_D=block_d, num_warps=4,
+        y, topk_ids, topk_weights, out, D, K, BLOCK_K=next_pow2(K), BLOCK_D=block_d, num_warps=4,
     )
     return out

@@ -122,10 +122,11 @@ class EPLayer:
         t2 = time.perf_counter()
         dist.all_to_all_single(y_back, y, send, recv, group=self.group)
         self.comm_s += (t1 - t0) + (time.perf_counter() - t2)
-        out = torch.zeros_like(x)
-        w = weights.reshape(-1)[order].to(x.dtype)
-        out.index_add_(0, order // K, y_back * w[:, None])
-        return out
+        # Weighted and summed in fp32, rounded once, as the local path does (kernels/fused_moe.py).
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        w = weights.reshape(-1)[order].float()
+        out.index_add_(0, order // K, y_back.float() * w[:, None])
+        return out.to(x.dtype)
 
 
 class ExpertParallel:

@@ -72,14 +72,15 @@ def main() -> dict:
     part = {"bt_ptr": "i64", "lens_ptr": "i64", "part_o_ptr": "fp32", "part_lse_ptr": "fp32"}
     out["mla_decode"] = _compile(mla_decode._mla_decode_kernel, part, tiles, floats=("scale",), **launch)
     out["mla_decode_reduce"] = _compile(mla_decode._mla_decode_reduce_kernel, part, dict(BLOCK_S=64, BLOCK_C=128))
-    moe = {"pairs_ptr": "i64", "block_slot_ptr": "i64", "topk_w_ptr": "fp32"}
+    moe = {"pairs_ptr": "i64", "block_slot_ptr": "i64"}
     for bm, (bn, bk, warps) in fused_moe._TILES.items():
         for gate_up in (True, False):
             out[f"fused_moe M={bm} gate_up={gate_up}"] = _compile(
                 fused_moe._fused_moe_kernel, moe,
                 dict(GATE_UP=gate_up, A_PER_TOKEN=gate_up, PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
                 num_warps=warps)
-    out["moe_combine"] = _compile(fused_moe._moe_combine_kernel, {"ids_ptr": "i64"}, dict(BLOCK_K=8, BLOCK_D=1024))
+    out["moe_combine"] = _compile(fused_moe._moe_combine_kernel, {"ids_ptr": "i64", "w_ptr": "fp32"},
+                                  dict(BLOCK_K=8, BLOCK_D=1024))
     i64 = {"ids_ptr": "i64", "pairs_ptr": "i64", "block_slot_ptr": "i64"}
     bp, bs, warps = fused_moe.align_tiles(256)
     out["moe_align E=256"] = _compile(fused_moe._moe_align_kernel, i64, dict(BLOCK_P=bp, BLOCK_S=bs), num_warps=warps)

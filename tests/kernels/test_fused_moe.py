@@ -5,7 +5,7 @@ import torch
 
 from moemesh.shared.kernels.fused_moe import (_fused_moe_kernel, _moe_align_kernel, _moe_combine_kernel, fused_moe,
                                               fused_moe_ref, moe_align, moe_align_ref)
-from tests.kernels.cases import DEVICE_DTYPES, check, launches, randn
+from tests.kernels.cases import DEVICE_DTYPES, GPU, check, launches, randn
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (5e-2, 5e-2)}
 KERNELS = (_fused_moe_kernel, _moe_combine_kernel)
@@ -128,3 +128,26 @@ def test_align_kernel_equals_the_reference(force_triton, T, K, S, block_m):
         pairs, block_slot = moe_align(ids, S, block_m)
     want_pairs, want_slot = moe_align_ref(ids, S, block_m)
     assert torch.equal(pairs, want_pairs) and torch.equal(block_slot, want_slot)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_bf16_weights_and_sum_stay_fp32(force_triton, monkeypatch, device):
+    """Each expert's output rounds to bf16 (its GEMM's output); the fp32 routing weights
+    and the sum over a token's experts do not: one rounding at the end, as transformers'
+    experts combine. Rounding the weights and each product first is off on most values."""
+    if device == "cpu":
+        monkeypatch.setenv("MOEMESH_KERNELS", "torch")
+    else:
+        force_triton(device)
+    T, D, I, S, K = 64, 32, 16, 8, 4
+    x = randn(T, D, dtype=torch.bfloat16, device=device, seed=11)
+    w13, w2 = _weights(S, D, I, torch.bfloat16, device, seed=12)
+    ids, w = _routing(T, K, S, device, seed=13)
+    w = w * 2.5  # a routed scaling factor: weights that bf16 does not hold
+    got = fused_moe(x, w13, w2, ids, w)
+    experts = torch.stack([fused_moe_ref(x, w13, w2, ids[:, k:k + 1], torch.ones(T, 1, device=device))
+                           for k in range(K)], dim=1)  # [T, K, D], each expert's output in bf16
+    want = (experts.float() * w.float()[..., None]).sum(dim=1).to(torch.bfloat16)
+    # Another summation order may move a value by its last place; the old rounding moved half.
+    assert (got != want).float().mean() <= 0.02
+    torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
