@@ -54,7 +54,7 @@ def compress_ref(proj: torch.Tensor, ring: torch.Tensor, pre_ring: torch.Tensor,
     ctx = torch.cat([proj, ring[pre_ring, pre_slot].to(proj.dtype)])
     pooled = pool_ref(ctx, idx, bias, rate, norm_weight.numel(), overlap)
     cos, sin = angles_ref(pos, inv_freq, factor)
-    store[blk, slot] = rope_ref(rms_norm_ref(pooled, norm_weight, eps), cos, sin).to(store.dtype)
+    store[blk, slot] = rope_ref(rms_norm_ref(pooled, norm_weight, eps, fp32_weight=True), cos, sin).to(store.dtype)
 
 
 @jit
@@ -118,7 +118,7 @@ def _compress_kernel(
     xf = acc.to(dtype).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(tl.where(cmask, xf * xf, 0.0), axis=0) / W + eps)
     wt = tl.load(w_ptr + c, mask=cmask, other=0.0)
-    y = (wt.to(tl.float32) * (xf * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y = (wt.to(tl.float32) * (xf * rstd)).to(dtype).to(tl.float32)  # V4's norm: the weight in fp32, one rounding
     # The rotation pairs channel 2i with 2i + 1; channels before the rope part pass as they are.
     ev, od = tl.split(tl.reshape(y, [BLOCK_W // 2, 2]))
     i = tl.arange(0, BLOCK_W // 2)
@@ -155,7 +155,8 @@ def compress(proj: torch.Tensor, ring: torch.Tensor, pre_ring: torch.Tensor, pre
             or 2 * half > W or store.shape[-1] != W:
         raise ValueError(f"compress: proj {tuple(proj.shape)}, bias {tuple(bias.shape)}, idx {tuple(idx.shape)}, "
                          f"store {tuple(store.shape)} do not fit W={W}, rate={rate}, overlap={overlap}")
-    if not use_triton(proj) or norm_weight.dtype != proj.dtype or bias.dtype not in (torch.float32, proj.dtype):
+    if not use_triton(proj) or norm_weight.dtype not in (torch.float32, proj.dtype) \
+            or bias.dtype not in (torch.float32, proj.dtype):
         return compress_ref(proj, ring, pre_ring, pre_slot, idx, pos, blk, slot, bias, norm_weight, eps, inv_freq,
                             factor, rate, overlap, store)
     if not G:

@@ -10,16 +10,19 @@ from moemesh.shared.kernels.swiglu import swiglu
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, fp32_weight: bool = False):
+        """fp32_weight: DeepSeek-V4's norm, whose weight is held in fp32 and multiplies
+        before the one rounding to x's dtype; else V2/V3's, whose weight is held in the
+        model's dtype and multiplies the rounded value (shared/kernels/rmsnorm.py)."""
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32 if fp32_weight else None))
+        self.eps, self.fp32_weight = eps, fp32_weight
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """rmsnorm(x); or, given the residual stream, (rmsnorm(x + residual), x + residual)."""
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual, self.fp32_weight)
 
 
 class FusedLinears:

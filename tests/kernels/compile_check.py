@@ -57,8 +57,10 @@ def main() -> dict:
     out = {}
     C, R = 512, 64  # DeepSeek-V2/V3 latent and rope widths
     for res in (False, True):
-        out[f"rms_norm residual={res}"] = _compile(rmsnorm._rms_norm_kernel, {}, dict(HAS_RESIDUAL=res, BLOCK_M=1, BLOCK_D=8192),
-                                                    num_warps=16, floats=("eps",))
+        out[f"rms_norm residual={res}"] = _compile(rmsnorm._rms_norm_kernel, {}, dict(HAS_RESIDUAL=res, FP32_WEIGHT=False,
+                                                    BLOCK_M=1, BLOCK_D=8192), num_warps=16, floats=("eps",))
+    out["rms_norm V4"] = _compile(rmsnorm._rms_norm_kernel, {"w_ptr": "fp32"}, dict(HAS_RESIDUAL=False, FP32_WEIGHT=True,
+                                  BLOCK_M=1, BLOCK_D=4096), num_warps=16, floats=("eps",))
     for il in (False, True):
         out[f"rotary interleave={il}"] = _compile(rotary._rotary_kernel, {"cos_ptr": "fp32", "sin_ptr": "fp32",
                                                   "pos_ptr": "i64", "slot_ptr": "i64"},
@@ -114,7 +116,7 @@ def main() -> dict:
                                           "out_ptr": "fp32"},
         dict(PRECISION="tf32", BLOCK_H=64, BLOCK_W=128, BLOCK_E=64), floats=("scale",))
     comp = dict.fromkeys(("pre_ring_ptr", "pre_slot_ptr", "idx_ptr", "pos_ptr", "blk_ptr", "slot_ptr"), "i64")
-    comp |= {"bias_ptr": "fp32", "inv_ptr": "fp32"}
+    comp |= {"bias_ptr": "fp32", "inv_ptr": "fp32", "w_ptr": "fp32"}
     for name, span, width, overlap in (("CSA", 8, 512, True), ("HCA", 128, 512, False), ("indexer", 8, 128, True)):
         bs, bw = v4_compress.compress_tiles(span, width)
         out[f"v4_compress {name}"] = _compile(v4_compress._compress_kernel, comp,

@@ -51,10 +51,10 @@ class V4Attention(nn.Module):
         self.H, self.d, self.W, self.eps = H, d, cfg.sliding_window, cfg.rms_norm_eps
         self.groups = cfg.o_groups
         self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
-        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, fp32_weight=True)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * d, bias=False)
         self.kv_proj = nn.Linear(D, d, bias=False)
-        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps, fp32_weight=True)
         # Grouped output projection: [groups * o_lora_rank, H*d / groups], one block per group.
         self.o_a_proj = nn.Linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)

@@ -32,7 +32,7 @@ class Compressor(nn.Module):
         self.kv_proj = nn.Linear(hidden, series * width, bias=False)
         self.gate_proj = nn.Linear(hidden, series * width, bias=False)
         self.position_bias = nn.Parameter(torch.empty(rate, series * width, dtype=torch.float32))
-        self.kv_norm = RMSNorm(width, eps)
+        self.kv_norm = RMSNorm(width, eps, fp32_weight=True)
 
     @property
     def proj_width(self) -> int:

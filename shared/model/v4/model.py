@@ -8,6 +8,10 @@ head, and attends over the sliding window only.
 
 The residual stream is hc_mult streams wide, so `forward` returns it flattened
 [T, hc*D]: the LM head collapses it (hc_head, norm) and the MTP layer starts from it.
+
+What the reference keeps in fp32 stays fp32 in any serving dtype: the hyper-connections,
+the routers, the sinks, the compressors' position biases, and every norm's weight
+(V4's norms multiply by it in fp32 and round once; shared/kernels/rmsnorm.py).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ class V4Block(nn.Module):
         self.layer_id = layer_id
         self.self_attn = V4Attention(cfg, layer_id)
         self.mlp = V4MoE(cfg, layer_id, num_slots)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_weight=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_weight=True)
         hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection(*hc)
         self.ffn_hc = HyperConnection(*hc)
@@ -50,7 +54,7 @@ class V4Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(V4Block(cfg, i, num_slots) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32_weight=True)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
 
 
@@ -62,9 +66,9 @@ class V4MTPLayer(V4Block):
         D = cfg.hidden_size
         self.e_proj = nn.Linear(D, D, bias=False)
         self.h_proj = nn.Linear(D, D, bias=False)
-        self.enorm = RMSNorm(D, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(D, cfg.rms_norm_eps)
-        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.enorm = RMSNorm(D, cfg.rms_norm_eps, fp32_weight=True)
+        self.hnorm = RMSNorm(D, cfg.rms_norm_eps, fp32_weight=True)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, fp32_weight=True)
         self.hc_head = HyperHead(cfg.hc_mult, D, cfg.hc_eps, cfg.rms_norm_eps)
 
 
