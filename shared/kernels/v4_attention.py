@@ -13,7 +13,8 @@ One KV head (MQA); a key is also its value. Sources:
 The sink takes probability mass and gives nothing (its value is zero).
 
 The torch path gathers [B, W + J, d] keys and runs ~25 ops; the kernel reads each key
-once, in blocks, with an online softmax in fp32.
+once, in blocks, with an online softmax in fp32. Both keep the scores, the sink and the
+softmax in fp32 and round the probabilities to the keys' dtype before the values.
 """
 
 from __future__ import annotations
@@ -37,12 +38,23 @@ def v4_decode_attention_ref(q: torch.Tensor, ctx: torch.Tensor, win: torch.Tenso
         ek = entries[table.gather(1, e // per_block), e % per_block]
         keys = torch.cat([keys, ek.to(keys.dtype)], dim=1)
         mask = torch.cat([mask, e < visible[:, None]], dim=1)
-    s = torch.einsum("rhd,rld->rhl", q, keys) * scale
+    return attend_ref(q, keys, mask, sinks, scale)
+
+
+def attend_ref(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """The attention itself, also the model's torch path (model/v4/attention.py): q [R, H, d];
+    keys (also the values) [R, L, d], one set a row, or [L, d] shared by the rows; mask
+    [R, L]; sinks [H] fp32. Returns [R, H, d] in the keys' dtype. The scores, the sink and
+    the softmax stay in fp32 (in bf16, the sink and the max subtracted from every score
+    were rounded too)."""
+    eq = "rhd,rld->rhl" if keys.dim() == 3 else "rhd,ld->rhl"
+    s = torch.einsum(eq, q.float(), keys.float()) * scale
     s = s.masked_fill(~mask[:, None, :], float("-inf"))
-    sink = sinks.to(s.dtype).view(1, -1, 1).expand(s.shape[0], -1, 1)
+    sink = sinks.float().view(1, -1, 1).expand(s.shape[0], -1, 1)
     logits = torch.cat([s, sink], dim=-1)
     p = (logits - logits.max(dim=-1, keepdim=True).values).softmax(dim=-1)[..., :-1]
-    return torch.einsum("rhl,rld->rhd", p.to(keys.dtype), keys)
+    return torch.einsum("rhl,rld->rhd" if keys.dim() == 3 else "rhl,ld->rhd", p.to(keys.dtype), keys)
 
 
 @jit

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from moemesh.shared.kernels.dispatch import use_triton
-from moemesh.shared.kernels.v4_attention import v4_decode_attention
+from moemesh.shared.kernels.v4_attention import attend_ref, v4_decode_attention
 from moemesh.shared.model.layers import FusedLinears, RMSNorm
 from moemesh.shared.model.v4.batch import Entries, HybridMeta
 from moemesh.shared.model.v4.compressor import Compressor, Indexer
@@ -145,7 +145,7 @@ class V4Attention(nn.Module):
                 ck, cmask = self._entries_per_row(ent, entries, index_keys, q_res[rows], w_nd, ccos[rows],
                                                   csin[rows], ent.visible)
                 keys, mask = torch.cat([keys, ck.to(keys.dtype)], dim=1), torch.cat([mask, cmask], dim=1)
-            dec = self._attend(q[:nd], keys, mask)
+            dec = attend_ref(q[:nd], keys, mask, self.sinks, self.scale)
         if out is None:
             out = dec
         elif nd:
@@ -162,7 +162,7 @@ class V4Attention(nn.Module):
                 ck, cmask = self._entries_shared(ent, entries, index_keys, q_res[rows],
                                                  None if wts is None else wts[rows], ccos[rows], csin[rows])
                 keys, mask = torch.cat([keys, ck.to(keys.dtype)]), torch.cat([mask, cmask], dim=1)
-            out[rows] = self._attend_shared(q[rows], keys, mask)
+            out[rows] = attend_ref(q[rows], keys, mask, self.sinks, self.scale)
 
         out = rotate(out, cos, sin, inverse=True)
         return self.o_b_proj(self._grouped_out(out.reshape(T, H * d)))
@@ -209,24 +209,6 @@ class V4Attention(nn.Module):
         mask = torch.zeros(q_res.shape[0], E + 1, dtype=torch.bool, device=q_res.device)
         mask.scatter_(1, torch.where(valid, top, E), True)  # invalid picks land in a spare column
         return keys, mask[:, :E]
-
-    def _softmax_with_sink(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """scores [R, H, L], mask [R, 1, L] -> probabilities with the sink column dropped."""
-        scores = scores.masked_fill(~mask, float("-inf"))
-        sink = self.sinks.to(scores.dtype).view(1, -1, 1).expand(scores.shape[0], -1, 1)
-        logits = torch.cat([scores, sink], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        return logits.softmax(dim=-1)[..., :-1]
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Per-row keys: q [R, H, d], keys [R, L, d] (also the values), mask [R, L]."""
-        p = self._softmax_with_sink(torch.einsum("rhd,rld->rhl", q, keys) * self.scale, mask[:, None, :])
-        return torch.einsum("rhl,rld->rhd", p.to(keys.dtype), keys)
-
-    def _attend_shared(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Keys shared by the rows: keys [L, d], mask [R, L]."""
-        p = self._softmax_with_sink(torch.einsum("rhd,ld->rhl", q, keys) * self.scale, mask[:, None, :])
-        return torch.einsum("rhl,ld->rhd", p.to(keys.dtype), keys)
 
     def _grouped_out(self, o: torch.Tensor) -> torch.Tensor:
         """[T, H*d] -> [T, groups * o_lora_rank]: group g's slice through its own block."""
