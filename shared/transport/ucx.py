@@ -90,19 +90,67 @@ def ucx_options(net_devices: str, tls: str, environ) -> dict[str, str]:
         NET_DEVICES, always (see DEFAULT_NET_DEVICES), and TLS when one is chosen.
     """
     options = {"NET_DEVICES": net_devices or environ.get("UCX_NET_DEVICES") or DEFAULT_NET_DEVICES}
+    # No TLS of our own by default: between processes of one host UCX then moves a
+    # rendezvous message with one copy (CMA: the receiver reads the sender's buffer) where
+    # the kernel allows it, and otherwise through shared memory (see cma_status). The
+    # shared-memory path copies into and out of a bounded ring, so both processes must run
+    # while the bytes move: on a host whose cores are busy, as a serving host's are, it
+    # fell to 1-5 GB/s where CMA kept 7-10 (bench kv-transfer beside one busy core).
     if tls:
         options["TLS"] = tls
-    elif "UCX_TLS" not in environ:
-        # Every transport but CMA. Measured between two processes on one host: CMA's
-        # single-copy reads ran 16-64 MiB messages at under half the copy bandwidth,
-        # where the posix shared-memory path reached 60-75% of it; 1-4 MiB alike.
-        options["TLS"] = "^cma"
     if "UCX_TCP_CONN_NB" not in environ:
         # UCX's TCP transport connects a new endpoint with a blocking connect() by default:
         # to a peer whose host is unreachable (a cut data network) that held the caller's
         # event loop for 40-130 s, so the worker missed its heartbeats and was taken for dead.
         options["TCP_CONN_NB"] = "y"
     return options
+
+
+def context_transports(info: str) -> list[str]:
+    """The transports a UCX context opened ("sysv/memory", "cma/memory", "tcp/lo", ...),
+    from its printed info."""
+    out = []
+    for line in info.splitlines():
+        if "resource" in line and "--" in line:
+            out.append(line.rsplit("--", 1)[1].split()[0])
+    return out
+
+
+def cma_status(transports: list[str], tls: str, ptrace_scope: str | None, seccomp: str | None) -> str:
+    """Why UCX moves rendezvous messages on this host with one copy or without: "" when
+    CMA is open, else the reason, for the log.
+
+    Args:
+        transports: context_transports of the context.
+        tls: the TLS the context was given ("" for UCX's choice).
+        ptrace_scope: /proc/sys/kernel/yama/ptrace_scope's text, None when absent (no Yama).
+        seccomp: the Seccomp field of /proc/self/status ("0" off, "2" a filter), None if unknown.
+    """
+    if any(t.startswith("cma/") for t in transports):
+        return ""
+    if tls:
+        return f"the configured transports ({tls}) leave it out"
+    if ptrace_scope is not None and ptrace_scope.strip() not in ("0", "1"):
+        return (f"Yama's ptrace_scope is {ptrace_scope.strip()}: processes may not read one another's memory "
+                "(kernel.yama.ptrace_scope=0 or 1 allows it)")
+    if seccomp is not None and seccomp.strip() == "2":
+        return ("a seccomp filter is on and UCX's own test of process_vm_writev failed (a container runtime's "
+                "default profile allows it with CAP_SYS_PTRACE)")
+    return "UCX did not open it on this host (UCX_LOG_LEVEL=debug says why)"
+
+
+def _read(path: str, field: str = "") -> str | None:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    if not field:
+        return text
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return line.split(":", 1)[1].strip()
+    return None
 
 
 class UcxTransport:
@@ -125,6 +173,7 @@ class UcxTransport:
         self._sending: list[_Send] = []
         self._janitor: asyncio.TimerHandle | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self.transports: list[str] = []  # what the UCX context opened, once started
         self.num_drives = 0  # wake-ups and re-runs, for tests and profiles
         self.missed_wakeups = 0
 
@@ -133,9 +182,13 @@ class UcxTransport:
         import ucxx._lib.libucxx as api
 
         options = ucx_options(self._net_devices, self._tls, os.environ)
-        log.info("UCX on devices %s, transports %s", options["NET_DEVICES"], options.get("TLS", "UCX_TLS"))
         self._api = api
         self._ctx = api.UCXContext(options, feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
+        self.transports = context_transports(self._ctx.info)
+        why = cma_status(self.transports, options.get("TLS") or os.environ.get("UCX_TLS", ""),
+                         _read("/proc/sys/kernel/yama/ptrace_scope"), _read("/proc/self/status", "Seccomp"))
+        log.info("UCX on devices %s: %s; one-copy transfers on this host: %s", options["NET_DEVICES"],
+                 ", ".join(self.transports), "yes (cma)" if not why else f"no, {why}")
         self._worker = api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self.address = bytes(self._worker.address.tobytes())

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from moemesh.shared.transport.base import TransferState
-from moemesh.shared.transport.ucx import DEFAULT_NET_DEVICES, ucx_options
+from moemesh.shared.transport.ucx import DEFAULT_NET_DEVICES, cma_status, context_transports, ucx_options
 
 
 def test_devices_are_always_named():
     nb = {"TCP_CONN_NB": "y"}
-    assert ucx_options("", "", {}) == {"NET_DEVICES": DEFAULT_NET_DEVICES, "TLS": "^cma", **nb}
+    assert ucx_options("", "", {}) == {"NET_DEVICES": DEFAULT_NET_DEVICES, **nb}  # UCX picks the transports
     assert ucx_options("", "", {"UCX_NET_DEVICES": "eth1", "UCX_TLS": "tcp"}) == {"NET_DEVICES": "eth1", **nb}
     assert ucx_options("mlx5_0:1", "rc,sm", {"UCX_NET_DEVICES": "eth1"}) == {"NET_DEVICES": "mlx5_0:1", "TLS": "rc,sm",
                                                                               **nb}
@@ -72,3 +72,57 @@ def test_a_tcp_transport_listens_on_loopback_only_and_moves_bytes(devices, monke
             await b.close()
 
     asyncio.run(go())
+
+
+INFO = """#
+#      resource 0  :  md 0  dev 0  flags -- self/memory
+#      resource 1  :  md 1  dev 1  flags -- tcp/lo
+#      resource 2  :  md 2  dev 0  flags -- sysv/memory
+#      resource 4  :  md 4  dev 0  flags -- cma/memory
+#"""
+
+
+def test_the_log_says_whether_transfers_on_one_host_take_one_copy_and_why_not():
+    opened = context_transports(INFO)
+    assert opened == ["self/memory", "tcp/lo", "sysv/memory", "cma/memory"]
+    assert cma_status(opened, "", "1", "2") == ""  # open: nothing to explain
+    without = [t for t in opened if not t.startswith("cma/")]
+    assert "configured transports (tcp)" in cma_status(without, "tcp", None, "0")
+    assert "ptrace_scope is 2" in cma_status(without, "", "2\n", "0")
+    assert "seccomp" in cma_status(without, "", "0", "2")
+    assert "UCX_LOG_LEVEL" in cma_status(without, "", None, "0")
+
+
+def test_a_default_transport_on_this_host_moves_rendezvous_bytes_with_one_copy(monkeypatch):
+    """Left to UCX, two processes' worth of transports on one host: CMA opens where Yama and
+    seccomp allow it (this machine's do), and a rendezvous message arrives whole."""
+    pytest.importorskip("ucxx")
+    from moemesh.shared.transport.ucx import UcxTransport
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    if cma_status([], "", *_host_limits()).startswith(("Yama", "a seccomp")):
+        pytest.skip("this host forbids cross-process reads")
+
+    async def go():
+        a, b = UcxTransport(), UcxTransport()
+        await a.start()
+        await b.start()
+        try:
+            assert "cma/memory" in a.transports and a._ctx.config["TLS"] == "all"
+            src = np.arange(4 << 20, dtype=np.uint8)
+            dst = np.zeros_like(src)
+            tr = b.post_recv(dst, tag=9)
+            await a.send(b.address, src, 9, timeout=10)
+            await tr.wait(10)
+            assert tr.state == TransferState.SUCCESS and np.array_equal(src, dst)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
+
+
+def _host_limits():
+    from moemesh.shared.transport.ucx import _read
+
+    return _read("/proc/sys/kernel/yama/ptrace_scope"), _read("/proc/self/status", "Seccomp")
