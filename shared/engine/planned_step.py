@@ -97,9 +97,9 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None, for
     """The device part of a step. Runs on the engine's device thread, one step at a time.
     Touches only the step's own tensors and the cache slots its chunks own.
 
-    before_wait() is called once the step's forward is queued on the device (with a
-    grammar, once its sampling is), so that the step before can land while this one runs
-    (a device that computes asynchronously; see DeviceThread).
+    before_wait() is called once the step's forward and its cache copies are queued on the
+    device (with a grammar, once its sampling is), so that the step before can land while
+    this one runs (a device that computes asynchronously; see DeviceThread).
     forward: what runs the model's forward (DecodeGraphs), the model itself if None."""
     step.t_start = time.perf_counter()
     prev, step.prev = step.prev, None  # no chain of steps kept alive
@@ -113,15 +113,16 @@ def run(step: PlannedStep, model, kv_caches: torch.Tensor, before_wait=None, for
     if step.copies:
         copy_blocks(kv_caches, step.copies)
     hidden = (forward or model)(batch, kv_caches)
-    if before_wait is not None and step.grammar is None:
-        # The forward is queued: the step before lands beside it. (A grammar's matchers are
-        # fed on this thread below, and landing reads them: that step waits until then.)
-        before_wait()
-        before_wait = None
     if step.ring_copies:
         kv_caches.copy_rings(step.ring_copies)
     if step.snapshots:
         kv_caches.copy_rings([s[:2] for s in step.snapshots])
+    if before_wait is not None and step.grammar is None:
+        # Every write to the cache is queued: the step before lands beside the sampling.
+        # (A grammar's matchers are fed on this thread below, and landing reads them: that
+        # step waits until then.)
+        before_wait()
+        before_wait = None
     if step.scoring:
         step.scores = prompt_scores.score(model, hidden, step.scoring)
     t1 = time.perf_counter()
