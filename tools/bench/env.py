@@ -19,7 +19,7 @@ def environment(device: str = "cpu") -> dict:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "moemesh": _version("moemesh"),
+        "moemesh": package_version("moemesh"),
         "device": device,
     }
     if device.startswith("cuda") and torch.cuda.is_available():
@@ -27,7 +27,8 @@ def environment(device: str = "cpu") -> dict:
     return info
 
 
-def _version(pkg: str) -> str | None:
+def package_version(pkg: str) -> str | None:
+    """An installed distribution's version, None when it is not installed."""
     try:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:

@@ -27,8 +27,9 @@ import subprocess
 import sys
 import time
 import tomllib
-from importlib import metadata
 from pathlib import Path
+
+from moemesh.tools.bench.env import package_version
 
 ROOT = Path(__file__).resolve().parents[2]
 # The test extra's packages the check runs; the rest of it (lm_eval, guidellm, ...) it does not.
@@ -77,13 +78,6 @@ def install(python: str, root: Path = ROOT) -> dict:
     return record
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def nvidia_smi() -> dict | None:
     """The driver's own account of the GPUs (None: no nvidia-smi, or it failed)."""
     try:
@@ -103,8 +97,9 @@ def report(device: str) -> dict:
     info: dict = {
         "python": sys.version.split()[0], "executable": sys.executable, "device": device,
         "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-        "triton": _version("triton"), "transformers": _version("transformers"), "openai": _version("openai"),
-        "ucxx": _version("ucxx-cu12") or _version("ucxx"), "libucx": _version("libucx-cu12"),
+        "triton": package_version("triton"), "transformers": package_version("transformers"),
+        "openai": package_version("openai"),
+        "ucxx": package_version("ucxx-cu12") or package_version("ucxx"), "libucx": package_version("libucx-cu12"),
         "moemesh_root": str(ROOT), "triton_interpret": os.environ.get("TRITON_INTERPRET"),
         "nvidia_smi": nvidia_smi(),
     }
