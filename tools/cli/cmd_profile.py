@@ -5,6 +5,7 @@
                                                      serving overhead vs batch, and its parts
     moemesh profile --live --nats-url URL --trace-file F --seconds N
                                                      breakdown of the spans started in the next N s
+    moemesh profile --request-files                  the project files one streamed chat request passes
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ def register(sub) -> None:
     p.add_argument("--seconds", type=float, default=30.0, help="live: how long to watch")
     p.add_argument("--grace", type=float, default=2.0, help="live: wait this long after the window for spans "
                                                             "of requests still in flight to land")
-    p.add_argument("--out", default="bench-results/profile.json", help="JSON result ('' for none)")
+    p.add_argument("--request-files", action="store_true",
+                   help="run one streamed chat request through a mesh in this process and list the project "
+                        "files it passes (docs/architecture.md's count)")
+    p.add_argument("--model", default=None, help="request files: the model (default: the tiny one, made if missing)")
+    p.add_argument("--transport", choices=("ucx", "loopback"), default="ucx", help="request files: the KV transport")
+    p.add_argument("--out", default=None, help="JSON result ('' for none; default bench-results/profile.json, "
+                                               "or bench-results/request-files.json with --request-files)")
     p.add_argument("--png", default=None, help="chart (default: --out with .png)")
     p.set_defaults(func=run)
 
@@ -43,6 +50,13 @@ def _err(msg: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.request_files:
+        from moemesh.tools.profile import request_files
+        out = "bench-results/request-files.json" if args.out is None else args.out
+        request_files.run(args.model, out, args.transport)
+        return 0
+    if args.out is None:
+        args.out = "bench-results/profile.json"
     from moemesh.tools.profile import breakdown, overhead, report, spans as sp
 
     if args.live and (not args.nats_url or not args.trace_file):
