@@ -45,7 +45,7 @@ from moemesh.shared.service.gateway_watch import GatewayWatch
 from moemesh.shared.service.phase_log import PhaseLog
 from moemesh.shared.service.tombstones import Tombstones
 from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime
-from moemesh.shared.service.token_publisher import end_fields
+from moemesh.shared.service.token_publisher import end_fields, rows
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.telemetry.tracing import exports_spans
 from moemesh.shared.transport.base import TransferState
@@ -329,8 +329,8 @@ class DecodeService(AsyncService):
         """Record the hand-off of each request this step was the first to run."""
         a, now = self.rt.last_account, time.perf_counter()
         step_s = a.total_s if a is not None else 0.0
-        rows = set(out.request_ids)
-        for rid in [r for r in self._joining if r in rows]:
+        ran = set(out.request_ids)
+        for rid in [r for r in self._joining if r in ran]:
             act = self._joining.pop(rid)
             self.phases.record(act.dispatch_s, act.transfer_s, max(0.0, now - act.landed_at - step_s), step_s)
 
@@ -388,7 +388,7 @@ class DecodeService(AsyncService):
         if job.request_id in self.active:
             return ErrorReply(f"duplicate request {job.request_id}", "bad_request")
         n = len(job.prompt_ids)
-        shape = rt.engine.kv_shape(rt.engine.blocks.blocks_for(n))
+        shape = rt.engine.kv_shape(rt.engine.blocks_for(n))
         first = job.prompt_ids[-1]
         span = rt.tracer.start_span("decode", context=ctx, attributes={
             "request.id": job.request_id, "worker.id": rt.worker_id, "prompt.tokens": n, "bench.dummy_kv": True})
@@ -417,7 +417,7 @@ class DecodeService(AsyncService):
             rt.tokens.add_step(next(iter(self._gateways)), out)
         else:
             ends = {e.row: e for e in out.extras}
-            for i, (rid, ids) in enumerate(out.rows()):
+            for i, (rid, ids) in enumerate(rows(out)):
                 act = self.active.get(rid)
                 if act is not None:
                     e = ends.get(i)
@@ -444,7 +444,7 @@ class DecodeService(AsyncService):
 
     def _add_step_events(self, out: StepOutputs, stats: StepStats) -> None:
         told = False
-        for rid, ids in out.rows():
+        for rid, ids in rows(out):
             act = self.active.get(rid)
             if act is None:
                 continue

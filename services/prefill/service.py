@@ -35,7 +35,7 @@ from moemesh.services.prefill.kv_sender import KVSender
 from moemesh.services.prefill.leases import LeaseTable
 from moemesh.shared.engine import block_io, fork_io
 from moemesh.shared.engine.engine import RequestError
-from moemesh.shared.engine.outputs import StepOutputs, StepStats, request_outputs
+from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.protocol.forks import MAX_N, fork_ids, fork_params
 from moemesh.shared.protocol.prefix_hash import chain
 from moemesh.shared.protocol.sampling import SamplingParamError
@@ -207,7 +207,7 @@ class PrefillService(AsyncService):
         cached: list[int] = []
         try:
             # A scored prompt computes every position here (engine/prompt_scores.py): nothing to pull.
-            if job.kv_sources and self.rt.engine.blocks.enable_caching and params.prompt_logprobs is None:
+            if job.kv_sources and self.rt.engine.cfg.enable_prefix_caching and params.prompt_logprobs is None:
                 # A peer or the KV store holds more of this prompt than we do: pull it first.
                 e = self.rt.engine
                 usable = (len(job.prompt_ids) - 1) // e.cfg.block_size
@@ -248,7 +248,7 @@ class PrefillService(AsyncService):
 
     async def _on_outputs(self, step: StepOutputs, stats: StepStats) -> None:
         rt = self.rt
-        outputs = request_outputs(step)  # every row is a prompt's first token: few, and each one matters
+        outputs = rt.engine.by_request(step)  # every row is a prompt's first token: few, and each one matters
         for rid in stats.scheduled:
             st = self.jobs.get(rid)
             if st is not None and not st.scheduled:
@@ -285,7 +285,7 @@ class PrefillService(AsyncService):
         for h, *forks in held.values():
             seq = rt.engine.held_sequence(h.job.request_id)
             n_blocks = fork_io.num_blocks(seq.num_prompt_tokens, 1 + len(forks), rt.engine.cfg.block_size) \
-                if forks else rt.engine.blocks.blocks_for(seq.num_computed)
+                if forks else rt.engine.blocks_for(seq.num_computed)
             h.lease = self.leases.grant(h.job, n_blocks, rt.kv_spec.nbytes(n_blocks, 1 + len(forks)),
                                         forks=[f.job.request_id for f in forks])
             h.forks = forks
@@ -400,7 +400,7 @@ class PrefillService(AsyncService):
         ids = lease.request_ids
         fut = self.rt.loop.post(lambda e: [e.release(r) for r in ids], f"freeing the KV of {request_id}")
         e = self.rt.engine
-        if e.blocks.enable_caching:  # the prompt's blocks stay cached here; offer them to the store
+        if e.cfg.enable_prefix_caching:  # the prompt's blocks stay cached here; offer them to the store
             self.rt.kv_sharing.push_soon(chain(lease.job.prompt_ids, e.cfg.block_size, e.kv_identity))
         return fut
 

@@ -162,6 +162,9 @@ class BlockManager:
             self._refs[b] += 1
 
 
+    def cached_hashes(self) -> list[bytes]:
+        return list(self._block_of)
+
     def drain_events(self) -> tuple[list[bytes], list[bytes]]:
         stored, removed = self.stored, self.removed
         self.stored, self.removed = [], []

@@ -48,7 +48,9 @@ from moemesh.shared.engine.handoff import KVHandoff
 from moemesh.shared.engine.hybrid_batch import HybridBatcher
 from moemesh.shared.engine.hybrid_cache import HybridKVCache
 from moemesh.shared.engine.kv_cache import KVCache
-from moemesh.shared.engine.outputs import Finished, RequestOutput, StepOutputs, StepStats, request_outputs
+from moemesh.shared.engine.outputs import (
+    Finished, RequestOutput, StepOutputs, StepStats, request_outputs, step_outputs,
+)
 from moemesh.shared.engine.planned_step import BLOCKED, Blocked, PlannedStep, next_step_id, run
 from moemesh.shared.engine.prefix_cache import PrefixCache
 from moemesh.shared.protocol.prefix_hash import kv_identity
@@ -219,6 +221,20 @@ class LLMEngine:
         """Prompt tokens admitted but not yet computed. Call only between steps."""
         return sum(max(0, s.num_prompt_tokens - s.num_computed) for s in self.admission.seqs.values())
 
+    # ---- the KV blocks (block_manager.py), as a worker asks about them ------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks that num_tokens positions take."""
+        return self.blocks.blocks_for(num_tokens)
+
+    def drain_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, removed): hashes of the blocks that entered or left the prefix cache
+        since the last drain."""
+        return self.blocks.drain_events()
+
+    def cached_hashes(self) -> list[bytes]:
+        """Hashes of every block in the prefix cache."""
+        return self.blocks.cached_hashes()
+
     # ---- requests: admission.py, handoff.py ---------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.admission.check_request(prompt_ids, params)
@@ -307,6 +323,18 @@ class LLMEngine:
             self.run_step(plan)
         return request_outputs(self.land_step(plan))
 
+    # A step's outputs two ways: per request (step(), whole_step()) and by column
+    # (land_step(), the serving path's view).
+    @staticmethod
+    def columns(outs: list[RequestOutput]) -> StepOutputs:
+        """Per-request outputs by column."""
+        return step_outputs(outs)
+
+    @staticmethod
+    def by_request(out: StepOutputs) -> list[RequestOutput]:
+        """A step's columns per request."""
+        return request_outputs(out)
+
     def whole_step(self) -> list[RequestOutput]:
         """A step run whole (speculative.py): an MTP step that spec_overlap does not take
         (plan_step said WHOLE), or any step where steps do not overlap."""
@@ -333,6 +361,16 @@ class LLMEngine:
         return step
 
     # ---- planned steps: plan (host) -> run (device thread) -> land (host) ------------
+    # A serving loop that overlaps steps tells the engine which are in flight: blocks
+    # freed meanwhile are handed out again only once the steps that may write them are done.
+    def begin_step(self, step_id: int) -> None:
+        """Planned step step_id (ids increase) is queued to run."""
+        self.blocks.begin_step(step_id)
+
+    def end_step(self, step_id: int) -> None:
+        """The steps up to step_id have run (call before landing them)."""
+        self.blocks.end_step(step_id)
+
     def plan_step(self, inflight: PlannedStep | None = None) -> PlannedStep | Blocked | None:
         """Schedule and build the next step. With `inflight` (the step the device runs
         now), the plan assumes it landed; nothing is preempted then (BLOCKED instead).

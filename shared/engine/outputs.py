@@ -38,16 +38,6 @@ class StepOutputs:
     def __len__(self) -> int:
         return len(self.request_ids)
 
-    def rows(self):
-        """(request id, its new ids) per row."""
-        if self.counts is None:
-            yield from ((rid, [t]) for rid, t in zip(self.request_ids, self.token_ids))
-            return
-        i = 0
-        for rid, n in zip(self.request_ids, self.counts):
-            yield rid, self.token_ids[i : i + n]
-            i += n
-
     def tokens_of(self, row: int) -> list[int]:
         if self.counts is None:
             return self.token_ids[row : row + 1]

@@ -35,7 +35,7 @@ import torch
 
 from moemesh.shared.engine.engine import BLOCKED, LLMEngine
 from moemesh.shared.engine.spec_overlap import WHOLE
-from moemesh.shared.engine.outputs import StepOutputs, StepStats, step_outputs
+from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.engine.planned_step import PlannedStep
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ class EngineLoop:
                     await self._whole_step(loop)
                     continue
                 if plan is not None:
-                    eng.blocks.begin_step(plan.step_id)
+                    eng.begin_step(plan.step_id)
                     out.append((plan, device.submit(plan)))
                     if len(out) < 2:  # the device just got work: queue the step behind it too
                         continue
@@ -250,7 +250,7 @@ class EngineLoop:
         eng = self.engine
         landed, fut = out.popleft()
         await fut
-        eng.blocks.end_step(landed.step_id)
+        eng.end_step(landed.step_id)
         t1 = time.perf_counter()
         if landed.t_end > landed.t_start > 0:
             self._device_ewma_s += 0.2 * (landed.t_end - landed.t_start - self._device_ewma_s)
@@ -286,7 +286,7 @@ class EngineLoop:
         self._immediate = False
         try:
             outs = await loop.run_in_executor(self._pool, self.engine.whole_step)
-            await self._finish_step(step_outputs(outs), self.engine.last_stats)
+            await self._finish_step(self.engine.columns(outs), self.engine.last_stats)
         finally:
             self._immediate = True
         self._apply_ops()
@@ -309,7 +309,7 @@ class EngineLoop:
         start = time.perf_counter()
         self.last_gap_s = start - self._step_end if self._step_end is not None else 0.0
         outs = await loop.run_in_executor(self._pool, self.engine.step)
-        await self._finish_step(step_outputs(outs), self.engine.last_stats)
+        await self._finish_step(self.engine.columns(outs), self.engine.last_stats)
         self._step_end = time.perf_counter()
 
     async def _run_lockstep_planned(self) -> None:
@@ -365,7 +365,7 @@ class EngineLoop:
                     continue
                 if plan is None:  # no work of its own: an empty step, as every rank runs this one
                     plan = eng.empty_step()
-                eng.blocks.begin_step(plan.step_id)
+                eng.begin_step(plan.step_id)
                 out.append((plan, device.submit(plan)))
                 nxt = ls.start(eng.has_unfinished())
                 if len(out) == 2:

@@ -125,12 +125,12 @@ class KVSharing:
         p.spawn(self.events.run(), "kv-events")
 
     def _drain(self) -> None:
-        self.events.add(*self.parts.engine.blocks.drain_events())
+        self.events.add(*self.parts.engine.drain_kv_events())
 
     async def _on_snapshot(self, req: KVSnapshotRequest, msg, ctx) -> KVEvents:
         def snap(e):
             self._drain()
-            return list(e.blocks._block_of)
+            return e.cached_hashes()
 
         hashes = await self.parts.loop.call(snap)
         return KVEvents(self.parts.worker_id, self.parts.role, self.spec.identity, hashes, reset=True)

@@ -32,7 +32,6 @@ from moemesh.shared.config.common import WorkerConfig
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.mock_model import MockModel
-from moemesh.shared.engine.step_account import StepAccount
 from moemesh.shared.kv.spec import KVSpec, describe
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.protocol.messages import (
@@ -45,7 +44,7 @@ from moemesh.shared.service.heartbeat import Heartbeater
 from moemesh.shared.service.kv_sharing import KVParts, KVSharing
 from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.service.parts import Bus, TransportFactory, opened, running, tracing, ucx_transport
-from moemesh.shared.service.step_accounting import StepAccounting
+from moemesh.shared.service.step_accounting import StepAccount, StepAccounting
 from moemesh.shared.service.tasks import TaskSet
 from moemesh.shared.service.token_publisher import TokenPublisher
 from moemesh.shared.telemetry.metrics import Metrics
@@ -230,7 +229,7 @@ class WorkerRuntime:
             started_at=self._started_at,
             instance_id=self.cfg.instance,
             dp_rank=self.cfg.dp_rank, dp_size=self.cfg.dp_size, engine=self.cfg.engine,
-            kv_identity=self.kv_spec.identity if self.engine.blocks.enable_caching else b"",
+            kv_identity=self.kv_spec.identity if self.engine.cfg.enable_prefix_caching else b"",
             block_size=self.engine.cfg.block_size,
         )
 

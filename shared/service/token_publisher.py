@@ -76,7 +76,7 @@ class TokenPublisher:
                                                    [TokenEnd(r, *f) for r, f in ends.items()], self._worker,
                                                    positions=out.positions)
             return
-        for i, (rid, ids) in enumerate(out.rows()):  # rare: a step plus other updates
+        for i, (rid, ids) in enumerate(rows(out)):  # rare: a step plus other updates
             self.add(gateway_id, rid, ids, *ends.get(i, _NO_END), position=out.positions[i])
 
     async def flush(self) -> None:
@@ -178,6 +178,17 @@ class _Gathered:
 
 
 _NO_END = (None, None, None)
+
+
+def rows(out: StepOutputs):
+    """(request id, its new ids) per row of a step's outputs."""
+    if out.counts is None:
+        yield from ((rid, [t]) for rid, t in zip(out.request_ids, out.token_ids))
+        return
+    i = 0
+    for rid, n in zip(out.request_ids, out.counts):
+        yield rid, out.token_ids[i : i + n]
+        i += n
 
 
 def end_fields(e: Finished) -> tuple:
