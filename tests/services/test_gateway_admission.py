@@ -1,5 +1,5 @@
-"""The gateway's admission by priority class: the pure order (admission/order.py) and its
-waits on the event loop (admission/gate.py). No server: the gate's waits are driven by
+"""The gateway's admission by priority class: the pure order and its waits on the event
+loop (admission/gate.py). No server: the gate's waits are driven by
 releases and by cancellation, never by the clock, except the one test of the wait bound."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moemesh.services.gateway.admission.gate import Gate, Refused
-from moemesh.services.gateway.admission.order import AdmissionOrder, Outcome
+from moemesh.services.gateway.admission.gate import AdmissionOrder, Gate, Outcome, Refused
 
 
 def test_a_free_slot_is_taken_at_once_and_then_requests_queue():
