@@ -42,9 +42,9 @@ from moemesh.shared.protocol.messages import (
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
 from moemesh.shared.service.gateway_watch import GatewayWatch
-from moemesh.shared.service.phase_log import PhaseLog
 from moemesh.shared.service.tombstones import Tombstones
 from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime
+from moemesh.shared.service.step_accounting import PhaseLog
 from moemesh.shared.service.token_publisher import end_fields, rows
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.telemetry.tracing import exports_spans
@@ -434,7 +434,7 @@ class DecodeService(AsyncService):
             act = self._deactivate(rid)
             if act is None:
                 continue
-            if e.block_hashes:  # prompt and answer: the next turn's prefix, for the KV store
+            if e.block_hashes and rt.kv_sharing.peers.live("kv_store"):  # the next turn's prefix, for the store
                 rt.kv_sharing.push_soon(e.block_hashes)
             act.span.set_attribute("finish.reason", e.finish_reason.value)
             if self._step_events:

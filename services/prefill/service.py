@@ -57,9 +57,9 @@ from moemesh.shared.kv.events import KVPeers
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request
 from moemesh.shared.service.gateway_watch import GatewayWatch
-from moemesh.shared.service.phase_log import PhaseLog
 from moemesh.shared.service.tombstones import Tombstones
 from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime
+from moemesh.shared.service.step_accounting import PhaseLog
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.transport.base import TransferError
 
@@ -399,9 +399,10 @@ class PrefillService(AsyncService):
             return None
         ids = lease.request_ids
         fut = self.rt.loop.post(lambda e: [e.release(r) for r in ids], f"freeing the KV of {request_id}")
-        e = self.rt.engine
-        if e.cfg.enable_prefix_caching:  # the prompt's blocks stay cached here; offer them to the store
-            self.rt.kv_sharing.push_soon(chain(lease.job.prompt_ids, e.cfg.block_size, e.kv_identity))
+        e, kv = self.rt.engine, self.rt.kv_sharing
+        # The prompt's blocks stay cached here: offer them to the KV store, if one beats.
+        if e.cfg.enable_prefix_caching and kv.peers.live("kv_store"):
+            kv.push_soon(chain(lease.job.prompt_ids, e.cfg.block_size, e.kv_identity))
         return fut
 
     async def _reap_leases(self) -> None:

@@ -82,21 +82,21 @@ class DepRuntime:
         return LLMEngine(ecfg, model=model, lockstep=True)
 
     def attach(self, engine: LLMEngine, transport: KVTransport, staging: StagingPool) -> None:
-        """Load tracking and skew apply to any engine, expert-parallel or not."""
+        """Skew applies to any engine, expert-parallel or not; load tracking to an
+        expert-parallel one, whose loads the balancer reads."""
         cfg = self.cfg
         self._transport = transport
-        self.tracker = LoadTracker(engine.model, cfg.load_window_steps)
         if cfg.skew or cfg.draft_skew:
             apply_skew(engine.model, cfg.skew, cfg.draft_skew, cfg.skew_seed)
             log.info("routing skew on: target %r, draft %r", cfg.skew, cfg.draft_skew)
         if self.ep is not None:
+            self.tracker = LoadTracker(engine.model, cfg.load_window_steps)
             self.agent = MoveAgent(self.ep, transport, staging, self._peer_address,
                                    cfg.move_timeout_s, cfg.debug_fail_move)
             self.lockstep = Lockstep(self.dp, lambda: self.agent.ready_move_id, self._switch)
 
     async def start(self, bus: Bus, loop: EngineLoop, spawn: Spawn) -> None:
         self._bus, self._loop, self._spawn = bus, loop, spawn
-        loop.after_step.append(self.tracker.end_step)
         if self.ep is None:
             return
         inst, s = self.cfg.instance, bus.subjects
@@ -106,21 +106,21 @@ class DepRuntime:
         await bus.sub(s.eplb(inst, "abort"), MoveAbort, self._on_abort)
         spawn(self._publish_loads(), "load-publisher")
 
-    def comm_s(self) -> float:
-        """Time in expert collectives since last asked (0 unless expert-parallel)."""
-        if self.ep is None:
-            return 0.0
-        return self.ep.take_comm_s() + (self._mock.take_comm_s() if self._mock is not None else 0.0)
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether this worker is a rank with expert slots (its engine built here)."""
+        return self.ep is not None
 
-    def device_skew_s(self) -> float:
-        """A mock rank's last step: the instance's step less its own (the slower ranks'
-        expert time it waited for inside the step), else 0: a GPU does not tell."""
+    def on_step(self) -> tuple[float, float, float]:
+        """After each step of an expert-parallel rank: closes the step's expert loads and
+        returns (comm_s, agree_s, skew_s): the time in expert collectives since last
+        asked, the step's agreement, and on a mock rank the instance's step less its own
+        (the slower ranks' expert time it waited for inside the step; a GPU does not tell)."""
+        self.tracker.end_step()
         m = self._mock
-        return m.last_instance_s - m.last_own_s if m is not None else 0.0
-
-    def agree_s(self) -> float:
-        """The last step's agreement time (0 unless a lockstep rank)."""
-        return self.lockstep.last_agree_s if self.lockstep is not None else 0.0
+        comm = self.ep.take_comm_s() + (m.take_comm_s() if m is not None else 0.0)
+        skew = m.last_instance_s - m.last_own_s if m is not None else 0.0
+        return comm, self.lockstep.last_agree_s, skew
 
     @property
     def placement_version(self) -> int:

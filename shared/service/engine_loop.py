@@ -65,7 +65,7 @@ class EngineLoop:
         self.pending_retry: list[tuple[tuple[int, int], Callable[[LLMEngine], bool]]] = []
         self._retries = itertools.count()
         self.after_ops: Callable[[bool], None] | None = None  # e.g. refresh a load snapshot (force: bool)
-        self.after_step: list[Callable[[], None]] = []  # e.g. close a load-tracking window step
+        self.after_step: Callable[[], None] | None = None  # the worker's bookkeeping of every step
         self.last_gap_s = 0.0  # loop time between the previous step's end and this step's start
         self._step_end: float | None = None
         self._ops_s = 0.0  # host time applying operations since the last step was accounted
@@ -269,8 +269,8 @@ class EngineLoop:
         return device_end
 
     async def _finish_step(self, outputs: StepOutputs, st: StepStats) -> None:
-        for fn in self.after_step:
-            fn()
+        if self.after_step is not None:
+            self.after_step()
         if self.after_ops is not None:
             self.after_ops(False)
         t = time.perf_counter()

@@ -116,7 +116,6 @@ class KVSharing:
 
     async def start(self) -> None:
         p, s = self.parts, self.parts.subjects
-        p.loop.after_step.append(self._drain)
         await p.bus.on_heartbeat(self.peers.observe)
         await p.bus.sub(s.kv_snapshot(p.worker_id), KVSnapshotRequest, self._on_snapshot)
         # Concurrent: one fetch that waits (on a send, or for its fetcher's first beat)
@@ -125,6 +124,8 @@ class KVSharing:
         p.spawn(self.events.run(), "kv-events")
 
     def _drain(self) -> None:
+        """Hands on the block events not drained yet: a snapshot's, before it lists the
+        cache (after every step, the worker's step accounting drains them into self.events)."""
         self.events.add(*self.parts.engine.drain_kv_events())
 
     async def _on_snapshot(self, req: KVSnapshotRequest, msg, ctx) -> KVEvents:
@@ -269,7 +270,8 @@ class KVSharing:
         return stores[0].worker_id if stores else None
 
     def push_soon(self, hashes: list[bytes]) -> None:
-        """Offer these full blocks to the KV store, in the background."""
+        """Offer these full blocks to the KV store, in the background. Callers ask only
+        when a store beats (peers.live("kv_store")), which is checked again here."""
         if not self.spec.hybrid:  # V4: which snapshot goes with them is known only in _push
             hashes = [h for h in hashes if h not in self._pushed]
         if hashes and self.store_id() is not None:

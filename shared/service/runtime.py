@@ -127,10 +127,10 @@ class WorkerRuntime:
         await stack.enter_async_context(self.tasks)
         self.tokens = TokenPublisher(self.nc, self.subjects, self.worker_id, cfg.token_retention_s)
         self.loop = loop = EngineLoop(self.engine, self._on_outputs, lockstep=self.dep.lockstep)
-        self.steps = StepAccounting(self.engine, self.metrics, lambda: loop.last_gap_s, self.dep.comm_s,
-                                    self.dep.agree_s, self.dep.device_skew_s)
+        self.steps = StepAccounting(self.engine, self.metrics, lambda: loop.last_gap_s,
+                                    self.dep.on_step if self.dep.expert_parallel else None)
         loop.after_ops = self.steps.refresh_load
-        loop.after_step.append(self.steps.on_step)
+        loop.after_step = self.steps.on_step
         self.steps.refresh_load()
         self._failure = asyncio.get_running_loop().create_future()
         engine_task = await stack.enter_async_context(running(loop, cfg.dp_timeout_s + 5))
@@ -141,6 +141,7 @@ class WorkerRuntime:
         await self.dep.start(self.bus, loop, self.tasks.spawn)
         self.kv_sharing = KVSharing(KVParts(cfg, self.role, self.engine, self.kv_spec, loop, self.bus,
                                             self.transport, self.staging, self.tasks), self.metrics)
+        self.steps.block_events = self.kv_sharing.events.add
         await self.kv_sharing.start()
         if cfg.metrics_port >= 0:
             self.metrics_server = await stack.enter_async_context(MetricsServer(

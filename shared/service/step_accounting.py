@@ -1,6 +1,18 @@
-"""What a worker knows of its own engine between steps: the load snapshot that
-heartbeats and stats replies read, the step-phase metrics, and the recent steps that
-`moemesh profile` asks for.
+"""A worker's bookkeeping of where time went, with tracing off.
+
+Per step (StepAccounting, the engine loop's one hook after every step): what the worker
+knows of its own engine between steps, i.e. the load snapshot that heartbeats and stats
+replies read, the step-phase metrics and the recent steps that `moemesh profile` asks
+for; an expert-parallel rank's figures of the step (only there); and the blocks the step
+cached or evicted, handed on to the KV events.
+
+Per request (PhaseLog): a few clock readings a request, kept as a row of phase durations
+for the last requests and as one Prometheus histogram labelled by phase. The rows answer
+StatsRequest(detail=True) (WorkerStats.recent_requests, columns named by
+WorkerStats.request_phases): `moemesh bench stream` reads them over a point's load window
+and takes exact percentiles, which a histogram's buckets cannot give at a few
+milliseconds. The histogram is for an operator's dashboards, with buckets fine enough to
+tell one 5 ms decode step from two.
 
 Where one engine step's time went (StepAccount):
 
@@ -28,6 +40,13 @@ from moemesh.shared.protocol.messages import WorkerLoad
 from moemesh.shared.telemetry.metrics import Metrics
 
 LOAD_REFRESH_S = 0.05
+# 0.5 ms apart to 10 ms, 2.5 ms apart to 30 ms, then as the default latency buckets.
+PHASE_BUCKETS = (*(i * 0.0005 for i in range(1, 21)), 0.0125, 0.015, 0.0175, 0.02, 0.0225, 0.025, 0.0275, 0.03,
+                 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+MAX_ROWS = 4096
+
+# An expert-parallel rank's figures of the step that just ended: (comm_s, agree_s, skew_s).
+RankStep = Callable[[], tuple[float, float, float]]
 
 
 @dataclass(frozen=True)
@@ -70,15 +89,16 @@ def account(st: StepStats, comm_s: float = 0.0, agree_s: float = 0.0, gap_s: flo
 
 class StepAccounting:
     """Called by the engine loop only: after every step (`on_step`) and after ops
-    (`refresh_load`). `comm_s` and `agree_s` report a DEP rank's time in expert
-    collectives and in the per-step agreement (0 elsewhere); `skew_s`, where the device
-    knows it (the mock), the part of that wait that was the slower ranks' own step."""
+    (`refresh_load`). rank_step, on an expert-parallel rank only (None elsewhere, where
+    these are 0 and nothing is asked): the rank's time in expert collectives and in the
+    per-step agreement, and, where the device knows it (the mock), the part of that wait
+    that was the slower ranks' own step. block_events(stored, removed), once set: where
+    the hashes of the blocks each step cached or evicted go (the worker's KV events)."""
 
     def __init__(self, engine: LLMEngine, metrics: Metrics, gap_s: Callable[[], float],
-                 comm_s: Callable[[], float], agree_s: Callable[[], float],
-                 skew_s: Callable[[], float] = lambda: 0.0):
-        self._engine, self._gap_s, self._comm_s, self._agree_s = engine, gap_s, comm_s, agree_s
-        self._skew_s = skew_s
+                 rank_step: RankStep | None = None):
+        self._engine, self._gap_s, self._rank_step = engine, gap_s, rank_step
+        self.block_events: Callable[[list[bytes], list[bytes]], None] | None = None
         self.h_phase = metrics.histogram("step_phase_seconds", "engine step time by phase", ("phase",))
         self.c_steps = metrics.counter("steps_total", "engine steps (empty lockstep steps included)")
         self.c_prompt = metrics.counter("prompt_tokens_total", "prompt tokens prefilled or reused")
@@ -101,11 +121,11 @@ class StepAccounting:
         self._load_at = 0.0
 
     def on_step(self) -> None:
-        agree = self._agree_s()
+        comm, agree, skew = self._rank_step() if self._rank_step is not None else (0.0, 0.0, 0.0)
         # A DEP rank's agreement runs in the loop between two steps, so the loop gap holds
         # it too; it is rank wait, and counted in both it would be counted twice.
         gap = max(self._gap_s() - agree, 0.0)
-        a = self.last_account = account(self._engine.last_stats, self._comm_s(), agree, gap)
+        a = self.last_account = account(self._engine.last_stats, comm, agree, gap)
         self.c_steps.inc()
         e = self._engine
         self.c_prompt.inc(e.num_prompt_tokens_total - self._seen_prompt)
@@ -117,10 +137,12 @@ class StepAccounting:
             self._seen_drafted, self._seen_accepted = e.num_drafted_total, e.num_accepted_total
         if a.num_seqs:  # empty lockstep steps are waiting, not serving
             self.recent_steps.append([time.time(), a.total_s, a.forward_s, a.host_s, a.rank_wait_s,
-                                      gap, a.num_seqs, a.exposed_s, e.last_stats.num_accepted, self._skew_s()])
+                                      gap, a.num_seqs, a.exposed_s, e.last_stats.num_accepted, skew])
         for phase, v in (("forward", a.forward_s), ("host", a.host_s), ("host_exposed", a.exposed_s),
                          ("rank_wait", a.rank_wait_s), ("total", a.total_s)):
             self.h_phase.labels(phase).observe(v)
+        if self.block_events is not None:
+            self.block_events(*e.drain_kv_events())
 
     def refresh_load(self, force: bool = True) -> None:
         """Snapshot the engine's load. Only from the engine loop: between steps or in an op.
@@ -132,3 +154,26 @@ class StepAccounting:
         self._load_at = now
         r, w, free, total, out = self._engine.load()
         self.load = WorkerLoad(r, w, free, total, out, self._engine.pending_prompt_tokens())
+
+
+class PhaseLog:
+    """One worker's per-request phases, in a fixed order."""
+
+    def __init__(self, metrics: Metrics, name: str, doc: str, phases: tuple[str, ...], max_rows: int = MAX_ROWS):
+        self.phases = phases
+        self.rows: deque[list[float]] = deque(maxlen=max_rows)
+        hist = metrics.histogram(name, doc, ("phase",), buckets=PHASE_BUCKETS)
+        self._by_phase = [hist.labels(p) for p in phases]
+
+    def record(self, *seconds: float) -> None:
+        """One request's phases, in seconds, in the order of `phases`; the row is stamped
+        with the wall clock now (when its last phase ended)."""
+        if len(seconds) != len(self.phases):
+            raise ValueError(f"{len(self.phases)} phases {self.phases}, got {len(seconds)} durations")
+        self.rows.append([time.time(), *seconds])
+        for h, s in zip(self._by_phase, seconds):
+            h.observe(max(s, 0.0))
+
+    def stats_fields(self, detail: bool) -> dict:
+        """Its part of a WorkerStats reply: the rows only when asked for detail."""
+        return {"request_phases": list(self.phases), "recent_requests": list(self.rows) if detail else []}

@@ -18,7 +18,7 @@ def test_the_agreement_between_steps_is_rank_wait_not_loop_gap():
     # 10 ms in the engine's step (6 of it the forward, 2 of that in the all-to-all), then
     # 7 ms in the loop before the next one, 5 of which the agreement took.
     stats = StepStats(num_seqs=4, num_tokens=4, forward_s=6e-3, total_s=10e-3)
-    acc = StepAccounting(_engine(stats), Metrics(), gap_s=lambda: 7e-3, comm_s=lambda: 2e-3, agree_s=lambda: 5e-3)
+    acc = StepAccounting(_engine(stats), Metrics(), gap_s=lambda: 7e-3, rank_step=lambda: (2e-3, 5e-3, 0.0))
     acc.on_step()
     a, row = acc.last_account, acc.recent_steps[-1]
     assert a.rank_wait_s == pytest.approx(7e-3) and a.forward_s == pytest.approx(4e-3)
@@ -29,7 +29,7 @@ def test_the_agreement_between_steps_is_rank_wait_not_loop_gap():
 
 def test_without_lockstep_the_whole_gap_is_the_loop_s():
     stats = StepStats(num_seqs=4, num_tokens=4, forward_s=6e-3, total_s=10e-3)
-    acc = StepAccounting(_engine(stats), Metrics(), gap_s=lambda: 1e-3, comm_s=lambda: 0.0, agree_s=lambda: 0.0)
+    acc = StepAccounting(_engine(stats), Metrics(), gap_s=lambda: 1e-3)
     acc.on_step()
     assert acc.recent_steps[-1][5] == pytest.approx(1e-3) and acc.last_account.host_s == pytest.approx(5e-3)
 
@@ -38,8 +38,7 @@ def test_a_step_row_carries_its_accepted_drafts_and_the_bench_reads_the_gain():
     from moemesh.tools.bench.overhead import step_figures
 
     acc = StepAccounting(_engine(StepStats(num_seqs=4, num_tokens=8, forward_s=6e-3, total_s=10e-3, num_drafted=4,
-                                           num_accepted=3)), Metrics(), gap_s=lambda: 0.0, comm_s=lambda: 0.0,
-                         agree_s=lambda: 0.0)
+                                           num_accepted=3)), Metrics(), gap_s=lambda: 0.0)
     acc.on_step()
     row = acc.recent_steps[-1]
     assert row[8] == 3
