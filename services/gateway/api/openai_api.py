@@ -2,6 +2,13 @@
 
 Everything a client can get wrong is caught here and raised as ApiError, which the
 app turns into OpenAI's error object: {"error": {"message", "type", "param", "code"}}.
+
+Nothing a client sends is silently ignored: a field this server does not read is a 400
+naming it, and a field it cannot honour at the value given is a 400 naming it too
+(UNSUPPORTED). The fields that describe the caller rather than the answer (`user`,
+`safety_identifier`, `metadata`) are honoured by recording them on the request's trace
+span; `store`, `service_tier` and `modalities` are honoured at the values that mean what
+this server does (nothing stored, one tier, text).
 """
 
 from __future__ import annotations
@@ -13,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moemesh.services.gateway.api.completion_logprobs import token_text
-from moemesh.services.gateway.api.request_fields import ONLY_AT, FieldError, caller_attributes, check_known
 from moemesh.services.gateway.api.structured import FormatError, grammar_of
 from moemesh.services.gateway.api.tool_calls import Delta, ToolCallParser, ToolError, Tools, parse_tools
 from moemesh.shared.protocol.sampling import (
@@ -70,7 +76,21 @@ class GenerateRequest:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
 
 
-UNSUPPORTED = ONLY_AT  # parameter -> the one value we can honour (null means the same)
+# The fields read for both endpoints (their vLLM-style extensions included), and each one's own.
+_COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
+                            "stop", "stop_token_ids", "ignore_eos", "min_tokens", "n", "response_format", "logprobs",
+                            "user", "tools", "tool_choice", "parallel_tool_calls", "return_tokens_as_token_ids",
+                            "add_special_tokens", "priority"})
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "store",
+                                "service_tier", "modalities", "safety_identifier"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "prompt_logprobs"}
+# Taken at one value only (null, or the value named): each is refused by name otherwise.
+UNSUPPORTED = {
+    "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "suffix": None,
+    "functions": None, "function_call": None, "logit_bias": None, "audio": None, "prediction": None,
+    "reasoning_effort": None, "verbosity": None, "web_search_options": None, "moderation": None,
+    "prompt_cache_key": None, "prompt_cache_options": None, "prompt_cache_retention": None,
+}
 CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 
@@ -82,10 +102,36 @@ _HEADER_INT = re.compile(r"[+-]?[0-9]{1,16}")
 
 
 def _known(body: dict, kind: str) -> None:
-    try:
-        check_known(body, kind)
-    except FieldError as e:
-        raise ApiError(400, str(e), e.param) from None
+    """A field neither endpoint reads is refused, by name."""
+    known = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
+    for name in body:
+        if name not in known and name not in UNSUPPORTED:
+            raise ApiError(400, f"'{name}' is not a parameter this server takes", name)
+
+
+def _caller_attributes(body: dict) -> dict[str, Any]:
+    """The caller's identifiers and metadata as span attributes; refuses what it cannot honour."""
+    out: dict[str, Any] = {}
+    for name, attr in (("user", "user.id"), ("safety_identifier", "moemesh.safety_identifier")):
+        v = body.get(name)
+        if v is not None:
+            if not isinstance(v, str) or len(v) > 512:
+                raise ApiError(400, f"'{name}' must be a string of at most 512 characters", name)
+            out[attr] = v
+    meta = body.get("metadata")
+    if meta is not None:
+        if not (isinstance(meta, dict) and len(meta) <= 16 and all(
+                isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items())):
+            raise ApiError(400, "'metadata' must be an object of at most 16 string values", "metadata")
+        out.update({f"moemesh.metadata.{k}": v for k, v in meta.items()})
+    if body.get("store") not in (None, False):
+        raise ApiError(400, "'store' is not supported by this server: nothing is stored (use false or leave it out)",
+                       "store")
+    if body.get("service_tier") not in (None, "auto", "default"):
+        raise ApiError(400, "'service_tier' must be auto or default: this server has one tier", "service_tier")
+    if body.get("modalities") not in (None, ["text"]):
+        raise ApiError(400, "'modalities' must be [\"text\"]: this server answers in text only", "modalities")
+    return out
 
 
 def _honoured(v, ok) -> bool:
@@ -152,10 +198,7 @@ def _common(body: dict, default_max_tokens: int, max_key: str = "max_tokens",
     request's x-request-priority, if it came with one. The fields are checked in one
     order, so that a body with several faults always gets the same 400."""
     _unsupported(body)
-    try:
-        trace_attrs = caller_attributes(body)
-    except FieldError as e:
-        raise ApiError(400, str(e), e.param) from None
+    trace_attrs = _caller_attributes(body)
     grammar = _grammar(body, grammar)
     stop = _stop(body)
     stream_opts = _stream_options(body)

@@ -110,7 +110,7 @@ def _sampling(max_tokens_key: str, max_model_len: int, max_n: int) -> dict:
 
 
 # Chat only: what describes the caller (recorded on the trace) and the values that mean
-# what this server does (request_fields.py).
+# what this server does (openai_api.py).
 _CALLER = {
     "safety_identifier": _opt({"type": "string", "maxLength": 512, "description": "recorded on the trace span"}),
     "metadata": _opt({"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
