@@ -57,8 +57,7 @@ from moemesh.shared.kv.events import KVPeers
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request
 from moemesh.shared.service.gateway_watch import GatewayWatch
-from moemesh.shared.service.tombstones import Tombstones
-from moemesh.shared.service.runtime import TransportFactory, WorkerRuntime
+from moemesh.shared.service.runtime import Tombstones, TransportFactory, WorkerRuntime
 from moemesh.shared.service.step_accounting import PhaseLog
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
 from moemesh.shared.transport.base import TransferError

@@ -16,6 +16,8 @@ The parts, in the order they are entered on an AsyncExitStack (and closed in rev
 
 Each part is handed what it uses (the connection, the engine, the loop, a callback), not
 this object. The service built on top uses the parts through it.
+
+Also here: Tombstones, the aborts a worker remembers for a while (each service keeps its own).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from contextlib import AsyncExitStack
 from typing import Callable
 
@@ -58,6 +61,8 @@ log = logging.getLogger(__name__)
 # hand-offs, none fail: after this it gets them again, so a healed data plane is used
 # again and a cut one costs one more transfer timeout every HANDOFF_TROUBLE_S.
 HANDOFF_TROUBLE_S = 10.0
+ABORT_MEMORY_S = 60.0  # longer than any hand-off may take (lease and transfer timeouts)
+MAX_REMEMBERED = 100_000  # a flood of aborts costs bounded memory; the oldest are forgotten first
 
 
 class WorkerRuntime:
@@ -257,3 +262,30 @@ class WorkerRuntime:
             except Exception:
                 pass
         await self.heartbeat.publish_now()
+
+
+class Tombstones:
+    """Aborts remembered for a while. An abort can overtake the work it cancels: the
+    gateway broadcasts it at once, while the job or the KV hand-off is still on its way. A
+    worker that forgot the abort would then run the request for nobody."""
+
+    def __init__(self, ttl_s: float = ABORT_MEMORY_S, max_size: int = MAX_REMEMBERED):
+        self._ttl, self._max = ttl_s, max_size
+        self._until: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, request_id: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._until.pop(request_id, None)
+        self._until[request_id] = now + self._ttl
+        self._prune(now)
+
+    def __contains__(self, request_id: str) -> bool:
+        until = self._until.get(request_id)
+        return until is not None and until > time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def _prune(self, now: float) -> None:
+        while self._until and (len(self._until) > self._max or next(iter(self._until.values())) <= now):
+            self._until.popitem(last=False)

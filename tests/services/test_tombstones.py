@@ -1,4 +1,4 @@
-from moemesh.shared.service.tombstones import Tombstones
+from moemesh.shared.service.runtime import Tombstones
 
 
 def test_an_abort_is_remembered_until_its_time_is_up():
