@@ -101,7 +101,9 @@ def _shift(tr: Trace, delta_ns: int) -> None:
             e["time_ns"] += delta_ns
 
 
-async def _heartbeat(url: str) -> None:
+async def _heartbeat(url: str, proc) -> None:
+    """Beats as decode-a until the watcher exits (its window may close before a first beat
+    lands on a busy machine)."""
     import nats
 
     from moemesh.shared.protocol.messages import Heartbeat, WorkerLoad
@@ -110,9 +112,13 @@ async def _heartbeat(url: str) -> None:
 
     nc = await nats.connect(url)
     try:
-        await nc.publish(Subjects().heartbeat("decode", "decode-a"),
-                         encode(Heartbeat("decode-a", "decode", "tiny", WorkerLoad())))
-        await nc.flush()
+        for _ in range(300):
+            await nc.publish(Subjects().heartbeat("decode", "decode-a"),
+                             encode(Heartbeat("decode-a", "decode", "tiny", WorkerLoad())))
+            await nc.flush()
+            if proc.poll() is not None:
+                break
+            await asyncio.sleep(0.1)
     finally:
         await nc.close()
 
@@ -145,7 +151,7 @@ def test_live_window(tmp_path):
             _shift(new, time.time_ns() + 10_000_000 - BASE_NS)
             with trace.open("a") as f:
                 f.writelines(json.dumps(s) + "\n" for s in new.records)
-            asyncio.run(_heartbeat(url))
+            asyncio.run(_heartbeat(url, proc))
             stdout, stderr = proc.communicate(timeout=30)
         finally:
             if proc.poll() is None:

@@ -150,6 +150,7 @@ async def _watch(nats_url: str, prefix: str, seconds: float, grace: float) -> tu
 
     try:
         await nc.subscribe(Subjects(prefix).heartbeat_all, cb=on_hb)
+        await nc.flush()  # the server has the subscription before the window is announced
         start = time.time_ns()
         print(f"profiling: watching {nats_url} for {seconds:g} s; run the load now", file=sys.stderr)
         await asyncio.sleep(seconds)
