@@ -237,8 +237,10 @@ def _unsupported(body: dict) -> None:
 
 def _grammar(body: dict, grammar: GrammarSpec | None) -> GrammarSpec | None:
     """The caller's grammar, or response_format's; the two together are refused."""
+    if body.get("response_format") is None:  # plain text, as grammar_of(None) says
+        return grammar
     try:
-        fmt = grammar_of(body.get("response_format"))
+        fmt = grammar_of(body["response_format"])
     except FormatError as e:
         raise ApiError(400, f"'response_format' {e}", "response_format", code=e.code) from None
     if fmt is not None and grammar is not None:
@@ -387,10 +389,13 @@ def parse_chat(body: Any, tok: Tokenizer, default_max_tokens: int, vocab_size: i
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", "messages")
-    try:
-        tools = parse_tools(body, tok)
-    except ToolError as e:
-        raise ApiError(400, str(e), e.param, code=e.code) from None
+    tools = None  # parse_tools' answer when none of its fields came
+    if body.get("tools") is not None or body.get("tool_choice") is not None \
+            or body.get("parallel_tool_calls") is not None:
+        try:
+            tools = parse_tools(body, tok)
+        except ToolError as e:
+            raise ApiError(400, str(e), e.param, code=e.code) from None
     norm = chat_messages(messages)
     try:
         # vLLM's add_special_tokens: off by default, since the template writes its own BOS.
