@@ -30,7 +30,8 @@ class GatewayConfig(ServiceConfig):
     retry_after_s: int = 1
     prefill_timeout_s: float = 5.0  # for a prefill worker to accept a job
     # A new request's job waits this long for the gateway's NATS link to come back (and
-    # the workers to re-subscribe) before the request is a 503 (services/gateway/mesh/link.py).
+    # the workers to re-subscribe) before the request is a 503 (LinkState, in
+    # services/gateway/mesh/client.py).
     nats_outage_wait_s: float = 30.0
     max_migrations: int = 3  # times one request is moved to other workers when its worker dies
     # How long (in its heartbeat intervals) a worker may be silent while it is still

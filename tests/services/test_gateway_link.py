@@ -1,11 +1,11 @@
-"""services/gateway/mesh/link.py: when a failed job send is the link's fault, not the worker's."""
+"""services/gateway/mesh/client.py, LinkState: when a failed job send is the link's fault, not the worker's."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from moemesh.services.gateway.mesh.link import LinkState
+from moemesh.services.gateway.mesh.client import LinkState
 
 
 def test_a_send_counts_against_the_worker_only_on_a_settled_link():

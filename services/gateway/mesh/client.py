@@ -25,6 +25,14 @@ which the client owns: the watch of silent workers, probes, drains, and the move
 When the reader closes the handle, the request is forgotten here and, if it was aborted, the
 abort goes out to the workers from a tracked task.
 
+The client's own link to NATS (LinkState): while it is down, a job cannot reach any
+worker, and a request that times out says nothing about the worker it was sent to. Just
+after the link comes back, the workers may not have re-subscribed yet (each reconnects on
+its own), so "nobody there" says nothing either. A job therefore waits for the link, and
+a failed send is tried again, instead of being a 503 and a suspect worker, until the link
+has been steady for `settle_s` or the request's wait runs out
+(GatewayConfig.nats_outage_wait_s).
+
 A request of n > 1 is one job (its prompt is prefilled once) and n handles, one per
 choice, under the ids the workers give its children (protocol/forks.py): each is a
 stream of its own from then on, with its own end, abort, resends and migration.
@@ -42,7 +50,6 @@ from dataclasses import replace
 from nats.aio.client import Client as NATS
 
 from moemesh.services.gateway.config import GatewayConfig
-from moemesh.services.gateway.mesh.link import LinkState
 from moemesh.services.gateway.mesh.migration import Migration, NoWorkers, Rejected
 from moemesh.services.gateway.routing.kv_index import KVIndex
 from moemesh.services.gateway.routing.router import pick_decode, route_prefill
@@ -68,6 +75,48 @@ log = logging.getLogger(__name__)
 CLIENT_ERROR = "the request failed while it was being served"
 RESEND_EVERY_S = 0.5
 SILENT_S = 2.0  # a stream this long without a batch: its workers are asked what it missed
+
+
+class LinkState:
+    """The gateway's own link to NATS, as a new request's job sees it (see above)."""
+
+    def __init__(self, settle_s: float):
+        self.settle_s = settle_s
+        self._up = asyncio.Event()
+        self.epoch = 0  # outages so far: a send that spans one sees it change
+        self._back_at = -1e9
+
+    def on_up(self) -> None:
+        """Back after an outage: the workers may not have re-subscribed yet."""
+        self._back_at = time.monotonic()
+        self._up.set()
+
+    def on_connected(self) -> None:
+        """The first connection: the workers that beat are subscribed already."""
+        self._up.set()
+
+    def on_down(self) -> None:
+        self.epoch += 1
+        self._up.clear()
+
+    @property
+    def is_up(self) -> bool:
+        return self._up.is_set()
+
+    async def wait_up(self, deadline: float) -> bool:
+        """True once the link is up; False if it is still down at deadline (monotonic)."""
+        if self._up.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._up.wait(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def steady_since(self, epoch: int) -> bool:
+        """The link stayed up through a send begun at `epoch` and had settled before it:
+        a failure then is the peer's, not the link's."""
+        return self._up.is_set() and self.epoch == epoch and time.monotonic() - self._back_at >= self.settle_s
 
 
 class MeshClient:
@@ -309,7 +358,7 @@ class MeshClient:
             self._sending.discard(request_id)
 
     async def _request_job(self, subject: str, job: PrefillJob, h: Handle, deadline: float) -> Ack:
-        """Send a job and take its Ack, riding out an outage of our own NATS link (link.py):
+        """Send a job and take its Ack, riding out an outage of our own NATS link (LinkState):
         a send that failed while the link was down or not yet settled goes again, until
         deadline. A job that got through but lost its Ack may arrive twice; workers run a
         repeated job once."""
