@@ -1,4 +1,6 @@
-"""The prefill worker.
+"""The prefill worker, with the parts only it uses: the leases on the KV it holds for
+decode workers (LeaseTable), and the sending of that KV once one has posted its receive
+(KVSender).
 
 Request lifecycle here:
 1. queued: a PrefillJob arrives through the `prefill` queue group, is validated and
@@ -8,8 +10,14 @@ Request lifecycle here:
    stay allocated under a lease, and KVReady goes to the decode worker the gateway chose,
    one message for all the requests of a step that go there.
 4. sent: the decode worker's reply has posted a receive for them; their blocks are
-   gathered end to end into staging memory, sent over UCX as one message (kv_sender.py),
+   gathered end to end into staging memory, sent over UCX as one message (KVSender),
    and freed. Or refused, or no decode worker took them: the blocks are freed.
+
+States of a send: BOOTSTRAPPING (KVReady out; the leases are held for it and no abort
+frees them) -> TRANSFERRING (their blocks gathered end to end into staging memory, then
+one UCX send to the reply's address and tag) -> SUCCESS | FAILED. A send that fails, or
+never starts (staging full, an address no live decode worker has), is told to the
+receiver by tag (KVSendFailed), so it fails at once rather than at its timeout.
 
 A job of n > 1 (parallel sampling) is n requests here from the start, named and seeded
 by protocol/forks.py: each has its own state, span, first token, lease and hand-off, and
@@ -23,6 +31,7 @@ child in it is aborted.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import Counter
@@ -31,8 +40,6 @@ from dataclasses import dataclass, field, replace
 from opentelemetry import trace
 
 from moemesh.services.prefill.config import PrefillConfig
-from moemesh.services.prefill.kv_sender import KVSender
-from moemesh.services.prefill.leases import LeaseTable
 from moemesh.shared.engine import block_io, fork_io
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats
@@ -53,14 +60,16 @@ from moemesh.shared.protocol.messages import (
     PrefillJob,
     WireSampling,
 )
-from moemesh.shared.kv.events import KVPeers
+from moemesh.shared.kv.events import KVPeers, first_beat_wait_s
+from moemesh.shared.kv.spec import KVSpec
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request
 from moemesh.shared.service.gateway_watch import GatewayWatch
 from moemesh.shared.service.runtime import Tombstones, TransportFactory, WorkerRuntime
 from moemesh.shared.service.step_accounting import PhaseLog
 from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
-from moemesh.shared.transport.base import TransferError
+from moemesh.shared.transport.base import KVTransport, TransferError
+from moemesh.shared.transport.staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +99,121 @@ class JobState:
     queued_ns: int = 0
     scheduled_ns: int = 0  # wall clock: when a step first computed it
     parent: str = ""  # a child's: the job it was forked from (its prompt's KV may move with its siblings')
+
+
+# ---- leases: KV held for a decode worker, one lease per request, with an expiry ----------
+_lease_ids = itertools.count(1)
+
+
+@dataclass
+class Lease:
+    job: PrefillJob
+    num_blocks: int
+    nbytes: int
+    expires_at: float
+    lease_id: int = field(default_factory=lambda: next(_lease_ids))
+    pulling: bool = False
+    # Parallel sampling: children of the job's prompt whose KV moves with it (one buffer),
+    # and those of all of them not aborted yet; the lease goes when none is left.
+    forks: list[str] = field(default_factory=list)
+    live: set[str] = field(default_factory=set)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [self.job.request_id, *self.forks]
+
+
+class LeaseTable:
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.by_request: dict[str, Lease] = {}  # by the request that names it
+        self._fork_of: dict[str, str] = {}  # a fork's request id -> the one naming its lease
+
+    def grant(self, job: PrefillJob, num_blocks: int, nbytes: int, now: float | None = None,
+              forks: list[str] = ()) -> Lease:
+        now = time.monotonic() if now is None else now
+        lease = Lease(job, num_blocks, nbytes, now + self.timeout_s, forks=list(forks))
+        lease.live = set(lease.request_ids)
+        self.by_request[job.request_id] = lease
+        for rid in forks:
+            self._fork_of[rid] = job.request_id
+        return lease
+
+    def of(self, request_id: str) -> Lease | None:
+        """The lease that holds a request's KV, whether it names it or is a fork in it."""
+        return self.by_request.get(self._fork_of.get(request_id, request_id))
+
+    def get(self, request_id: str, lease_id: int) -> Lease | None:
+        lease = self.by_request.get(request_id)
+        return lease if lease is not None and lease.lease_id == lease_id else None
+
+    def pop(self, request_id: str) -> Lease | None:
+        lease = self.by_request.pop(request_id, None)
+        if lease is not None:
+            for rid in lease.forks:
+                self._fork_of.pop(rid, None)
+        return lease
+
+    def expired(self, now: float | None = None) -> list[Lease]:
+        now = time.monotonic() if now is None else now
+        return [l for l in self.by_request.values() if l.expires_at <= now and not l.pulling]
+
+    def __len__(self) -> int:
+        return len(self.by_request)
+
+
+# ---- sending the KV of one hand-off: the second leg, after the KVReady reply ----------
+INLINE_EXPORT_BYTES = 1 << 20  # larger exports are copied on a thread, off the event loop
+
+
+class KVSender:
+    def __init__(self, engine, spec: KVSpec, staging: StagingPool, transport: KVTransport, peers: KVPeers,
+                 timeout_s: float, heartbeat_interval_s: float, fault: str = ""):
+        """peers: the live decode workers, whose addresses alone get bytes. fault: the
+        prefill config's debug_kv_fault ("drop": send nothing, say nothing; "error": fail)."""
+        self._engine, self._spec, self._staging, self._transport = engine, spec, staging, transport
+        self._peers, self._timeout_s, self._fault = peers, timeout_s, fault
+        self._known_wait_s = first_beat_wait_s(heartbeat_interval_s)
+
+    async def send(self, address: bytes, tag: int, leases: list[Lease]) -> int:
+        """Gather the leases' blocks end to end, in order, and send them as one message.
+        Returns the bytes sent. Raises TransferError (the message says why) when it
+        cannot."""
+        if not await self._peers.known_within(address, self._known_wait_s):
+            raise TransferError("the receiving address belongs to no live decode worker")
+        if self._fault == "error":
+            raise TransferError("injected fault")
+        total = sum(lease.nbytes for lease in leases)
+        slot = self._staging.alloc(total)
+        if slot is None:
+            raise TransferError(f"prefill staging memory is full ({total} bytes needed)")
+        try:
+            off = 0
+            for lease in leases:
+                shape = self._spec.shape(lease.num_blocks, 1 + len(lease.forks))  # V4: a ring window per child
+                dst = slot.part(off, lease.nbytes).typed(self._spec.dtype, shape)
+                # A held request's blocks are never written by a step, so the copy runs beside
+                # the engine, not between its steps: a send never waits behind a long prefill.
+                # A small one is cheaper here than a thread's round trip.
+                if lease.nbytes <= INLINE_EXPORT_BYTES:
+                    _export(self._engine, lease, dst)
+                else:
+                    await asyncio.to_thread(_export, self._engine, lease, dst)
+                off += lease.nbytes
+            if self._fault != "drop":
+                await self._transport.send(address, slot.buffer(), tag, self._timeout_s)
+            return total
+        except KeyError as e:  # a lease's blocks are gone: a bug, reported as a failed send
+            raise TransferError(f"KV export failed: {e}") from None
+        finally:
+            self._staging.free(slot)
+
+
+def _export(engine, lease: Lease, dst) -> None:
+    if lease.forks:
+        fork_io.export(engine, lease.request_ids, dst)
+    else:
+        engine.export_kv(lease.job.request_id, dst)
 
 
 class PrefillService(AsyncService):

@@ -260,7 +260,7 @@ def test_a_send_to_an_unknown_address_is_refused_not_fatal():
     """UCX aborts a process given a malformed worker address; the prefill worker must
     never hand one to its transport: a hand-off reply naming an address no live decode
     worker has is refused before anything is gathered or sent."""
-    from moemesh.services.prefill.kv_sender import KVSender
+    from moemesh.services.prefill.service import KVSender
     from moemesh.shared.kv.events import KVPeers
     from moemesh.shared.transport.base import TransferError
 

@@ -247,7 +247,7 @@ def test_each_choice_of_a_dead_decode_worker_moves_on_its_own(nats_url, tiny_mod
 
 
 def test_a_lease_of_children_goes_with_the_last_of_them():
-    from moemesh.services.prefill.leases import LeaseTable
+    from moemesh.services.prefill.service import LeaseTable
     from moemesh.shared.protocol.messages import PrefillJob, WireSampling
 
     t = LeaseTable(30.0)
