@@ -13,8 +13,9 @@ def test_tasks_are_held_crashes_logged_and_the_rest_cancelled_on_close(caplog):
         async def boom():
             raise RuntimeError("boom")
 
-        ts.spawn(boom(), "boom")
-        await asyncio.sleep(0.05)
+        crashed = ts.spawn(boom(), "boom")
+        await asyncio.wait([quick, crashed])
+        await asyncio.sleep(0)  # their done callbacks, whatever the order they were queued in
         assert len(ts) == 1 and quick.done()  # finished ones are let go
         await ts.close(grace_s=0.05)
         assert forever.cancelled() and len(ts) == 0
