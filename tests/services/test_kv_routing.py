@@ -1,5 +1,4 @@
-from moemesh.services.gateway.routing.kv_index import KVIndex
-from moemesh.services.gateway.routing.router import pick_prefill, route_prefill
+from moemesh.services.gateway.routing.router import KVIndex, pick_prefill, route_prefill
 from moemesh.shared.protocol.messages import Heartbeat, KVEvents, WorkerLoad
 from moemesh.shared.protocol.prefix_hash import chain
 

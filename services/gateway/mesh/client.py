@@ -51,8 +51,7 @@ from nats.aio.client import Client as NATS
 
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh.migration import Migration, NoWorkers, Rejected
-from moemesh.services.gateway.routing.kv_index import KVIndex
-from moemesh.services.gateway.routing.router import pick_decode, route_prefill
+from moemesh.services.gateway.routing.router import KVIndex, pick_decode, route_prefill
 from moemesh.services.gateway.streaming.stream import GAP, REFUSED, Choices, Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
     Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, TokenEnd, TokenResend,

@@ -1,6 +1,7 @@
 """Where a new request goes: its decode worker, its prefill worker, and the holders its
 prefill worker may pull cached KV blocks from. Pure functions over heartbeats and the
-KV index; the mesh client owns the I/O and the counters passed in here.
+KV index (KVIndex: which holder has which block, kept from the holders' KVEvents); the
+mesh client owns the I/O, feeds the index, and keeps the counters passed in here.
 
 Decode rule: the live worker with the least outstanding token load, where load is what
 its last heartbeat reported plus what this gateway has sent it since. The second term
@@ -13,11 +14,45 @@ Prefill rule: see pick_prefill (KV-aware) and route_prefill (plus the KV sources
 
 from __future__ import annotations
 
-from moemesh.services.gateway.routing.kv_index import KVIndex
-from moemesh.shared.protocol.messages import Heartbeat, KVSource
+from moemesh.shared.protocol.messages import Heartbeat, KVEvents, KVSource
 from moemesh.shared.protocol.prefix_hash import chain
 
 MAX_KV_SOURCES = 2
+
+
+class KVIndex:
+    """Which holder (prefill or decode worker, KV store) has which KV block, by content hash."""
+
+    def __init__(self):
+        self.blocks: dict[str, set[bytes]] = {}
+        self.role: dict[str, str] = {}
+
+    def apply(self, ev: KVEvents) -> None:
+        held = self.blocks.setdefault(ev.holder_id, set())
+        if ev.reset:
+            held.clear()
+        held.update(ev.stored)
+        held.difference_update(ev.removed)
+        self.role[ev.holder_id] = ev.role
+
+    def forget(self, holder: str) -> None:
+        self.blocks.pop(holder, None)
+        self.role.pop(holder, None)
+
+    def knows(self, holder: str) -> bool:
+        return holder in self.blocks
+
+    def overlap(self, holder: str, hashes: list[bytes]) -> int:
+        """How many leading blocks of the hash chain the holder has."""
+        held = self.blocks.get(holder)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
 
 
 def pick_decode(workers: list[Heartbeat], assigned_since_beat: dict[str, int]) -> Heartbeat | None:
