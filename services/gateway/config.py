@@ -46,7 +46,7 @@ class GatewayConfig(ServiceConfig):
     header_timeout_s: float = 10.0  # a connection whose request headers take longer is closed
     # After an answer given before the body was all read (413, 408, 429), the rest of the
     # body is read and discarded, so that a client still writing it gets the answer and not
-    # a reset; up to this many bytes and seconds (services/gateway/http/slow_clients.py).
+    # a reset; up to this many bytes and seconds (services/gateway/http/server.py).
     linger_bytes: int = 128 << 20
     linger_s: float = 5.0
     # Bodies larger than this are parsed and tokenized on a thread: a long prompt must not

@@ -10,8 +10,7 @@ import uvicorn
 
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.http.app import build_app
-from moemesh.services.gateway.http.slow_clients import slow_client_protocol
-from moemesh.services.gateway.streaming.sse import ServerSend
+from moemesh.services.gateway.http.server import ServerSend, slow_client_protocol
 from moemesh.shared.service.lifecycle import AsyncService
 
 log = logging.getLogger(__name__)

@@ -40,10 +40,9 @@ from moemesh.services.gateway.api import tokenize as tokenizer_api
 from moemesh.services.gateway.api.openapi import openapi_document
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.http.auth import ApiKeyMiddleware, load_api_keys
-from moemesh.services.gateway.http.slow_clients import read_body
+from moemesh.services.gateway.http.server import EventStream, disconnected, read_body
 from moemesh.services.gateway.mesh.client import MeshClient, NoWorkers, Rejected
 from moemesh.services.gateway.streaming import choices
-from moemesh.services.gateway.streaming.sse import EventStream, disconnected
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.telemetry.metrics import REQUEST_LATENCY_BUCKETS, Metrics

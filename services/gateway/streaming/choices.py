@@ -40,7 +40,7 @@ from moemesh.services.gateway.api import completion_logprobs as legacy
 from moemesh.services.gateway.api import openai_api as api
 from moemesh.services.gateway.api import span_attrs as attrs
 from moemesh.services.gateway.api.tool_calls import ToolCallParser
-from moemesh.services.gateway.streaming.sse import unless_gone
+from moemesh.services.gateway.http.server import unless_gone
 from moemesh.services.gateway.streaming.stream import TIMED_OUT, Choices, Handle, Reader
 
 log = logging.getLogger(__name__)

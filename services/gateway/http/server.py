@@ -1,4 +1,10 @@
-"""Deadlines for slow clients: a connection holds a socket and a parser, so one that
+"""The gateway below its routes: what uvicorn runs for each connection, and the ASGI layer
+between it and the app. uvicorn's protocol with the slow-client deadlines and the body's
+limits (SlowClientProtocol, read_body), the outermost ASGI layer (ServerSend), and the
+response that writes a token stream through it (EventStream) or notices the client
+leaving (disconnected, unless_gone).
+
+Deadlines for slow clients: a connection holds a socket and a parser, so one that
 trickles its request in must not hold them forever.
 
 - headers: uvicorn closes idle keep-alive connections, but once a request's first byte
@@ -13,16 +19,31 @@ trickles its request in must not hold them forever.
   then the server lingers: it half-closes, reads and discards what still comes, and
   closes once the client does, after `linger_bytes` more bytes, or `linger_s`, whichever
   comes first (nginx's lingering close).
+
+The ASGI response for a token stream: server-sent events from an async iterator of byte
+chunks. Starlette's StreamingResponse runs a task group of two tasks per response (one
+sends, one listens for the client going away). Here the request's own task sends, and one
+small task waits for the disconnect and wakes the stream's reader, so that a client that
+leaves while its request waits for tokens is noticed at once.
+
+The body chunks skip Starlette's middleware: each layer wraps `send` in a coroutine of
+its own that only watches for the response start, and at one write per stream per step
+those wrappers cost about as much as the rest of the token path in the gateway. The
+start still goes through them, so they know the response began.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import AsyncIterator
 
 from starlette.requests import Request
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from moemesh.services.gateway.api.openai_api import ApiError
+
+SERVER_SEND = "moemesh.server_send"  # scope key: the server's own send (see ServerSend)
+_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
 class SlowClientProtocol(HttpToolsProtocol):
@@ -106,7 +127,6 @@ class SlowClientProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
 
-
 def slow_client_protocol(header_timeout_s: float, linger_s: float, linger_bytes: int) -> type:
     return type("SlowClientProtocol", (SlowClientProtocol,),
                 {"header_timeout_s": header_timeout_s, "linger_s": linger_s, "linger_bytes": linger_bytes})
@@ -136,3 +156,60 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"request body is larger than {limit} bytes", code="body_too_large")
+
+
+class EventStream:
+    """A token stream's response. handle: the request's Handle or Choices, whose
+    disconnect() is called when the client goes."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], handle, headers: dict[str, str]):
+        self.chunks = chunks
+        self.handle = handle
+        self.headers = _HEADERS + [(k.encode(), v.encode()) for k, v in headers.items()]
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        send = scope.get(SERVER_SEND, send)
+        watch = asyncio.ensure_future(disconnected(receive))
+        watch.add_done_callback(lambda t: t.cancelled() or self.handle.disconnect())
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watch.cancel()
+            await self.chunks.aclose()
+
+
+async def unless_gone(request, gather, handle) -> tuple[bool, asyncio.Future]:
+    """Runs a non-streamed answer's gather until it ends or the client leaves; when the
+    client leaves first, the gather is cancelled and the request's work stopped.
+    Returns (gone, the gather's future)."""
+    work = asyncio.ensure_future(gather)
+    watch = asyncio.ensure_future(disconnected(request.receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        gone = not work.done()
+        if gone:  # the client went away (or this task was cancelled): stop the work
+            work.cancel()
+            handle.close("client")
+    return gone, work
+
+
+async def disconnected(receive) -> None:
+    """Returns when the client has gone (for a request whose body is all read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ServerSend:
+    """Outermost ASGI layer: puts the server's own send into the scope for EventStream."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope[SERVER_SEND] = send
+        await self.app(scope, receive, send)
