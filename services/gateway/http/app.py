@@ -242,8 +242,9 @@ def _refused(st: GatewayState, route: str, span, e: Exception) -> api.ApiError:
     ended. Returns the error the client gets."""
     err = e if isinstance(e, api.ApiError) else _internal(e, "admitting a request")
     span.set_status(trace.StatusCode.ERROR, err.message)
-    span.set_attribute("http.status_code", err.status)
-    span.set_attributes(attrs.http_response(err.status))
+    if span.is_recording():
+        span.set_attribute("http.status_code", err.status)
+        span.set_attributes(attrs.http_response(err.status))
     span.end()
     st.m["requests"].labels(route, str(err.status)).inc()
     return err
@@ -264,8 +265,9 @@ def _admitted(st: GatewayState, route: str, span, t0: float) -> Callable[[int], 
         st.m["inflight"].set(st.inflight)
         st.m["requests"].labels(route, str(status)).inc()
         st.m["e2e"].observe(time.perf_counter() - t0)
-        span.set_attribute("http.status_code", status)
-        span.set_attributes(attrs.http_response(status))
+        if span.is_recording():
+            span.set_attribute("http.status_code", status)
+            span.set_attributes(attrs.http_response(status))
         span.end()
 
     return done
