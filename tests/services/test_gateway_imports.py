@@ -11,7 +11,7 @@ _GATEWAY = ("moemesh.services.gateway.__main__", "moemesh.services.gateway.servi
 
 
 def test_the_check_sees_the_whole_gateway():
-    assert {"moemesh.services.gateway.mesh.client", "moemesh.services.gateway.streaming.stream"} <= set(_GATEWAY)
+    assert {"moemesh.services.gateway.mesh.client", "moemesh.services.gateway.streaming.choices"} <= set(_GATEWAY)
 
 
 def test_the_gateway_loads_neither_torch_nor_the_engine():

@@ -15,7 +15,7 @@ from opentelemetry import trace
 from moemesh.services.gateway.api import openai_api as api
 from moemesh.services.gateway.api.tool_calls import MARKERS, ToolCallParser
 from moemesh.services.gateway.streaming import choices
-from moemesh.services.gateway.streaming.stream import Choices, Handle
+from moemesh.services.gateway.streaming.choices import Choices, Handle
 from moemesh.shared.protocol.sampling import GrammarSpec
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 

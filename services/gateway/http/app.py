@@ -8,8 +8,8 @@ Request lifecycle at the gateway:
 2. routed (mesh/client.py with routing/router.py): a decode worker and a KV-aware prefill
    worker are chosen and the job sent to that prefill worker; when it does not answer,
    to the prefill queue group (503 when no worker is alive or takes it);
-3. streamed: the request's Handle (streaming/stream.py) collects the token ids the mesh client
-   hands it, and its response (streaming/choices.py, for every n) detokenizes them into SSE
+3. streamed: the request's Handle (streaming/choices.py) collects the token ids the mesh
+   client hands it, and its response (there too, for every n) detokenizes them into SSE
    chunks, or gathers them into one answer;
 4. closed through the handle, exactly once: finished, or aborted on the workers (a
    stop string, the inactivity timeout, the client gone).

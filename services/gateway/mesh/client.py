@@ -11,7 +11,7 @@ the job goes once more, without KV sources, to the prefill queue group, where an
 prefill worker may take it. In decode-only bench mode it goes straight to the chosen
 decode worker, with no fallback.
 
-Each admitted request gets a Handle (streaming/stream.py), which owns its stream and its end.
+Each admitted request gets a Handle (streaming/choices.py), which owns its stream and its end.
 Token batches from workers (one per worker step) are decoded once, and each row's ids
 are appended to its handle, which wakes the request's reader if it waits. A row is taken
 only from a worker that serves its request: the prefill worker it went to, the decode
@@ -52,7 +52,7 @@ from nats.aio.client import Client as NATS
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh.migration import Migration, NoWorkers, Rejected
 from moemesh.services.gateway.routing.router import KVIndex, pick_decode, route_prefill
-from moemesh.services.gateway.streaming.stream import GAP, REFUSED, Choices, Handle, sweep_inactive
+from moemesh.services.gateway.streaming.choices import GAP, REFUSED, Choices, Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
     Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, TokenEnd, TokenResend,
     WireSampling, WorkerLoad,

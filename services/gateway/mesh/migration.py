@@ -27,7 +27,7 @@ from typing import Awaitable, Callable
 from nats.aio.client import Client as NATS
 from prometheus_client import Counter
 
-from moemesh.services.gateway.streaming.stream import Handle
+from moemesh.services.gateway.streaming.choices import Handle
 from moemesh.shared.protocol.messages import StatsRequest, TokenEnd, WorkerStats
 from moemesh.shared.protocol.registry import WorkerRegistry
 from moemesh.shared.protocol.sampling import SamplingParams
