@@ -24,8 +24,7 @@ from typing import Callable
 
 from moemesh.shared.protocol.messages import TokenEnd
 from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob
-from moemesh.shared.tokenizer.detokenizer import IncrementalDetokenizer
-from moemesh.shared.tokenizer.tokenizer import Tokenizer
+from moemesh.shared.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TIMED_OUT = "timed_out"
 DISCONNECTED = "disconnected"
