@@ -28,11 +28,10 @@ from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPut, KVPutReply,
-    KVReady, KVReadyItem, KVReadyReply, PrefillJob, RebalanceReply, RebalanceRequest, WireSampling, WorkerLoad,
+    Abort, Ack, ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPut, KVPutReply, KVReady, KVReadyItem, KVReadyReply,
+    PrefillJob, RebalanceReply, RebalanceRequest, WireSampling, WorkerLoad, decode,
 )
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import decode
 from moemesh.shared.service.nats_io import publish, request
 from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
 

@@ -22,8 +22,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-from moemesh.shared.protocol.messages import TokenEnd
-from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob
+from moemesh.shared.protocol.messages import PromptLogprobs, TokenEnd, TokenLogprob
 from moemesh.shared.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TIMED_OUT = "timed_out"
