@@ -260,7 +260,7 @@ def test_a_send_to_an_unknown_address_is_refused_not_fatal():
     never hand one to its transport: a hand-off reply naming an address no live decode
     worker has is refused before anything is gathered or sent."""
     from moemesh.services.prefill.service import KVSender
-    from moemesh.shared.kv.events import KVPeers
+    from moemesh.shared.protocol.registry import KVPeers
     from moemesh.shared.transport.base import TransferError
 
     class Transport:
