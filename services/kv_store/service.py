@@ -18,7 +18,7 @@ import numpy as np
 
 from moemesh.services.kv_store.config import KVStoreConfig
 from moemesh.services.kv_store.tiers import DiskTier, MemoryTier
-from moemesh.shared.kv.events import KVEventPublisher, KVPeers, first_beat_wait_s
+from moemesh.shared.kv.events import KVEventPublisher
 from moemesh.shared.kv.receive import StagedReceive
 from moemesh.shared.protocol.messages import (
     Heartbeat,
@@ -33,6 +33,7 @@ from moemesh.shared.protocol.messages import (
     WorkerStats,
 )
 from moemesh.shared.protocol.prefix_hash import is_snapshot_key, snapshot_key
+from moemesh.shared.protocol.registry import KVPeers, first_beat_wait_s
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.heartbeat import Heartbeater
 from moemesh.shared.service.lifecycle import AsyncService

@@ -45,6 +45,7 @@ from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.protocol.forks import MAX_N, fork_ids, fork_params
 from moemesh.shared.protocol.prefix_hash import chain
+from moemesh.shared.protocol.registry import KVPeers, first_beat_wait_s
 from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
     ALREADY_SERVED,
@@ -60,7 +61,6 @@ from moemesh.shared.protocol.messages import (
     PrefillJob,
     WireSampling,
 )
-from moemesh.shared.kv.events import KVPeers, first_beat_wait_s
 from moemesh.shared.kv.spec import KVSpec
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request

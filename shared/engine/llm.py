@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.protocol.sampling import SamplingParams
-from moemesh.shared.protocol.tokens import PromptLogprobs
+from moemesh.shared.protocol.messages import PromptLogprobs
 from moemesh.shared.engine.sequence import FinishReason
-from moemesh.shared.tokenizer.detokenizer import IncrementalDetokenizer
-from moemesh.shared.tokenizer.tokenizer import Tokenizer
+from moemesh.shared.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

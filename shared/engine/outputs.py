@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moemesh.shared.engine.sequence import FinishReason
-from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob
+from moemesh.shared.protocol.messages import PromptLogprobs, TokenLogprob
 
 
 @dataclass

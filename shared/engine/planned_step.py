@@ -30,7 +30,7 @@ from moemesh.shared.engine.runner import Chunk
 from moemesh.shared.engine.sequence import Sequence
 from moemesh.shared.model.batch import ForwardBatch
 from moemesh.shared.protocol.sampling import SamplingParams
-from moemesh.shared.protocol.tokens import TokenLogprob
+from moemesh.shared.protocol.messages import TokenLogprob
 
 _step_ids = itertools.count()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from moemesh.shared.protocol.sampling import SamplingParams
-from moemesh.shared.protocol.tokens import TokenLogprob
+from moemesh.shared.protocol.messages import TokenLogprob
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

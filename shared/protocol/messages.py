@@ -1,4 +1,6 @@
-"""Message types of the mesh's control plane (see subjects.py for who sends what).
+"""Message types of the mesh's control plane (see subjects.py for who sends what), and
+their codec: dataclasses <-> MessagePack, validated on decode; token ids and logprobs as
+byte columns; and whether a message's claimed sender is the one its subject names.
 
 A request's first message (PrefillJob) carries everything about it; KVReady hands
 the same to the decode worker once. After that, TokenBatch carries only what changed:
@@ -7,16 +9,237 @@ new token ids per request, once per engine step per gateway.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, TypeVar
+
+import msgpack
+import msgspec
 
 from moemesh.shared.protocol.sampling import INT32_MAX, GrammarSpec, SamplingParams
-from moemesh.shared.protocol.tokens import (
-    PromptLogprobs, TokenLogprob, ids_from_wire, ids_to_wire, logprobs_from_plain, logprobs_to_plain,
-    prompt_logprobs_from_plain, prompt_logprobs_to_plain,
-)
-from moemesh.shared.protocol.wire import ProtocolError, register_codec
 
 
+# ---- the codec ---------------------------------------------------------------------------
+# Typed messages on the wire: dataclasses <-> MessagePack, validated on decode.
+#
+# A message class is a dataclass whose fields are annotated with plain types: int,
+# float, str, bytes, bool, None-able versions, list[...], dict[str, ...] and nested
+# message classes. `decode(data, Cls)` checks every field against its annotation and
+# raises ProtocolError with the field path on the first mismatch, so a handler never
+# meets a KeyError or a wrong type deep inside its logic.
+#
+# msgspec does the encoding and the typed decoding (a map per message, its fields by
+# name: the same bytes as msgpack.packb of the fields). For a 2048-token PrefillJob it
+# takes 17 µs to encode and 55 µs to decode, against 89 and 273 µs for the compiled
+# field walk that came before it. `from_plain` (a reply already unpacked) goes through
+# msgspec's convert with the same rules.
+
+T = TypeVar("T")
+
+
+class ProtocolError(ValueError):
+    """A message that does not match its schema; the text names the field."""
+
+
+# Hot-path messages may register a compact codec (positional arrays, hand-checked), so
+# a per-token message costs about a microsecond rather than a generic walk of its fields.
+_CODECS: dict[type, tuple[Any, Any]] = {}
+
+
+def register_codec(cls: type, to_plain, from_plain_fn) -> None:
+    """to_plain(obj) -> msgpack-able value; from_plain_fn(raw) -> obj, raising ProtocolError."""
+    _CODECS[cls] = (to_plain, from_plain_fn)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Any) -> bytes:
+    codec = _CODECS.get(type(msg))
+    if codec is not None:
+        return msgpack.packb(codec[0](msg), use_bin_type=True)
+    return _ENCODER.encode(msg)
+
+
+def decode(data: bytes, cls: type[T]) -> T:
+    codec = _CODECS.get(cls)
+    if codec is not None:
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated exception types
+            raise ProtocolError(f"{cls.__name__}: not valid MessagePack ({type(e).__name__}: {e})") from None
+        return codec[1](raw)
+    try:
+        return _typed_decoder(cls).decode(data)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(_where(cls.__name__, e)) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"{cls.__name__}: not valid MessagePack ({e})") from None
+
+
+def from_plain(raw: Any, cls: type[T], path: str = "") -> T:
+    try:
+        return msgspec.convert(raw, cls)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(_where(path or getattr(cls, "__name__", str(cls)), e)) from None
+
+
+@lru_cache(maxsize=None)
+def _typed_decoder(cls: type) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(cls)
+
+
+def _where(name: str, e: msgspec.ValidationError) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.a[3]`" as "Msg.a[3]: expected int, got str"."""
+    msg, sep, at = str(e).rpartition(" - at `")
+    if not sep:
+        msg, at = str(e), "$`"
+    path = at.rstrip("`").removeprefix("$")
+    msg = msg.replace("`", "")
+    return f"{name}{path}: {msg[:1].lower()}{msg[1:]}"
+
+
+# ---- tokens on the wire ------------------------------------------------------------------
+# Tokens on the wire: token ids as little-endian int32 bytes, and the two logprob types.
+#
+# A TokenLogprob is what the sampler produces, what a TokenBatch carries and what the
+# gateway formats for OpenAI's API; nothing converts it on the way. Ids are ints
+# throughout and are checked as such on arrival. PromptLogprobs is the same for a whole
+# prompt, by column: a prompt of thousands of tokens is a few arrays, not thousands of
+# lists.
+
+_SWAP = sys.byteorder != "little"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A sampled token's logprob under the model's raw distribution, and the most likely
+    alternatives (most likely first), as OpenAI reports them."""
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """A prompt's tokens as the model scores them, in the forward that computed their KV.
+
+    P = prompt tokens, k = num_top. Token i (1 .. P-1) is scored by the distribution at
+    position i-1; token 0 has nothing before it (OpenAI reports it as null), so every
+    column has P-1 rows. ranks: 1 for the most likely token. top_ids and top_logprobs:
+    the k most likely tokens of each row (most likely first), row after row."""
+    num_top: int
+    logprobs: list[float] = field(default_factory=list)  # [P-1]
+    ranks: list[int] = field(default_factory=list)  # [P-1]
+    top_ids: list[int] = field(default_factory=list)  # [(P-1) * k]
+    top_logprobs: list[float] = field(default_factory=list)  # [(P-1) * k]
+
+    @classmethod
+    def empty(cls, num_prompt_tokens: int, num_top: int) -> "PromptLogprobs":
+        """Columns of a prompt's size, to be filled chunk by chunk as the prompt is computed."""
+        n = max(num_prompt_tokens - 1, 0)
+        return cls(num_top, [0.0] * n, [0] * n, [0] * (n * num_top), [0.0] * (n * num_top))
+
+    @property
+    def num_rows(self) -> int:
+        """P - 1: the prompt tokens scored."""
+        return len(self.logprobs)
+
+    def top(self, i: int) -> tuple[list[int], list[float]]:
+        """Row i's most likely tokens and their logprobs (row i scores prompt token i + 1)."""
+        k = self.num_top
+        return self.top_ids[i * k : (i + 1) * k], self.top_logprobs[i * k : (i + 1) * k]
+
+
+def prompt_logprobs_to_plain(p: PromptLogprobs) -> list:
+    """[k, logprobs, ranks, top ids, top logprobs], the numbers as little-endian float32
+    and int32 bytes: the engine computes them in float32, so nothing is lost."""
+    return [p.num_top, _floats_to_wire(p.logprobs), ids_to_wire(p.ranks), ids_to_wire(p.top_ids),
+            _floats_to_wire(p.top_logprobs)]
+
+
+def prompt_logprobs_from_plain(raw) -> PromptLogprobs:
+    """Raises TypeError or ValueError on anything malformed: columns of other lengths than
+    the rows and num_top say, ranks below 1, ids below 0."""
+    if not isinstance(raw, list) or len(raw) != 5:
+        raise TypeError("prompt logprobs: expected [num_top, logprobs, ranks, top ids, top logprobs]")
+    k, lps, ranks, top_ids, top_lps = raw
+    if type(k) is not int or not 0 <= k <= 1024:
+        raise ValueError(f"prompt logprobs: num_top {k!r}")
+    out = PromptLogprobs(k, _floats_from_wire(lps, "prompt logprobs"), ids_from_wire(ranks, "prompt ranks"),
+                         ids_from_wire(top_ids, "prompt top ids"), _floats_from_wire(top_lps, "prompt top logprobs"))
+    n = len(out.logprobs)
+    if len(out.ranks) != n or len(out.top_ids) != n * k or len(out.top_logprobs) != n * k:
+        raise ValueError(f"prompt logprobs: columns do not match {n} rows of {k} alternatives")
+    if min(out.ranks, default=1) < 1 or min(out.top_ids, default=0) < 0:
+        raise ValueError("prompt logprobs: a rank below 1 or a negative token id")
+    return out
+
+
+def _floats_to_wire(vs: list[float]) -> bytes:
+    return _to_wire("f", vs)
+
+
+def _floats_from_wire(b: bytes, what: str) -> list[float]:
+    return _from_wire("f", b, f"{what}: expected float32 bytes")
+
+
+def ids_to_wire(ids: list[int]) -> bytes:
+    return _to_wire("i", ids)
+
+
+def ids_from_wire(b: bytes, what: str) -> list[int]:
+    """Raises TypeError for anything but whole int32s (the caller names the message)."""
+    return _from_wire("i", b, f"{what}: expected int32 bytes")
+
+
+def _to_wire(code: str, vs: list) -> bytes:
+    a = array(code, vs)
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _from_wire(code: str, b: bytes, error: str) -> list:
+    """Little-endian 4-byte items of array type `code`; TypeError(error) for anything else."""
+    if not isinstance(b, bytes) or len(b) % 4:
+        raise TypeError(error)
+    a = array(code)
+    a.frombytes(b)
+    if _SWAP:
+        a.byteswap()
+    return a.tolist()
+
+
+def logprobs_to_plain(lps: list[TokenLogprob]) -> list:
+    return [[lp.token_id, lp.logprob, lp.top_ids, lp.top_logprobs] for lp in lps]
+
+
+def logprobs_from_plain(raw) -> list[TokenLogprob]:
+    """Raises TypeError or ValueError on anything malformed: ids must be ints (a float id
+    is refused, not truncated), logprobs numbers, and both top lists equally long."""
+    if not isinstance(raw, list):
+        raise TypeError("logprobs: expected a list")
+    out = []
+    for item in raw:
+        t, v, ids, vals = item
+        if not (type(t) is int and _is_num(v) and isinstance(ids, list) and isinstance(vals, list)
+                and all(type(x) is int for x in ids) and all(_is_num(x) for x in vals)):
+            raise TypeError(f"logprob of token {t!r}")
+        if len(ids) != len(vals):
+            raise ValueError(f"logprob of token {t}: {len(ids)} top ids but {len(vals)} logprobs")
+        out.append(TokenLogprob(t, float(v), ids, [float(x) for x in vals]))
+    return out
+
+
+def _is_num(v) -> bool:
+    return type(v) is float or type(v) is int
+
+
+# ---- the messages ------------------------------------------------------------------------
 @dataclass
 class WireSampling:
     max_tokens: int = 16
@@ -512,3 +735,32 @@ class KVSource:
 
     holder_id: str
     num_blocks: int  # blocks of the prompt's hash chain the holder has, from the start
+
+
+# ---- the sender check --------------------------------------------------------------------
+# Whether a message's claimed sender is the one its subject names.
+#
+# A heartbeat, a token batch and a KV event each say who sent them (worker_id, holder_id),
+# and each travels on a subject that ends in that sender's id. NATS permissions bind a
+# credential to its own subjects; this check binds the payload to the subject, so a worker
+# that may publish only as itself cannot claim another's identity in the body either.
+
+
+def sender_matches(obj: Any, subject: str) -> bool:
+    """True when obj names no sender, or the sender its subject names.
+
+    Args:
+        obj: a decoded message.
+        subject: the subject it arrived on (any prefix, dots included).
+    Returns:
+        False for a Heartbeat not on `*.heartbeat.{role}.{worker_id}`, a TokenBatch not
+        on `*.tokens.{worker_id}`, or a KVEvents not on `*.kv.{holder_id}.events`.
+    """
+    parts = subject.split(".")
+    if isinstance(obj, Heartbeat):
+        return parts[-3:] == ["heartbeat", obj.role, obj.worker_id]
+    if isinstance(obj, TokenBatch):
+        return parts[-2:] == ["tokens", obj.worker_id]
+    if isinstance(obj, KVEvents):
+        return parts[-3:] == ["kv", obj.holder_id, "events"]
+    return True

@@ -1,10 +1,12 @@
 """Who is alive, by heartbeat: the registry of live workers every part that needs one
 keeps (the gateway's, a worker's known KV peers, a DEP instance's ranks). Pure state over
 Heartbeat messages, no I/O: below the services and the data plane, so both build on it.
+KVPeers is the registry a KV holder keeps of the workers whose UCX addresses it may use.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -152,3 +154,46 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> Heartbeat | None:
         lw = self.workers.get(worker_id)
         return lw.beat if lw else None
+
+
+def first_beat_wait_s(heartbeat_interval_s: float) -> float:
+    """How long to wait for a worker's first beat before taking its address as unknown:
+    two beats and a margin (a worker that just started may message before it beats)."""
+    return 2 * heartbeat_interval_s + 0.5
+
+
+class KVPeers(WorkerRegistry):
+    """The workers seen by heartbeat, and the one check before a UCX address given in a
+    message is used: UCX aborts the process on a malformed address, so only addresses
+    that live workers announced are ever connected to."""
+
+    def __init__(self, role: str | None = None):
+        """role: the only role whose addresses count (None: any)."""
+        super().__init__()
+        self._role = role
+        self._beat = asyncio.Event()
+
+    def observe(self, hb, now: float | None = None) -> None:
+        if self._role is not None and hb.role != self._role:
+            return
+        super().observe(hb, now)
+        self._beat.set()  # wakes every waiter, then waits for the next beat
+        self._beat.clear()
+
+    def knows(self, address: bytes) -> bool:
+        """Whether a live worker announced this UCX address."""
+        return bool(address) and any(hb.address == address for hb in self.live(None))
+
+    async def known_within(self, address: bytes, timeout_s: float) -> bool:
+        """knows(address), waiting up to timeout_s for it: a worker that just started may
+        not have beaten yet when its first message arrives."""
+        deadline = time.monotonic() + timeout_s
+        while not self.knows(address):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._beat.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return True

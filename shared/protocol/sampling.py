@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-# Integers travel as MessagePack int64 and token ids as int32 (tokens.py): a value beyond
+# Integers travel as MessagePack int64 and token ids as int32 (messages.py): a value beyond
 # them would fail far from the request that sent it, so it is refused here.
 INT64 = (-(1 << 63), (1 << 63) - 1)
 INT32_MAX = (1 << 31) - 1

@@ -32,7 +32,7 @@ logged; the service keeps serving. Trace context travels in the NATS message hea
 Every subject a service publishes on its own behalf ends in its worker id (heartbeats,
 token batches, KV events), so that a NATS user can be allowed exactly its own subjects
 (tools/launch/nats_auth.py writes those permissions). A message whose claimed sender
-differs from its subject's is dropped on arrival (shared/protocol/senders.py): with
+differs from its subject's is dropped on arrival (messages.py, `sender_matches`): with
 per-worker credentials, a worker cannot speak for another.
 """
 

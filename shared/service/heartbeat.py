@@ -10,9 +10,8 @@ from typing import Callable
 
 from nats.aio.client import Client as NATS
 
-from moemesh.shared.protocol.messages import Heartbeat
+from moemesh.shared.protocol.messages import Heartbeat, encode
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import encode
 
 log = logging.getLogger(__name__)
 

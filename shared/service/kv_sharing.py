@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from moemesh.shared.config.common import WorkerConfig
 from moemesh.shared.engine import block_io
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.kv.events import KVEventPublisher, KVPeers, first_beat_wait_s
+from moemesh.shared.kv.events import KVEventPublisher
 from moemesh.shared.kv.receive import StagedReceive
 from moemesh.shared.kv.spec import KVSpec, compatible
 from moemesh.shared.protocol.messages import (
     KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, KVSnapshotRequest, KVSource,
 )
 from moemesh.shared.protocol.prefix_hash import snapshot_key
+from moemesh.shared.protocol.registry import KVPeers, first_beat_wait_s
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.engine_loop import EngineLoop
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request

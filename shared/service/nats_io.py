@@ -3,7 +3,7 @@
 A subscription handler receives an already-validated message object. A payload that
 does not validate is logged and, when the sender asked for a reply, answered with an
 ErrorReply; the handler never sees it and the service keeps serving. A message whose
-body claims another sender than its subject names (shared/protocol/senders.py) is
+body claims another sender than its subject names (messages.py, `sender_matches`) is
 dropped the same way.
 
 Replies come back on the connection's own inbox prefix (ServiceConfig.inbox_prefix),
@@ -23,9 +23,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from moemesh.shared.config.common import ServiceConfig
-from moemesh.shared.protocol.messages import ErrorReply
-from moemesh.shared.protocol.senders import sender_matches
-from moemesh.shared.protocol.wire import ProtocolError, decode, encode, from_plain
+from moemesh.shared.protocol.messages import ErrorReply, ProtocolError, decode, encode, from_plain, sender_matches
 from moemesh.shared.telemetry.propagation import extract_context
 
 log = logging.getLogger(__name__)

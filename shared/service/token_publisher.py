@@ -19,10 +19,8 @@ from collections import deque
 from nats.aio.client import Client as NATS
 
 from moemesh.shared.engine.outputs import Finished, StepOutputs
-from moemesh.shared.protocol.messages import TokenBatch, TokenEnd, TokenResend
+from moemesh.shared.protocol.messages import PromptLogprobs, TokenBatch, TokenEnd, TokenLogprob, TokenResend, encode
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob
-from moemesh.shared.protocol.wire import encode
 
 log = logging.getLogger(__name__)
 MAX_KEPT_BATCHES = 20_000  # per gateway: a bound on memory whatever the step rate

@@ -11,9 +11,8 @@ import torch
 
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.grammar import GrammarRuntime
-from moemesh.shared.protocol.messages import WireSampling
+from moemesh.shared.protocol.messages import WireSampling, decode, encode
 from moemesh.shared.protocol.sampling import GrammarSpec, SamplingParams
-from moemesh.shared.protocol.wire import decode, encode
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 from tests.json_check import validate
 

@@ -1,11 +1,12 @@
-"""The KV-events loop batches a holder's changes; the peer check vets UCX addresses."""
+"""The KV-events loop batches a holder's changes; the peer check (protocol/registry.py) vets UCX addresses."""
 
 from __future__ import annotations
 
 import asyncio
 
-from moemesh.shared.kv.events import KVEventPublisher, KVPeers
+from moemesh.shared.kv.events import KVEventPublisher
 from moemesh.shared.protocol.messages import Heartbeat, WorkerLoad
+from moemesh.shared.protocol.registry import KVPeers
 
 
 def test_changes_of_several_steps_go_out_as_one_message_and_a_failed_send_is_survived():

@@ -15,8 +15,7 @@ import torch
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.tools.launch.procs import free_port
 from moemesh.shared.model.expert_parallel import contiguous_phy2log
-from moemesh.shared.protocol.messages import ExpertLoad, RebalanceReply, RebalanceRequest
-from moemesh.shared.protocol.wire import decode
+from moemesh.shared.protocol.messages import ExpertLoad, RebalanceReply, RebalanceRequest, decode
 from moemesh.shared.service.dep_runtime import tensor_bytes
 from moemesh.shared.service.nats_io import request
 from moemesh.shared.protocol.subjects import Subjects

@@ -18,9 +18,8 @@ from tests.mesh.conftest import start_mesh
 async def _next_beat(nats_url: str, worker_id: str):
     import nats
 
-    from moemesh.shared.protocol.messages import Heartbeat
+    from moemesh.shared.protocol.messages import Heartbeat, decode
     from moemesh.shared.protocol.subjects import Subjects
-    from moemesh.shared.protocol.wire import decode
 
     nc = await nats.connect(nats_url)
     try:

@@ -106,9 +106,8 @@ async def _heartbeat(url: str, proc) -> None:
     lands on a busy machine)."""
     import nats
 
-    from moemesh.shared.protocol.messages import Heartbeat, WorkerLoad
+    from moemesh.shared.protocol.messages import Heartbeat, WorkerLoad, encode
     from moemesh.shared.protocol.subjects import Subjects
-    from moemesh.shared.protocol.wire import encode
 
     nc = await nats.connect(url)
     try:

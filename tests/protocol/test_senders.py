@@ -1,7 +1,8 @@
 """A message's claimed sender against the subject it came on."""
 
-from moemesh.shared.protocol.messages import Heartbeat, KVEvents, StatsRequest, TokenBatch, WorkerLoad
-from moemesh.shared.protocol.senders import sender_matches
+from moemesh.shared.protocol.messages import (
+    Heartbeat, KVEvents, StatsRequest, TokenBatch, WorkerLoad, sender_matches,
+)
 from moemesh.shared.protocol.subjects import Subjects
 
 

@@ -1,10 +1,10 @@
 import msgpack
 import pytest
 
-from moemesh.shared.protocol.messages import TokenBatch, TokenEnd
+from moemesh.shared.protocol.messages import (
+    PromptLogprobs, ProtocolError, TokenBatch, TokenEnd, TokenLogprob, decode, encode, ids_from_wire, ids_to_wire,
+)
 from moemesh.shared.protocol.prefix_hash import chain, kv_identity
-from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob, ids_from_wire, ids_to_wire
-from moemesh.shared.protocol.wire import ProtocolError, decode, encode
 
 
 def test_block_hashes_are_pinned():

@@ -2,10 +2,9 @@ import msgpack
 import pytest
 
 from moemesh.shared.protocol.messages import (
-    Heartbeat, KVReady, KVReadyItem, KVLayout, PrefillJob, TokenBatch, TokenEnd, WireSampling, WorkerLoad,
+    Heartbeat, KVLayout, KVReady, KVReadyItem, PrefillJob, ProtocolError, TokenBatch, TokenEnd, TokenLogprob,
+    WireSampling, WorkerLoad, decode, encode,
 )
-from moemesh.shared.protocol.tokens import TokenLogprob
-from moemesh.shared.protocol.wire import ProtocolError, decode, encode
 
 
 def test_round_trip_keeps_every_field():

@@ -9,11 +9,11 @@ import pytest
 
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh.client import CLIENT_ERROR, MeshClient, Rejected
-from moemesh.shared.protocol.messages import (Abort, Ack, ErrorReply, Heartbeat, PrefillJob, TokenBatch, TokenEnd,
-                                              WorkerLoad)
+from moemesh.shared.protocol.messages import (
+    Abort, Ack, ErrorReply, Heartbeat, PrefillJob, TokenBatch, TokenEnd, WorkerLoad, decode, encode,
+)
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import decode, encode
 
 S = Subjects()
 

@@ -28,11 +28,10 @@ from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
 from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPut, KVPutReply,
-    KVReady, KVReadyItem, KVReadyReply, PrefillJob, RebalanceReply, RebalanceRequest, WireSampling, WorkerLoad,
+    Abort, Ack, ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPut, KVPutReply, KVReady, KVReadyItem, KVReadyReply,
+    PrefillJob, RebalanceReply, RebalanceRequest, WireSampling, WorkerLoad, decode,
 )
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import decode
 from moemesh.shared.service.nats_io import publish, request
 from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
 
@@ -261,7 +260,7 @@ def test_a_send_to_an_unknown_address_is_refused_not_fatal():
     never hand one to its transport: a hand-off reply naming an address no live decode
     worker has is refused before anything is gathered or sent."""
     from moemesh.services.prefill.service import KVSender
-    from moemesh.shared.kv.events import KVPeers
+    from moemesh.shared.protocol.registry import KVPeers
     from moemesh.shared.transport.base import TransferError
 
     class Transport:

@@ -10,9 +10,8 @@ import nats
 
 from moemesh.services.balancer.mover import MoveCoordinator
 from moemesh.shared.model.expert_parallel import contiguous_phy2log
-from moemesh.shared.protocol.messages import MoveAbort, MoveCommit, MovePlan, MoveStaged
+from moemesh.shared.protocol.messages import MoveAbort, MoveCommit, MovePlan, MoveStaged, decode
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import decode
 
 
 def test_a_commit_held_past_the_deadline_aborts_the_move_there(nats_url):

@@ -8,9 +8,8 @@ import logging
 import nats
 
 from moemesh.shared.config.common import ServiceConfig
-from moemesh.shared.protocol.messages import Ack, StatsRequest
+from moemesh.shared.protocol.messages import Ack, StatsRequest, encode
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import encode
 from moemesh.shared.service.parts import Bus
 from moemesh.shared.service.tasks import TaskSet
 

@@ -13,9 +13,8 @@ import time
 import httpx
 import nats
 
-from moemesh.shared.protocol.messages import PrefillJob
+from moemesh.shared.protocol.messages import PrefillJob, decode
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import decode
 from tests.services.test_in_process import _wait_free, mesh
 
 GATEWAY = {"max_inflight": 1, "admission_queue": 3, "admission_wait_s": 120.0}

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from moemesh.shared.protocol.messages import TokenResend
+from moemesh.shared.protocol.messages import PromptLogprobs, TokenResend
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.tokens import PromptLogprobs
 from moemesh.shared.service.token_publisher import LOST, TokenPublisher
 
 

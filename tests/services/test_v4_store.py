@@ -24,11 +24,10 @@ from moemesh.services.kv_store.service import KVStoreService
 from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
 from moemesh.shared.protocol.messages import (
-    Heartbeat, KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, WorkerLoad,
+    Heartbeat, KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, WorkerLoad, decode,
 )
 from moemesh.shared.protocol.prefix_hash import is_snapshot_key, snapshot_key
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import decode
 from moemesh.shared.service.nats_io import publish, request
 from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
 from tests.mesh.test_v4_reuse import TURNS as REUSE_TURNS

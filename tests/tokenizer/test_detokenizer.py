@@ -1,5 +1,4 @@
-from moemesh.shared.tokenizer.detokenizer import IncrementalDetokenizer
-from moemesh.shared.tokenizer.tokenizer import Tokenizer
+from moemesh.shared.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def _stream(tok, ids, stop=()):

@@ -23,9 +23,10 @@ import nats
 from moemesh.tools.bench.env import environment, percentile
 from moemesh.shared.eplb.placement import Placement
 from moemesh.tools.launch.up import Mesh, UpConfig
-from moemesh.shared.protocol.messages import ExpertLoad, RebalanceReply, RebalanceRequest, StatsRequest, WorkerStats
+from moemesh.shared.protocol.messages import (
+    ExpertLoad, RebalanceReply, RebalanceRequest, StatsRequest, WorkerStats, decode,
+)
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import decode
 from moemesh.shared.service.dep_runtime import tensor_from
 from moemesh.shared.service.nats_io import request
 

@@ -21,9 +21,8 @@ from moemesh.tools.bench.serve import workload as wl
 from moemesh.tools.bench.serve.client import ClientConfig
 from moemesh.tools.launch.up import Mesh, UpConfig, default_home, ensure_tiny_model
 from moemesh.shared.model.config import ModelConfig
-from moemesh.shared.protocol.messages import Heartbeat, StatsRequest, WorkerStats
+from moemesh.shared.protocol.messages import Heartbeat, StatsRequest, WorkerStats, decode
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import decode
 from moemesh.shared.service.nats_io import request
 
 

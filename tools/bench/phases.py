@@ -29,9 +29,8 @@ from moemesh.tools.bench.serve import workload as wl
 from moemesh.tools.bench.serve.client import ClientConfig
 from moemesh.shared.eplb.placement import Placement
 from moemesh.tools.launch.up import Mesh, UpConfig, ensure_tiny_model, default_home
-from moemesh.shared.protocol.messages import ExpertLoad, Heartbeat, StatsRequest, WorkerStats
+from moemesh.shared.protocol.messages import ExpertLoad, Heartbeat, StatsRequest, WorkerStats, decode
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import decode
 from moemesh.shared.service.dep_runtime import tensor_from
 from moemesh.shared.service.nats_io import request
 

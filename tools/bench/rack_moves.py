@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from moemesh.shared.protocol.messages import ExpertLoad, MoveStaged, RebalanceReply, RebalanceRequest
+from moemesh.shared.protocol.messages import ExpertLoad, MoveStaged, RebalanceReply, RebalanceRequest, decode
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.protocol.wire import decode
 from moemesh.shared.service.dep_runtime import tensor_bytes, tensor_from
 from moemesh.shared.service.nats_io import request
 

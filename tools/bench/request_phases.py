@@ -49,9 +49,8 @@ async def live_workers(nats_url: str, prefix: str = "mm", seconds: float = 2.5) 
     """The prefill and decode workers whose heartbeats come within `seconds` (a few beats)."""
     import nats
 
-    from moemesh.shared.protocol.messages import Heartbeat
+    from moemesh.shared.protocol.messages import Heartbeat, ProtocolError, decode
     from moemesh.shared.protocol.subjects import Subjects
-    from moemesh.shared.protocol.wire import ProtocolError, decode
 
     nc = await nats.connect(nats_url)
     seen: dict[str, str] = {}

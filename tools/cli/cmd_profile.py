@@ -134,9 +134,8 @@ async def _watch(nats_url: str, prefix: str, seconds: float, grace: float) -> tu
     """Waits out the window while noting which workers heartbeat; returns ((start, end) ns, workers)."""
     import nats
 
-    from moemesh.shared.protocol.messages import Heartbeat
+    from moemesh.shared.protocol.messages import Heartbeat, ProtocolError, decode
     from moemesh.shared.protocol.subjects import Subjects
-    from moemesh.shared.protocol.wire import ProtocolError, decode
 
     nc = await nats.connect(nats_url, connect_timeout=5, allow_reconnect=False)
     workers: dict[str, str] = {}

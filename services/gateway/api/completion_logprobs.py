@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob
+from moemesh.shared.protocol.messages import PromptLogprobs, TokenLogprob
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 Entry = tuple[int, float | None, list[tuple[int, float]]]
@@ -34,7 +34,7 @@ def token_text(tok: Tokenizer, as_ids: bool = False) -> Callable[[int], str]:
 
 
 def prompt_entries(ids: list[int], scores: PromptLogprobs, num_top: int) -> list[Entry]:
-    """The prompt's tokens; scores: the prefill's (protocol/tokens.py), one row per token after the first."""
+    """The prompt's tokens; scores: the prefill's (protocol/messages.py), one row per token after the first."""
     if scores.num_rows != len(ids) - 1:
         raise ValueError(f"{scores.num_rows} prompt scores for a prompt of {len(ids)} tokens")
     out: list[Entry] = [(ids[0], None, [])]

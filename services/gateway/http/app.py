@@ -66,8 +66,11 @@ class GatewayState:
     draining: bool = False
     m: dict = field(default_factory=dict)
     gate: Gate | None = None  # the in-flight slots and their queue; built from cfg when not given
+    # cfg.model_name, read once here: every request checks its model against it
+    model_name: str = field(init=False, default="")
 
     def __post_init__(self):
+        self.model_name = self.cfg.model_name
         if self.gate is None:
             c = self.cfg
             self.gate = Gate(c.max_inflight, c.admission_queue, c.admission_wait_s, c.admission_reserve,
@@ -292,8 +295,8 @@ async def _admit(request: Request, st: GatewayState, kind: str, span) -> api.Gen
         req = await asyncio.to_thread(_parse, raw, st, kind, header)
     else:
         req = _parse(raw, st, kind, header)
-    if req.model != st.cfg.model_name:
-        raise api.ApiError(404, f"model {req.model!r} does not exist; this server serves {st.cfg.model_name!r}",
+    if req.model != st.model_name:
+        raise api.ApiError(404, f"model {req.model!r} does not exist; this server serves {st.model_name!r}",
                            "model", code="model_not_found")
     n, m = max(map(len, req.prompts)), req.params.max_tokens
     if n + m > st.max_model_len:
@@ -358,13 +361,13 @@ async def models(request: Request) -> JSONResponse:
 async def model(request: Request) -> JSONResponse:
     st = _state(request)
     name = request.path_params["model"]
-    if name != st.cfg.model_name:
+    if name != st.model_name:
         raise api.ApiError(404, f"The model {name!r} does not exist", "model", code="model_not_found")
     return JSONResponse(_model_entry(st))
 
 
 def _model_entry(st: GatewayState) -> dict:
-    entry = {"id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "moemesh",
+    entry = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "moemesh",
              "max_model_len": st.max_model_len}
     engines = sorted({hb.engine for hb in st.mesh.live("decode") + st.mesh.live("prefill")})
     if engines and engines != ["model"]:
@@ -408,13 +411,13 @@ async def tokenize(request: Request) -> JSONResponse:
 
 
 def _tokenize(raw: bytes, st: GatewayState) -> dict:
-    return tokenizer_api.tokenize(_loads(raw), st.tok, st.cfg.model_name, st.max_model_len)
+    return tokenizer_api.tokenize(_loads(raw), st.tok, st.model_name, st.max_model_len)
 
 
 async def detokenize(request: Request) -> JSONResponse:
     st = _state(request)
     body = _loads(await _json_body(request, st))
-    return JSONResponse(tokenizer_api.detokenize(body, st.tok, st.cfg.model_name, st.vocab_size))
+    return JSONResponse(tokenizer_api.detokenize(body, st.tok, st.model_name, st.vocab_size))
 
 
 async def tokenizer_info(request: Request) -> JSONResponse:

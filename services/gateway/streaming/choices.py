@@ -59,10 +59,8 @@ from moemesh.services.gateway.api import openai_api as api
 from moemesh.services.gateway.api import span_attrs as attrs
 from moemesh.services.gateway.api.tool_calls import ToolCallParser
 from moemesh.services.gateway.http.server import unless_gone
-from moemesh.shared.protocol.messages import TokenEnd
-from moemesh.shared.protocol.tokens import PromptLogprobs, TokenLogprob
-from moemesh.shared.tokenizer.detokenizer import IncrementalDetokenizer
-from moemesh.shared.tokenizer.tokenizer import Tokenizer
+from moemesh.shared.protocol.messages import PromptLogprobs, TokenEnd, TokenLogprob
+from moemesh.shared.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 TIMED_OUT = "timed_out"
