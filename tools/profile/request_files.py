@@ -11,8 +11,10 @@ order the request first reaches them, by the same rules:
   in `shared/engine/` or `shared/model/` (so `engine.py` and the engine files the
   services call directly count, and nothing they call does);
 - code that runs whether or not a request is there does not count: each call is an edge
-  (calling function, called function), and every edge seen in an idle window of the
-  mesh before the request is dropped from the request's window.
+  (calling function, called function), and every edge seen in the idle windows of the
+  mesh before and after the request is dropped from the request's window. Each window
+  holds several heartbeats, so that a periodic check (a worker's beat, the gateway's
+  sweep for silent workers) is seen idle whatever the machine's load.
 
     moemesh profile --request-files [--out bench-results/request-files.json]
 """
@@ -133,9 +135,9 @@ async def _ready(url: str, timeout: float = 60.0) -> None:
             await asyncio.sleep(0.05)
 
 
-async def measure(nats_url: str, model: str, idle_s: float = 1.5, max_tokens: int = 8,
+async def measure(nats_url: str, model: str, idle_s: float = 2.0, max_tokens: int = 8,
                   transport: str = "ucx") -> dict:
-    """Runs one warm-up request, an idle window, then the counted request."""
+    """Runs one warm-up request, an idle window, the counted request, another idle window."""
     from moemesh.services.decode.config import DecodeConfig
     from moemesh.services.decode.service import DecodeService
     from moemesh.services.gateway.config import GatewayConfig
@@ -149,7 +151,7 @@ async def measure(nats_url: str, model: str, idle_s: float = 1.5, max_tokens: in
         hub = LoopbackHub()
         factory = lambda: LoopbackTransport(hub)  # noqa: E731
     common = dict(nats_url=nats_url, model=model, subject_prefix="rf", served_model_name="tiny",
-                  heartbeat_interval_s=0.2, staging_mb=16, num_kv_blocks=256)
+                  heartbeat_interval_s=0.4, staging_mb=16, num_kv_blocks=256)
     rec = EdgeRecorder()
     rec.install()  # before the services start, so that their threads carry the hook
     try:
@@ -170,8 +172,10 @@ async def measure(nats_url: str, model: str, idle_s: float = 1.5, max_tokens: in
             await _chat(url, max_tokens)
             await asyncio.sleep(0.3)  # the workers' release and the gateway's span end
             request_s = time.perf_counter() - t0
-            rec.on = False
             request = rec.take()
+            await asyncio.sleep(idle_s)
+            idle |= rec.take()
+            rec.on = False
     finally:
         rec.remove()
     files = request_files(request, idle)
