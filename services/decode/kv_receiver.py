@@ -9,7 +9,7 @@ TRANSFERRING -> SUCCESS | FAILED, for the whole message. The receive is posted b
 the reply goes, so the sender never waits for the receiver. A sender that cannot send
 says so (KVSendFailed, by tag) and the receive fails at once; a sender that says nothing
 leaves it to the transfer timeout. Clean-up on failure is the staged receive's
-(shared/kv/receive.py).
+(StagedReceive, shared/transport/staging.py).
 
 The staging range is shared by the requests' imports, which happen one by one as cache
 blocks free up: it is freed when the last of them is done (imported, failed or aborted).
@@ -22,10 +22,9 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from moemesh.shared.kv.receive import StagedReceive
 from moemesh.shared.protocol.messages import KVReady, KVReadyItem
 from moemesh.shared.transport.base import KVTransport, TransferError, TransferState
-from moemesh.shared.transport.staging import StagingPool, StagingSlot
+from moemesh.shared.transport.staging import StagedReceive, StagingPool, StagingSlot
 
 log = logging.getLogger(__name__)
 

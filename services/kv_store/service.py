@@ -19,7 +19,6 @@ import numpy as np
 from moemesh.services.kv_store.config import KVStoreConfig
 from moemesh.services.kv_store.tiers import DiskTier, MemoryTier
 from moemesh.shared.kv.events import KVEventPublisher
-from moemesh.shared.kv.receive import StagedReceive
 from moemesh.shared.protocol.messages import (
     Heartbeat,
     KVEvents,
@@ -43,7 +42,7 @@ from moemesh.shared.service.parts import Bus, TransportFactory, opened, ucx_tran
 from moemesh.shared.service.tasks import TaskSet
 from moemesh.shared.telemetry.metrics import Metrics
 from moemesh.shared.transport.base import TransferError
-from moemesh.shared.transport.staging import StagingPool
+from moemesh.shared.transport.staging import StagedReceive, StagingPool
 
 log = logging.getLogger(__name__)
 

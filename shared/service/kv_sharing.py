@@ -27,7 +27,6 @@ from moemesh.shared.config.common import WorkerConfig
 from moemesh.shared.engine import block_io
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.kv.events import KVEventPublisher
-from moemesh.shared.kv.receive import StagedReceive
 from moemesh.shared.kv.spec import KVSpec, compatible
 from moemesh.shared.protocol.messages import (
     KVEvents, KVFetch, KVFetchReply, KVPut, KVPutReply, KVSnapshotRequest, KVSource,
@@ -41,7 +40,7 @@ from moemesh.shared.service.parts import Bus
 from moemesh.shared.service.tasks import TaskSet
 from moemesh.shared.telemetry.metrics import Metrics
 from moemesh.shared.transport.base import KVTransport, TransferError
-from moemesh.shared.transport.staging import StagingPool
+from moemesh.shared.transport.staging import StagedReceive, StagingPool
 
 log = logging.getLogger(__name__)
 _PUSHED_MEMORY = 65536  # hashes remembered as already offered to the store

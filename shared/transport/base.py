@@ -17,7 +17,7 @@ class TransferState(enum.Enum):
 
     BOOTSTRAPPING -> WAITING_FOR_INPUT -> TRANSFERRING -> SUCCESS, or FAILED from any.
     A bare Transfer starts at WAITING_FOR_INPUT; BOOTSTRAPPING is the staged receive's
-    (shared/kv/receive.py) time between reserving staging memory and posting."""
+    (StagedReceive, shared/transport/staging.py) time between reserving staging memory and posting."""
 
     BOOTSTRAPPING = "bootstrapping"  # staging reserved, receive not posted yet
     WAITING_FOR_INPUT = "waiting_for_input"  # receive posted, nothing arrived yet

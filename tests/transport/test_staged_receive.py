@@ -8,10 +8,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from moemesh.shared.kv.receive import StagedReceive
 from moemesh.shared.transport.base import Transfer, TransferError, TransferState
 from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
-from moemesh.shared.transport.staging import StagingPool
+from moemesh.shared.transport.staging import StagedReceive, StagingPool
 
 N = 4096
 
