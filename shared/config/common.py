@@ -75,6 +75,8 @@ class WorkerConfig(ServiceConfig):
     staging_mb: int = 256
     ucx_net_devices: str = ""
     ucx_tls: str = ""
+    # a send waits this long progressing UCX before sleeping on its event fd (0: never)
+    ucx_send_spin_us: float = 400.0
     transfer_timeout_s: float = 10.0
     # sent token batches are kept this long, for a gateway that lost some (a NATS outage)
     token_retention_s: float = 30.0
@@ -126,6 +128,8 @@ class WorkerConfig(ServiceConfig):
             raise ValueError(f"mock_accept_rate must be at most 1 (or < 0: no draft head), got {self.mock_accept_rate}")
         if self.eplb_redundant < 0:
             raise ValueError("eplb_redundant must be >= 0")
+        if self.ucx_send_spin_us < 0:
+            raise ValueError(f"ucx_send_spin_us must be >= 0, got {self.ucx_send_spin_us}")
         if self.engine not in ("model", "mock"):
             raise ValueError("engine must be 'model' or 'mock'")
         if not 0 <= self.mock_expert_share <= 1:

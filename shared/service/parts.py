@@ -74,7 +74,7 @@ def ucx_transport(cfg: ServiceConfig) -> TransportFactory:
     def make() -> KVTransport:
         from moemesh.shared.transport.ucx import UcxTransport  # ucxx loads only where it is used
 
-        return UcxTransport(cfg.ucx_net_devices, cfg.ucx_tls)
+        return UcxTransport(cfg.ucx_net_devices, cfg.ucx_tls, cfg.ucx_send_spin_us)
 
     return make
 

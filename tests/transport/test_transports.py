@@ -232,3 +232,37 @@ def test_ucx_a_peer_that_is_gone_costs_a_timeout_never_a_hang():
             await a.close()
 
     asyncio.run(asyncio.wait_for(go(), 20))
+
+
+@pytest.mark.parametrize("spin_us", [0.0, 400.0])
+def test_ucx_sends_in_flight_land_with_and_without_the_send_spin(spin_us):
+    """The spin only changes how a send waits for its answer, never what lands: sends
+    in flight together, of every protocol size, each in its own buffer."""
+    from moemesh.shared.transport.ucx import UcxTransport
+
+    async def go():
+        a, b = UcxTransport(send_spin_us=spin_us), UcxTransport(send_spin_us=spin_us)
+        await a.start()
+        await b.start()
+        try:
+            sizes = [8, 4 << 10, 64 << 10, 1 << 20, 3 << 20] * 2
+            srcs = [np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i, n in enumerate(sizes)]
+            dsts = [np.zeros(n, np.uint8) for n in sizes]
+            transfers = [b.post_recv(d, tag=500 + i) for i, d in enumerate(dsts)]
+            await asyncio.gather(*(a.send(b.address, s, 500 + i, timeout=10) for i, s in enumerate(srcs)))
+            for tr in transfers:
+                await tr.wait(10)
+            assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
+            assert not a._spinning  # no spin left scheduled once every send has ended
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
+
+
+def test_a_negative_send_spin_is_refused():
+    from moemesh.shared.config.common import WorkerConfig
+
+    with pytest.raises(ValueError, match="ucx_send_spin_us"):
+        WorkerConfig(model="m", ucx_send_spin_us=-1)

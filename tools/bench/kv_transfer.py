@@ -36,6 +36,7 @@ class KVBenchConfig:
     nats_url: str = ""  # empty: start a nats-server for the run
     tls: str = ""
     context_lens: tuple[int, ...] = ()  # per-request sizes at these contexts instead of `sizes`
+    send_spin_us: float = -1.0  # < 0: the transport's default, as the workers run it
 
     def __post_init__(self):
         if self.context_lens:
@@ -58,17 +59,22 @@ def copy_bandwidth(nbytes: int, min_seconds: float = 0.2) -> float:
     return percentile(rates, 50)
 
 
-def _receiver(nats_url: str, sizes, iters, repeats, tls: str) -> None:
-    asyncio.run(_receive(nats_url, sizes, iters, repeats, tls))
+def _receiver(nats_url: str, sizes, iters, repeats, tls: str, spin: float) -> None:
+    asyncio.run(_receive(nats_url, sizes, iters, repeats, tls, spin))
 
 
-async def _receive(nats_url, sizes, iters, repeats, tls) -> None:
+def _transport(tls: str, spin: float):
+    from moemesh.shared.transport.ucx import UcxTransport
+
+    return UcxTransport(tls=tls) if spin < 0 else UcxTransport(tls=tls, send_spin_us=spin)
+
+
+async def _receive(nats_url, sizes, iters, repeats, tls, spin) -> None:
     import nats
 
     from moemesh.shared.transport.staging import StagingPool
-    from moemesh.shared.transport.ucx import UcxTransport
 
-    t = UcxTransport(tls=tls)
+    t = _transport(tls, spin)
     await t.start()
     pool = StagingPool(sum(sizes) + (1 << 20))  # a slot a size, all at once
     nc = await nats.connect(nats_url)
@@ -106,9 +112,8 @@ async def _send(cfg: KVBenchConfig, nats_url: str) -> list[dict]:
     import nats
 
     from moemesh.shared.transport.staging import StagingPool
-    from moemesh.shared.transport.ucx import UcxTransport
 
-    t = UcxTransport(tls=cfg.tls)
+    t = _transport(cfg.tls, cfg.send_spin_us)
     await t.start()
     nc = await nats.connect(nats_url)
     addr = asyncio.get_running_loop().create_future()
@@ -161,7 +166,8 @@ def run(cfg: KVBenchConfig) -> dict:
             start_nats(group, port)
             nats_url = f"nats://127.0.0.1:{port}"
         ctx = mp.get_context("spawn")
-        child = ctx.Process(target=_receiver, args=(nats_url, cfg.sizes, cfg.iters, cfg.repeats, cfg.tls),
+        child = ctx.Process(target=_receiver, args=(nats_url, cfg.sizes, cfg.iters, cfg.repeats, cfg.tls,
+                                                          cfg.send_spin_us),
                             daemon=True)
         child.start()
         try:
