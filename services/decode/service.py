@@ -45,8 +45,7 @@ from moemesh.shared.service.gateway_watch import GatewayWatch
 from moemesh.shared.service.runtime import Tombstones, TransportFactory, WorkerRuntime
 from moemesh.shared.service.step_accounting import PhaseLog
 from moemesh.shared.service.token_publisher import end_fields, rows
-from moemesh.shared.telemetry.propagation import extract_context, traceparent_of
-from moemesh.shared.telemetry.tracing import exports_spans
+from moemesh.shared.telemetry.tracing import exports_spans, extract_context, traceparent_of
 from moemesh.shared.transport.base import TransferState
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from moemesh.shared.config.common import ServiceConfig
 from moemesh.shared.protocol.messages import ErrorReply, ProtocolError, decode, encode, from_plain, sender_matches
-from moemesh.shared.telemetry.propagation import extract_context
+from moemesh.shared.telemetry.tracing import extract_context
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -2,8 +2,7 @@
 
 import json
 
-from moemesh.shared.telemetry.propagation import extract_context, inject_headers
-from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown
+from moemesh.shared.telemetry.tracing import extract_context, get_tracer, inject_headers, setup_tracing, shutdown
 from tests.cli_in_process import moemesh
 
 

@@ -7,8 +7,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from moemesh.shared.telemetry.propagation import extract_context, inject_headers
-from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown
+from moemesh.shared.telemetry.tracing import extract_context, get_tracer, inject_headers, setup_tracing, shutdown
 
 
 @pytest.fixture

@@ -46,8 +46,9 @@ from moemesh.services.gateway.streaming import choices
 from moemesh.shared.model.config import ModelConfig
 from moemesh.shared.service.metrics_http import MetricsServer
 from moemesh.shared.telemetry.metrics import REQUEST_LATENCY_BUCKETS, Metrics
-from moemesh.shared.telemetry.propagation import extract_context, inject_headers
-from moemesh.shared.telemetry.tracing import get_tracer, setup_tracing, shutdown as shutdown_tracing
+from moemesh.shared.telemetry.tracing import (
+    extract_context, get_tracer, inject_headers, setup_tracing, shutdown as shutdown_tracing,
+)
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
