@@ -47,10 +47,9 @@ from moemesh.shared.engine import fork_io
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.kv.spec import compatible
-from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
-    ALREADY_SERVED, Abort, Ack, ErrorReply, KVReady, KVReadyItem, KVReadyReply, KVRelease, KVSendFailed,
-    PrefillJob,
+    ALREADY_SERVED, Abort, Ack, ErrorReply, KVReady, KVReadyItem, KVReadyReply, KVRelease, KVSendFailed, PrefillJob,
+    SamplingParamError,
 )
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish

@@ -46,7 +46,6 @@ from moemesh.shared.engine.outputs import StepOutputs, StepStats
 from moemesh.shared.protocol.forks import MAX_N, fork_ids, fork_params
 from moemesh.shared.protocol.prefix_hash import chain
 from moemesh.shared.protocol.registry import KVPeers, first_beat_wait_s
-from moemesh.shared.protocol.sampling import SamplingParamError
 from moemesh.shared.protocol.messages import (
     ALREADY_SERVED,
     Abort,
@@ -59,6 +58,7 @@ from moemesh.shared.protocol.messages import (
     KVRelease,
     KVSendFailed,
     PrefillJob,
+    SamplingParamError,
     WireSampling,
 )
 from moemesh.shared.kv.spec import KVSpec

@@ -26,8 +26,7 @@ from moemesh.shared.engine.scheduler import Scheduler
 from moemesh.shared.engine.sequence import FinishReason, Sequence, SeqStatus
 from moemesh.shared.engine.snapshots import usable_depth
 from moemesh.shared.grammar.compile import GrammarError
-from moemesh.shared.protocol.sampling import SamplingParams
-from moemesh.shared.protocol.messages import PromptLogprobs
+from moemesh.shared.protocol.messages import PromptLogprobs, SamplingParams
 
 
 class Admission:

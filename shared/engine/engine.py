@@ -54,7 +54,7 @@ from moemesh.shared.engine.outputs import (
 from moemesh.shared.engine.planned_step import BLOCKED, Blocked, PlannedStep, next_step_id, run
 from moemesh.shared.engine.prefix_cache import PrefixCache
 from moemesh.shared.protocol.prefix_hash import kv_identity
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from moemesh.shared.engine.block_table import BlockTables
 from moemesh.shared.engine.runner import Chunk, Padding, build_batch
 from moemesh.shared.engine.scheduler import Scheduler, SchedulerConfig

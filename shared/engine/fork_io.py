@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from moemesh.shared.engine.engine import LLMEngine, NoCapacity, RequestError
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 
 def num_shared(num_prompt_tokens: int, block_size: int) -> int:

@@ -35,7 +35,7 @@ import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from moemesh.shared.grammar.compile import GrammarError, to_library
-from moemesh.shared.protocol.sampling import GrammarSpec
+from moemesh.shared.protocol.messages import GrammarSpec
 
 
 # From this many constrained rows in a step, masks are computed and tokens consumed on the

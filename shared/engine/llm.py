@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.protocol.sampling import SamplingParams
-from moemesh.shared.protocol.messages import PromptLogprobs
+from moemesh.shared.protocol.messages import PromptLogprobs, SamplingParams
 from moemesh.shared.engine.sequence import FinishReason
 from moemesh.shared.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 

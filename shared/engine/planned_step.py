@@ -29,8 +29,7 @@ from moemesh.shared.engine.fork import copy_blocks
 from moemesh.shared.engine.runner import Chunk
 from moemesh.shared.engine.sequence import Sequence
 from moemesh.shared.model.batch import ForwardBatch
-from moemesh.shared.protocol.sampling import SamplingParams
-from moemesh.shared.protocol.messages import TokenLogprob
+from moemesh.shared.protocol.messages import SamplingParams, TokenLogprob
 
 _step_ids = itertools.count()
 

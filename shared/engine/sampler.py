@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moemesh.shared.protocol.sampling import SamplingParams
-from moemesh.shared.protocol.messages import TokenLogprob
+from moemesh.shared.protocol.messages import SamplingParams, TokenLogprob
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moemesh.shared.protocol.sampling import SamplingParams
-from moemesh.shared.protocol.messages import PromptLogprobs, TokenLogprob
+from moemesh.shared.protocol.messages import PromptLogprobs, SamplingParams, TokenLogprob
 
 _arrival = itertools.count()
 # Stands for a token that a step in flight is sampling; the step's landing overwrites it.

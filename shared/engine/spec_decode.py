@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from moemesh.shared.engine.sampler import draw_with, processed_probs, uniforms
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 
 def accept_greedy(best: list[int], drafts: list[int]) -> list[int]:

@@ -46,7 +46,7 @@ from moemesh.shared.engine.runner import Chunk, build_batch
 from moemesh.shared.engine.sequence import PLACEHOLDER, SeqStatus, StopRule
 from moemesh.shared.engine.spec_decode import verify_tensors
 from moemesh.shared.model.batch import ForwardBatch
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 # `eng` below is the LLMEngine (engine.py), which imports this module: named, not imported.
 

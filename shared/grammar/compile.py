@@ -15,7 +15,7 @@ import json
 
 from llguidance import LLMatcher, LLTokenizer
 
-from moemesh.shared.protocol.sampling import GrammarSpec
+from moemesh.shared.protocol.messages import GrammarSpec
 
 # The JSON compiler's options, as llguidance reads them from a schema's "x-guidance" key.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

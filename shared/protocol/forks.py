@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moemesh.shared.protocol.sampling import INT64, SamplingParams
+from moemesh.shared.protocol.messages import INT64, SamplingParams
 
 MAX_N = 128  # the most children a worker accepts in one job; the gateway's own bound is lower
 

@@ -41,7 +41,7 @@ def test_the_engine_runs_the_trained_weights_target_and_draft(trained):
     from moemesh.shared.checkpoint.loader import load_model
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.engine import LLMEngine
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParams
     from moemesh.tools.train.trainer import _V3Trainee
 
     d = trained.out_dir

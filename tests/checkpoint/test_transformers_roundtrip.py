@@ -23,7 +23,7 @@ from moemesh.shared.checkpoint.loader import CheckpointError, load_model
 from moemesh.shared.checkpoint.writer import init_model
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.checkpoint.hf_built import PRESETS, reference
 
 # V4: past the sliding window (8) and one HCA block (16), and across two of them.

@@ -35,7 +35,7 @@ def test_generate_with_chat_template(tiny_model):
 def test_generate_on_deepseek_v4_gives_the_engines_greedy_tokens(tiny_v4_model):
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.llm import LLM
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParams
 
     prompts = ["Hello there", "The experts of the fourth model route every token through the mesh " * 3]
     r = in_process("generate", "--model", tiny_v4_model, "--max-tokens", "8", "--json", *prompts)

@@ -15,7 +15,7 @@ def run_rank(rank: int, world: int, init_method: str, model_dir: str, prompts: l
     from moemesh.shared.engine.engine import LLMEngine
     from moemesh.shared.model.config import ModelConfig
     from moemesh.shared.model.expert_parallel import ExpertParallel
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParams
 
     dp = DPGroup(rank, world, init_method)
     try:

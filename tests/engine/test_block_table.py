@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from moemesh.shared.engine.block_table import BlockTables
 from moemesh.shared.engine.runner import ROWWISE_MAX, Chunk, Padding, build_batch
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 BS = 4
 

@@ -8,7 +8,7 @@ from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.decode_graphs import DecodeGraphs, buckets
 from moemesh.shared.engine.load_tracker import LoadTracker
 from moemesh.shared.engine.runner import Chunk, _get, build_batch, index_tensors
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.engine.step_drivers import run_overlapped
 
 

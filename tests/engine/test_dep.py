@@ -47,7 +47,7 @@ def _dep(model_dir, world, redundant, prompts, max_tokens, num_spec, phy2log=Non
 def test_dep_outputs_equal_dep1(tiny_engine_factory, tiny_model, world, redundant, num_spec):
     prompts = _prompts(6 if world == 4 else 5)
     max_tokens = 8
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParams
 
     eng = tiny_engine_factory(num_speculative_tokens=num_spec)
     for i, p in enumerate(prompts):
@@ -65,7 +65,7 @@ def test_dep_v4_outputs_equal_dep1_hash_layers_included(tiny_v4_model):
     hash-routed, and all of them go through the all-to-all."""
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.engine import LLMEngine
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParams
 
     prompts = _prompts(5, seed=3)
     eng = LLMEngine(EngineConfig(model=tiny_v4_model, num_kv_blocks=256, num_speculative_tokens=1))
@@ -79,7 +79,7 @@ def test_dep_v4_outputs_equal_dep1_hash_layers_included(tiny_v4_model):
 
 
 def _greedy(eng, prompts, max_tokens) -> dict[str, list[int]]:
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParams
 
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
@@ -177,6 +177,6 @@ def test_a_skewed_hash_layer_is_balanced_through_replicas(tiny_v4_model):
 
 
 def _sp(max_tokens: int):
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

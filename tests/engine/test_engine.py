@@ -4,7 +4,7 @@ import torch
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.llm import LLM
 from moemesh.shared.engine.config import EngineConfig
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 
 def _drain(eng):

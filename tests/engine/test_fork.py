@@ -6,7 +6,7 @@ import torch
 
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.protocol.forks import fork_ids, fork_params, fork_seed
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.engine.step_drivers import run_overlapped, run_whole
 
 PROMPT = [0] + [5 + i % 40 for i in range(20)]  # 21 tokens: at block size 16, one full block and a tail
@@ -221,7 +221,7 @@ def test_a_child_refused_at_import_takes_its_siblings_with_it(tiny_engine_factor
     import json
 
     from moemesh.shared.engine import fork_io
-    from moemesh.shared.protocol.sampling import GrammarSpec
+    from moemesh.shared.protocol.messages import GrammarSpec
     from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
     p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

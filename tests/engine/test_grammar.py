@@ -11,8 +11,7 @@ import torch
 
 from moemesh.shared.engine.engine import RequestError
 from moemesh.shared.engine.grammar import GrammarRuntime
-from moemesh.shared.protocol.messages import WireSampling, decode, encode
-from moemesh.shared.protocol.sampling import GrammarSpec, SamplingParams
+from moemesh.shared.protocol.messages import GrammarSpec, SamplingParams, WireSampling, decode, encode
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 from tests.json_check import validate
 

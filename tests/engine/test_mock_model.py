@@ -44,7 +44,7 @@ def test_a_stalled_wake_up_does_not_shorten_the_steps_after_it(tiny_model, monke
 def _run(tiny_model, k: int | None, accept: float | None, n: int = 24, max_tokens: int = 40):
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.engine import LLMEngine
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParams
 
     mock = MockModel(ModelConfig.from_dir(tiny_model), 0.0, accept)
     eng = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=512, max_num_seqs=n, num_speculative_tokens=k),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from moemesh.shared.engine.engine import RequestError
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.mock_model import MockModel
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from moemesh.shared.model.config import ModelConfig
 from tests.engine.step_drivers import run_overlapped, run_whole
 

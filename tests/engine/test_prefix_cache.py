@@ -2,7 +2,7 @@ import random
 
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.protocol.prefix_hash import ROOT, block_hash, chain
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 
 def test_hash_chain_is_content_addressed_and_prefix_sensitive():

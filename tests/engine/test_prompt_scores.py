@@ -9,7 +9,7 @@ import random
 import pytest
 
 from moemesh.shared.engine.sampler import LOGPROB_FLOOR
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 PROMPT = [0] + [random.Random(3).randrange(4, 1000) for _ in range(40)]
 K = 3

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from moemesh.shared.engine import sampler
-from moemesh.shared.protocol.sampling import SamplingParamError, SamplingParams
+from moemesh.shared.protocol.messages import SamplingParamError, SamplingParams
 
 
 def test_greedy_is_argmax():

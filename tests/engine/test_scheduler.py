@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moemesh.shared.engine.block_manager import BlockManager
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from moemesh.shared.engine.scheduler import Scheduler, SchedulerConfig
 from moemesh.shared.engine.sequence import FinishReason, SeqStatus, Sequence
 

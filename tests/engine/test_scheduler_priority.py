@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.scheduler import Scheduler, SchedulerConfig
 from moemesh.shared.engine.sequence import SeqStatus, Sequence
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.engine.test_scheduler import _execute
 
 

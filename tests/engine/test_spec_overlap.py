@@ -10,7 +10,7 @@ from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.mock_model import MockModel
 from moemesh.shared.model.config import ModelConfig
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.engine.step_drivers import drive_overlapped as run_overlapped, run_whole
 
 

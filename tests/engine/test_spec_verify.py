@@ -1,6 +1,6 @@
 import torch
 
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from moemesh.shared.engine.spec_decode import verify
 
 

@@ -9,7 +9,7 @@ from moemesh.shared.engine.block_manager import BlockManager
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine, RequestError
 from moemesh.shared.engine.runner import build_batch
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 
 def _engine(model_dir, **kw) -> LLMEngine:

@@ -14,7 +14,7 @@ from moemesh.shared.engine import fork_io
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.kv.spec import describe
 from moemesh.shared.protocol.forks import fork_ids, fork_params
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.engine.test_fork import _forks
 from tests.engine.step_drivers import run_overlapped, run_whole
 
@@ -266,7 +266,7 @@ def test_a_child_refused_at_import_takes_its_siblings_and_their_rings_with_it(v4
     import json
 
     from moemesh.shared.engine.engine import RequestError
-    from moemesh.shared.protocol.sampling import GrammarSpec
+    from moemesh.shared.protocol.messages import GrammarSpec
     from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
     dec = v4(role="decode", num_speculative_tokens=0)

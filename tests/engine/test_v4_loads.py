@@ -7,7 +7,7 @@ import torch
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.load_tracker import LoadTracker
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 
 def test_every_v4_layer_is_counted_and_hash_layers_follow_their_table(tiny_v4_model):

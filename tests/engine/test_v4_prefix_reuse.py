@@ -12,7 +12,7 @@ import random
 import pytest
 
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 BS = 16
 

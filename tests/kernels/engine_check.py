@@ -17,7 +17,7 @@ import sys
 from moemesh.shared.checkpoint.loader import load_model
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from moemesh.shared.kernels import (fused_moe, hyper, kv_pack, mla_decode, rmsnorm, rotary, route, swiglu, v4_attention,
                                     v4_compress, v4_indexer, v4_rope)
 

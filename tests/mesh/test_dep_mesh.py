@@ -12,10 +12,9 @@ import nats
 import pytest
 import torch
 
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import ExpertLoad, RebalanceReply, RebalanceRequest, SamplingParams, decode
 from moemesh.tools.launch.procs import free_port
 from moemesh.shared.model.expert_parallel import contiguous_phy2log
-from moemesh.shared.protocol.messages import ExpertLoad, RebalanceReply, RebalanceRequest, decode
 from moemesh.shared.service.dep_runtime import tensor_bytes
 from moemesh.shared.service.nats_io import request
 from moemesh.shared.protocol.subjects import Subjects

@@ -17,8 +17,7 @@ import time
 import httpx
 import nats
 
-from moemesh.shared.protocol.messages import MoveStaged, decode
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import MoveStaged, SamplingParams, decode
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.nats_io import NoResponders
 from tests.mesh.test_dep_mesh import PROMPTS, _mesh, _placement_version, _rebalance, _stream_all, _swap_halves

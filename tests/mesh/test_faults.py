@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from moemesh.services.gateway.mesh.client import CLIENT_ERROR
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.mesh.conftest import start_mesh
 
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 
 PROMPTS = [f"The expert number {i} routes tokens to the mesh" + " and more" * (i % 5) for i in range(32)]
 

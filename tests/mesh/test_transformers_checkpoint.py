@@ -16,7 +16,7 @@ import pytest
 
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.llm import LLM
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.checkpoint.hf_built import reference
 from tests.mesh.conftest import kill_prefill, start_mesh, worker_stats
 

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from moemesh.shared.model.expert_parallel import contiguous_phy2log
-from moemesh.shared.protocol.messages import ExpertLoad, decode
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import ExpertLoad, SamplingParams, decode
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.dep_runtime import tensor_from
 from tests.mesh.test_dep_mesh import PROMPTS, _mesh, _placement_version, _rebalance, _stream_all

@@ -17,7 +17,7 @@ import math
 import httpx
 import pytest
 
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.services.conftest import nats_url  # noqa: F401 (fixture)
 from tests.services.test_in_process import _metric, _wait_free, mesh
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.mesh.conftest import start_mesh, wait_free, worker_stats
 
 # Two running sequences per worker means four window rings (two more for held requests):

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.mesh.conftest import kill_prefill, start_mesh, wait_free, worker_stats
 
 TURNS = ["Plan a trip to the mesh of experts", "Add the tool output: rank 3 is hot",

@@ -9,7 +9,7 @@ from moemesh.shared.checkpoint.loader import load_model
 from moemesh.shared.engine import sampler as sampler_mod
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.oracle.conftest import NEW_TOKENS, Reference
 
 _models: dict[str, torch.nn.Module] = {}

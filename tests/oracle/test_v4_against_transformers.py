@@ -15,7 +15,7 @@ from moemesh.shared.engine import sampler as sampler_mod
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.kv.spec import describe
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.oracle.conftest import Reference
 from tests.oracle.v4_reference import mtp_reference_logits, reference
 

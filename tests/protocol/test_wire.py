@@ -63,7 +63,7 @@ def test_optional_and_nested_defaults():
 
 
 def test_wire_sampling_validates_through_sampling_params():
-    from moemesh.shared.protocol.sampling import SamplingParamError
+    from moemesh.shared.protocol.messages import SamplingParamError
 
     with pytest.raises(SamplingParamError):
         WireSampling(max_tokens=0).to_params()
@@ -78,8 +78,7 @@ def test_msgspec_writes_the_bytes_the_field_walk_wrote():
     # the swap to msgspec kept the wire format: a map per message, fields by name, in order
     import dataclasses
 
-    from moemesh.shared.protocol.messages import Heartbeat, PrefillJob, WireSampling, WorkerLoad
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import Heartbeat, PrefillJob, SamplingParams, WireSampling, WorkerLoad
 
     def walk(v):
         if dataclasses.is_dataclass(v):
@@ -98,7 +97,7 @@ def test_msgspec_writes_the_bytes_the_field_walk_wrote():
 
 
 def test_priority_travels_with_the_sampling_and_an_old_sender_means_the_default():
-    from moemesh.shared.protocol.sampling import PRIORITY_MAX, PRIORITY_MIN, SamplingParamError, SamplingParams
+    from moemesh.shared.protocol.messages import PRIORITY_MAX, PRIORITY_MIN, SamplingParamError, SamplingParams
 
     job = PrefillJob("r", [1, 2], WireSampling.from_params(SamplingParams(priority=-3)), "g", "d")
     assert decode(encode(job), PrefillJob).sampling.to_params().priority == -3

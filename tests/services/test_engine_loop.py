@@ -61,7 +61,7 @@ def test_a_request_arriving_mid_step_joins_the_next_step_when_planned_late(tiny_
     from moemesh.shared.engine.engine import LLMEngine
     from moemesh.shared.engine.mock_model import MockModel
     from moemesh.shared.model.config import ModelConfig
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParams
     from moemesh.shared.service.lockstep import Lockstep
 
     engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=64, max_num_seqs=4),

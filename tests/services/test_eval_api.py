@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from tests.services.test_in_process import _wait_free, mesh
 
 PROMPTS = ["The experts of the mesh", "route every token to", "a few of them"]

@@ -10,9 +10,8 @@ import pytest
 from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.mesh.client import CLIENT_ERROR, MeshClient, Rejected
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, ErrorReply, Heartbeat, PrefillJob, TokenBatch, TokenEnd, WorkerLoad, decode, encode,
+    Abort, Ack, ErrorReply, Heartbeat, PrefillJob, SamplingParams, TokenBatch, TokenEnd, WorkerLoad, decode, encode,
 )
-from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
 
 S = Subjects()

@@ -26,10 +26,9 @@ from moemesh.services.kv_store.config import KVStoreConfig
 from moemesh.services.kv_store.service import KVStoreService
 from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
-from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.messages import (
     Abort, Ack, ErrorReply, Heartbeat, KVFetch, KVFetchReply, KVPut, KVPutReply, KVReady, KVReadyItem, KVReadyReply,
-    PrefillJob, RebalanceReply, RebalanceRequest, WireSampling, WorkerLoad, decode,
+    PrefillJob, RebalanceReply, RebalanceRequest, SamplingParams, WireSampling, WorkerLoad, decode,
 )
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.nats_io import publish, request

@@ -22,8 +22,7 @@ from moemesh.services.gateway.config import GatewayConfig
 from moemesh.services.gateway.service import GatewayService
 from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
-from moemesh.shared.protocol.messages import TokenBatch, decode
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams, TokenBatch, decode
 from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
 
 STREAMS, MAX_TOKENS = 12, 150

@@ -19,7 +19,7 @@ from moemesh.services.gateway.service import GatewayService
 from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
 from moemesh.shared.protocol.forks import fork_seed
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
 from tests.services.test_in_process import _all_free, _wait_free, kv_ready_seen, mesh
 

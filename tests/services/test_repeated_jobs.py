@@ -14,8 +14,7 @@ from moemesh.services.decode.config import DecodeConfig
 from moemesh.services.decode.service import DecodeService
 from moemesh.services.prefill.config import PrefillConfig
 from moemesh.services.prefill.service import PrefillService
-from moemesh.shared.protocol.messages import Ack, PrefillJob, TokenBatch, WireSampling, decode
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import Ack, PrefillJob, SamplingParams, TokenBatch, WireSampling, decode
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.nats_io import request
 from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport

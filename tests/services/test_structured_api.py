@@ -16,7 +16,7 @@ from moemesh.services.gateway.api import openai_api as api
 from moemesh.services.gateway.api.tool_calls import MARKERS, ToolCallParser
 from moemesh.services.gateway.streaming import choices
 from moemesh.services.gateway.streaming.choices import Choices, Handle
-from moemesh.shared.protocol.sampling import GrammarSpec
+from moemesh.shared.protocol.messages import GrammarSpec
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {

@@ -31,7 +31,7 @@ import torch
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.llm import LLM
 from moemesh.shared.model.config import ModelConfig
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from moemesh.tools.bench import hf_oracle
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -17,7 +17,7 @@ import torch
 from moemesh.tools.bench.env import environment, percentile
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from moemesh.shared.model.config import ModelConfig
 
 

@@ -31,7 +31,7 @@ from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.engine.mock_model import MockModel
 from moemesh.shared.model.config import ModelConfig
-from moemesh.shared.protocol.sampling import GrammarSpec, SamplingParams
+from moemesh.shared.protocol.messages import GrammarSpec, SamplingParams
 from moemesh.tools.bench.env import environment, percentile
 
 SCHEMA = {"type": "object", "properties": {

@@ -29,7 +29,7 @@ from moemesh.shared.checkpoint.loader import load_model
 from moemesh.shared.checkpoint.writer import init_model
 from moemesh.shared.engine.config import EngineConfig
 from moemesh.shared.engine.engine import LLMEngine
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from moemesh.tools.bench import forward
 
 

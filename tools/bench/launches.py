@@ -38,7 +38,7 @@ from moemesh.shared.engine import host_copy
 from moemesh.shared.engine.engine import LLMEngine
 from moemesh.shared.kernels.dispatch import ENV_VAR
 from moemesh.shared.model.config import ModelConfig
-from moemesh.shared.protocol.sampling import SamplingParams
+from moemesh.shared.protocol.messages import SamplingParams
 from moemesh.tools.bench.env import environment
 from moemesh.tools.bench.forward import fill_dummy
 from moemesh.tools.bench.launch_count import LaunchCounter, counting_triton

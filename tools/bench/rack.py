@@ -383,7 +383,7 @@ def _references(cfg: RackConfig, model: str) -> dict[int, str]:
 
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.llm import LLM
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParams
     from moemesh.tools.bench.chaos_client import prompt_ids
 
     llm = LLM(EngineConfig(model=model, num_kv_blocks=max(512, cfg.streams * 16)))

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.engine import RequestError
     from moemesh.shared.engine.llm import LLM
-    from moemesh.shared.protocol.sampling import SamplingParamError, SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParamError, SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -67,7 +67,7 @@ def measure(model_dir: str, texts: list[str] | None = None, *, windows: int = 32
     from moemesh.shared.checkpoint.loader import load_model
     from moemesh.shared.engine.config import EngineConfig
     from moemesh.shared.engine.engine import LLMEngine
-    from moemesh.shared.protocol.sampling import SamplingParams
+    from moemesh.shared.protocol.messages import SamplingParams
     from moemesh.tools.train import corpus as corpus_mod
 
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))

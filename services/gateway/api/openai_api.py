@@ -22,7 +22,7 @@ from typing import Any
 from moemesh.services.gateway.api.completion_logprobs import token_text
 from moemesh.services.gateway.api.structured import FormatError, grammar_of
 from moemesh.services.gateway.api.tool_calls import Delta, ToolCallParser, ToolError, Tools, parse_tools
-from moemesh.shared.protocol.sampling import (
+from moemesh.shared.protocol.messages import (
     INT32_MAX, PRIORITY_MAX, PRIORITY_MIN, GrammarSpec, SamplingParamError, SamplingParams,
 )
 from moemesh.shared.tokenizer.tokenizer import Tokenizer, TokenizerError

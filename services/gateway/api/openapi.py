@@ -1,12 +1,12 @@
 """The OpenAPI document served at /openapi.json: every field the gateway accepts, with
-the bounds it checks (openai_api.py, shared/protocol/sampling.py), and the model it serves.
+the bounds it checks (openai_api.py, shared/protocol/messages.py), and the model it serves.
 A request the document allows is one the gateway takes, short of what depends on the
 prompt's length in tokens (the context length) or on load (429, 503). Optional fields
 may be null, which means "the default", as the parser treats them."""
 
 from __future__ import annotations
 
-from moemesh.shared.protocol.sampling import INT32_MAX, INT64, PRIORITY_MAX, PRIORITY_MIN
+from moemesh.shared.protocol.messages import INT32_MAX, INT64, PRIORITY_MAX, PRIORITY_MIN
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _PRIORITY = ("extension (vLLM's): the request's class; lower is served earlier (admission, the prefill queue, "

@@ -16,7 +16,7 @@ import json
 import re
 
 from moemesh.shared.grammar.compile import GrammarError, check
-from moemesh.shared.protocol.sampling import MAX_GRAMMAR_CHARS, GrammarSpec
+from moemesh.shared.protocol.messages import MAX_GRAMMAR_CHARS, GrammarSpec
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

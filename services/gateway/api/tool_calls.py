@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 
 from moemesh.shared.grammar.compile import GrammarError, check, json_schema_block
-from moemesh.shared.protocol.sampling import GrammarSpec
+from moemesh.shared.protocol.messages import GrammarSpec
 from moemesh.shared.tokenizer.tokenizer import Tokenizer
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -54,11 +54,10 @@ from moemesh.services.gateway.mesh.migration import Migration, NoWorkers, Reject
 from moemesh.services.gateway.routing.router import KVIndex, pick_decode, route_prefill
 from moemesh.services.gateway.streaming.choices import GAP, REFUSED, Choices, Handle, sweep_inactive
 from moemesh.shared.protocol.messages import (
-    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, TokenBatch, TokenEnd, TokenResend,
+    Abort, Ack, Heartbeat, KVEvents, KVSnapshotRequest, PrefillJob, SamplingParams, TokenBatch, TokenEnd, TokenResend,
     WireSampling, WorkerLoad,
 )
 from moemesh.shared.protocol.forks import fork_ids, fork_params
-from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.protocol.registry import WorkerRegistry
 from moemesh.shared.service.heartbeat import Heartbeater

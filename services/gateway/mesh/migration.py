@@ -28,9 +28,8 @@ from nats.aio.client import Client as NATS
 from prometheus_client import Counter
 
 from moemesh.services.gateway.streaming.choices import Handle
-from moemesh.shared.protocol.messages import StatsRequest, TokenEnd, WorkerStats
+from moemesh.shared.protocol.messages import SamplingParams, StatsRequest, TokenEnd, WorkerStats
 from moemesh.shared.protocol.registry import WorkerRegistry
-from moemesh.shared.protocol.sampling import SamplingParams
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.nats_io import NoResponders, Unreachable, request
 from moemesh.shared.service.tasks import TaskSet
