@@ -271,6 +271,7 @@ class UcxTransport:
         deadline = time.perf_counter() + self._send_spin_s
         while self._sending and time.perf_counter() < deadline:
             w.progress()
+            os.sched_yield()  # the receiver may have been woken onto this core
             if any(s.req.completed for s in self._sending):
                 self._complete_sends()
         self._drive()
