@@ -82,6 +82,9 @@ DEFAULT_NET_DEVICES = "lo"
 # How long a send progresses UCX before it waits on the event fd (`_spin_sends`). A
 # 1 MiB send on shared memory ends within it; a 64 KiB one sooner.
 DEFAULT_SEND_SPIN_US = 400.0
+# Worker addresses of the transports started in this process. A send to one of them is
+# answered by this same thread only once the spin gives the loop back, so it never spins.
+_IN_THIS_PROCESS: set[bytes] = set()
 
 
 def ucx_options(net_devices: str, tls: str, environ) -> dict[str, str]:
@@ -200,6 +203,7 @@ class UcxTransport:
         self._worker = api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self.address = bytes(self._worker.address.tobytes())
+        _IN_THIS_PROCESS.add(self.address)
         self._loop = asyncio.get_running_loop()
         self._fd = self._worker.epoll_file_descriptor
         self._loop.add_reader(self._fd, self._drive)
@@ -218,6 +222,7 @@ class UcxTransport:
         for ep in eps.values():
             _abort(ep)
         self._worker = self._ctx = None
+        _IN_THIS_PROCESS.discard(self.address)
 
     def _endpoint(self, peer: bytes):
         ep = self._eps.get(peer)
@@ -449,7 +454,8 @@ class UcxTransport:
                 item = _Send(ep.tag_send(Array(buf), self._api.UCXXTag(tag)), self._loop.create_future(), buf)
                 self._sending.append(item)
                 self._drive()  # an eager send completes here; a large one starts its handshake
-                if not item.fut.done() and self._send_spin_s > 0 and not self._spinning:
+                if (not item.fut.done() and self._send_spin_s > 0 and not self._spinning
+                        and peer not in _IN_THIS_PROCESS):
                     self._spinning = True  # after the sends ready to go out with it are posted
                     self._loop.call_soon(self._spin_sends)
                 await item.fut

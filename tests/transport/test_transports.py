@@ -234,31 +234,72 @@ def test_ucx_a_peer_that_is_gone_costs_a_timeout_never_a_hang():
     asyncio.run(asyncio.wait_for(go(), 20))
 
 
-@pytest.mark.parametrize("spin_us", [0.0, 400.0])
-def test_ucx_sends_in_flight_land_with_and_without_the_send_spin(spin_us):
-    """The spin only changes how a send waits for its answer, never what lands: sends
-    in flight together, of every protocol size, each in its own buffer."""
+_SPIN_SIZES = [8, 4 << 10, 64 << 10, 1 << 20, 3 << 20]
+
+
+def _spin_receiver(conn) -> None:
+    """The other process: receives the test's messages, each under its tag into a
+    buffer of its own, and reports a checksum of each."""
     from moemesh.shared.transport.ucx import UcxTransport
 
     async def go():
-        a, b = UcxTransport(send_spin_us=spin_us), UcxTransport(send_spin_us=spin_us)
-        await a.start()
-        await b.start()
-        try:
-            sizes = [8, 4 << 10, 64 << 10, 1 << 20, 3 << 20] * 2
-            srcs = [np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i, n in enumerate(sizes)]
-            dsts = [np.zeros(n, np.uint8) for n in sizes]
-            transfers = [b.post_recv(d, tag=500 + i) for i, d in enumerate(dsts)]
-            await asyncio.gather(*(a.send(b.address, s, 500 + i, timeout=10) for i, s in enumerate(srcs)))
-            for tr in transfers:
-                await tr.wait(10)
-            assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts))
-            assert not a._spinning  # no spin left scheduled once every send has ended
-        finally:
-            await a.close()
-            await b.close()
+        t = UcxTransport(send_spin_us=0)
+        await t.start()
+        conn.send(t.address)
+        sizes = _SPIN_SIZES * 4
+        bufs = [np.zeros(n, np.uint8) for n in sizes]
+        transfers = [t.post_recv(b, tag=700 + i) for i, b in enumerate(bufs)]
+        for tr in transfers:
+            await tr.wait(30)
+        conn.send([int(b.astype(np.uint64).sum()) for b in bufs])
+        conn.recv()  # the sender has finished with this address
+        await t.close()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("spin_us", [0.0, 400.0])
+def test_ucx_sends_to_another_process_land_with_and_without_the_send_spin(spin_us):
+    """The spin only changes how a send waits for its answer, never what lands: sends of
+    every protocol size, one at a time and then in flight together, to a receiver in
+    another process."""
+    import multiprocessing as mp
+
+    from moemesh.shared.transport.ucx import UcxTransport
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_spin_receiver, args=(child,), daemon=True)
+    proc.start()
+
+    async def go():
+        a = UcxTransport(send_spin_us=spin_us)
+        await a.start()
+        spins = []
+        real = a._spin_sends
+        a._spin_sends = lambda: (spins.append(1), real())
+        try:
+            assert parent.poll(60), "the receiver never started"
+            peer = parent.recv()
+            sizes = _SPIN_SIZES * 4
+            srcs = [np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i, n in enumerate(sizes)]
+            half = len(sizes) // 2
+            for i in range(half):  # one at a time
+                await a.send(peer, srcs[i], 700 + i, timeout=30)
+            await asyncio.gather(*(a.send(peer, srcs[i], 700 + i, timeout=30) for i in range(half, len(sizes))))
+            assert parent.poll(60), "the receiver never reported"
+            assert parent.recv() == [int(s.astype(np.uint64).sum()) for s in srcs]
+            assert (len(spins) > 0) == (spin_us > 0) and not a._spinning
+            parent.send("done")
+        finally:
+            await a.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
 
 
 def test_a_negative_send_spin_is_refused():
@@ -266,3 +307,28 @@ def test_a_negative_send_spin_is_refused():
 
     with pytest.raises(ValueError, match="ucx_send_spin_us"):
         WorkerConfig(model="m", ucx_send_spin_us=-1)
+
+
+def test_a_send_to_a_transport_of_this_process_never_spins():
+    """Its answer needs this thread, which a spin would hold: the spin would only add
+    its whole budget to every send."""
+    from moemesh.shared.transport.ucx import UcxTransport
+
+    async def go():
+        a, b = UcxTransport(send_spin_us=400), UcxTransport(send_spin_us=400)
+        await a.start()
+        await b.start()
+        spins = []
+        real = a._spin_sends
+        a._spin_sends = lambda: (spins.append(1), real())
+        try:
+            src, dst = np.ones(1 << 20, np.uint8), np.zeros(1 << 20, np.uint8)
+            tr = b.post_recv(dst, tag=9)
+            await a.send(b.address, src, 9, timeout=10)
+            await tr.wait(10)
+            assert np.array_equal(src, dst) and spins == []
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
