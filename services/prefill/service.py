@@ -65,8 +65,7 @@ from moemesh.shared.kv.spec import KVSpec
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import RemoteError, Unreachable, publish, request
 from moemesh.shared.service.gateway_watch import GatewayWatch
-from moemesh.shared.service.runtime import Tombstones, TransportFactory, WorkerRuntime
-from moemesh.shared.service.step_accounting import PhaseLog
+from moemesh.shared.service.runtime import PhaseLog, Tombstones, TransportFactory, WorkerRuntime
 from moemesh.shared.telemetry.tracing import extract_context, traceparent_of
 from moemesh.shared.transport.base import KVTransport, TransferError
 from moemesh.shared.transport.staging import StagingPool

@@ -672,7 +672,7 @@ class WorkerStats:
     # gateway -> the requests this worker holds for it (queued, running, handed over, pulling):
     # what a dead gateway's clients can no longer read (`moemesh bench chaos` counts these orphans)
     requests_by_gateway: dict[str, int] = field(default_factory=dict)
-    # with detail: the last requests' phases (PhaseLog, shared/service/step_accounting.py), as
+    # with detail: the last requests' phases (PhaseLog, shared/service/runtime.py), as
     # [unix time at the last phase's end, seconds of each phase named in request_phases, in that order]
     request_phases: list[str] = field(default_factory=list)
     recent_requests: list[list[float]] = field(default_factory=list)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moemesh.shared.service.step_accounting import PhaseLog
+from moemesh.shared.service.runtime import PhaseLog
 from moemesh.shared.telemetry.metrics import Metrics
 from moemesh.tools.bench.request_phases import figures as phase_figures, line
 

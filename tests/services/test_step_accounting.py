@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from moemesh.shared.engine.outputs import StepStats
-from moemesh.shared.service.step_accounting import StepAccounting
+from moemesh.shared.service.runtime import StepAccounting
 from moemesh.shared.telemetry.metrics import Metrics
 
 

@@ -1,5 +1,5 @@
 """Where requests' time went on the mesh's workers, with tracing off: each worker's phase
-rows (shared/service/step_accounting.py, WorkerStats.recent_requests) fetched over NATS, and
+rows (shared/service/runtime.py, WorkerStats.recent_requests) fetched over NATS, and
 percentiles over a load window. `bench stream` and `bench serve --nats-url` report them.
 
 Phases: prefill workers: queue (job in -> first scheduled), prefill (-> first token);

@@ -10,7 +10,7 @@ Per request, the phases partition the gateway root span (end-to-end):
 TTFT (root start -> the stream span's first_token event) overlaps the phases, so it is
 reported beside them, not in the partition. Times from different hosts assume synced clocks.
 
-Per step, from the decode spans' "step" events (shared/service/step_accounting.py):
+Per step, from the decode spans' "step" events (shared/service/runtime.py):
     forward, host (the host work the step waited for, the serving loop's gap between
     steps included), rank_wait. They partition the step. When the loop overlaps the host
     with the forward, most host work is hidden: host_work reports all of it, apart.
