@@ -54,8 +54,7 @@ from moemesh.shared.protocol.messages import (
 from moemesh.shared.service.lifecycle import AsyncService
 from moemesh.shared.service.nats_io import publish
 from moemesh.shared.service.gateway_watch import GatewayWatch
-from moemesh.shared.service.runtime import PhaseLog, Tombstones, TransportFactory, WorkerRuntime
-from moemesh.shared.service.token_publisher import end_fields, rows
+from moemesh.shared.service.runtime import PhaseLog, Tombstones, TransportFactory, WorkerRuntime, end_fields, rows
 from moemesh.shared.telemetry.tracing import exports_spans, extract_context, traceparent_of
 from moemesh.shared.transport.base import KVTransport, TransferError, TransferState
 from moemesh.shared.transport.staging import StagedReceive, StagingPool, StagingSlot

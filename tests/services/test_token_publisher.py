@@ -7,7 +7,7 @@ import asyncio
 
 from moemesh.shared.protocol.messages import PromptLogprobs, TokenResend
 from moemesh.shared.protocol.subjects import Subjects
-from moemesh.shared.service.token_publisher import LOST, TokenPublisher
+from moemesh.shared.service.runtime import LOST, TokenPublisher
 
 
 SCORES = PromptLogprobs(0, [-1.5, -0.25], [4, 1])
