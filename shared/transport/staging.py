@@ -113,6 +113,11 @@ class StagingPool:
         if device.type == "cpu":
             self.buf.zero_()  # touch every page now, not during the first transfer
         self.alloc_ = RangeAllocator(capacity_bytes)
+        if self._mapping is not None:
+            huge = self.huge_page_bytes()
+            log.info("host staging: %d MiB, %d MiB of it on huge pages%s", capacity_bytes >> 20, huge >> 20,
+                     "" if huge else " (transparent huge pages off or not granted: transfers from 1 MiB up "
+                     "run slower; see /sys/kernel/mm/transparent_hugepage/enabled)")
 
     def _huge_pages(self, nbytes: int) -> torch.Tensor:
         """Host staging on transparent huge pages where the kernel gives them. A transfer
@@ -130,6 +135,25 @@ class StagingPool:
         whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
         start = (-whole.data_ptr()) % huge
         return whole[start : start + nbytes]
+
+    def huge_page_bytes(self) -> int:
+        """Bytes of this pool's host mapping the kernel backs with huge pages right now
+        (AnonHugePages in /proc/self/smaps; 0 when it cannot tell)."""
+        if self._mapping is None:
+            return 0
+        addr, inside = self.buf.data_ptr(), False
+        try:
+            with open("/proc/self/smaps") as f:
+                for line in f:
+                    head = line.split()
+                    if head and "-" in head[0] and not head[0].endswith(":"):
+                        lo, hi = (int(x, 16) for x in head[0].split("-"))
+                        inside = lo <= addr < hi
+                    elif inside and head and head[0] == "AnonHugePages:":
+                        return int(head[1]) << 10
+        except (OSError, ValueError):
+            pass
+        return 0
 
     @property
     def capacity(self) -> int:
