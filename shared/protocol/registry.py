@@ -24,6 +24,7 @@ class LiveWorker:
     last_seen: float  # monotonic
     suspect_since: float | None = None  # monotonic; None: nothing but its beats speaks of it
     gone: bool = False  # known dead (nothing subscribed to its subjects): forgotten at the next prune
+    unsubscribed_since: float | None = None  # monotonic; a probe first found nothing subscribed
 
 
 class WorkerRegistry:
@@ -106,6 +107,20 @@ class WorkerRegistry:
     def is_suspect(self, worker_id: str) -> bool:
         lw = self.workers.get(worker_id)
         return lw is not None and lw.suspect_since is not None
+
+    def unsubscribed(self, worker_id: str, now: float | None = None) -> float | None:
+        """A probe found nothing subscribed to the worker's subjects. Returns how long that
+        has been so (0.0 the first time; None for a worker not known). A worker whose NATS
+        node died has no subscriptions until it reaches another node of the cluster, so the
+        owner waits a while before it takes this for death; a beat the worker sends clears
+        it (`observe`)."""
+        lw = self.workers.get(worker_id)
+        if lw is None:
+            return None
+        now = time.monotonic() if now is None else now
+        if lw.unsubscribed_since is None:
+            lw.unsubscribed_since = now
+        return now - lw.unsubscribed_since
 
     def confirm_gone(self, worker_id: str) -> bool:
         """The worker is dead for certain (e.g. nothing is subscribed to its subjects: the NATS

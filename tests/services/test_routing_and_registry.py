@@ -1,3 +1,5 @@
+import pytest
+
 from moemesh.services.gateway.routing.router import pick_decode
 from moemesh.shared.protocol.messages import Heartbeat, WorkerLoad
 from moemesh.shared.protocol.registry import WorkerRegistry
@@ -84,3 +86,14 @@ def test_a_paused_owner_judges_nobody_by_the_beats_it_could_not_read():
     assert r.prune(now=3.6) == [] and _ids(r.live("decode", now=3.6)) == ["a"]
     assert r.tick(1.0, now=3.75) == 0.0
     assert r.prune(now=5.6) == ["a"]  # silent since, while we ran: dead
+
+
+def test_nothing_subscribed_counts_from_the_first_probe_and_a_beat_clears_it():
+    """A worker whose NATS node died has no subscriptions until it reaches another node:
+    the gateway times how long a silent worker stays unsubscribed before it is gone."""
+    r = WorkerRegistry(miss_factor=6.0, min_timeout_s=1.0, owner_prunes=True)
+    r.observe(_hb("a", 0), now=0.0)
+    assert r.unsubscribed("a", now=0.5) == 0.0 and r.unsubscribed("a", now=1.2) == pytest.approx(0.7)
+    assert r.unsubscribed("nobody", now=1.2) is None
+    r.observe(_hb("a", 0), now=1.3)  # it resubscribed elsewhere and beat again
+    assert r.unsubscribed("a", now=2.0) == 0.0 and r.prune(now=2.0) == []

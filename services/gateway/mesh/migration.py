@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 WATCH_EVERY_S = 0.25
 PROBE_AFTER_BEATS, PROBE_SUSPECT_AFTER_BEATS = 2.0, 1.0
 PROBE_TIMEOUT_S = 1.0
+# Nothing subscribed to a silent worker's subjects means it is gone only when it stays so
+# this long: a worker whose NATS node died is resubscribing on another node meanwhile.
+RESUBSCRIBE_GRACE_S = 1.0
 PAUSED_AFTER_S = 1.0  # check() runs every WATCH_EVERY_S: a gap this long is our own pause
 
 
@@ -131,8 +134,16 @@ class Migration:
         try:
             await request(self._nc(), self.subjects.stats(worker_id), StatsRequest(), WorkerStats, PROBE_TIMEOUT_S)
         except NoResponders:
-            if self.registry.confirm_gone(worker_id):
-                log.warning("worker %s is gone: nothing is subscribed to its subjects any more", worker_id)
+            since = self.registry.unsubscribed(worker_id)
+            if since is None:
+                pass
+            elif since < RESUBSCRIBE_GRACE_S:
+                if since == 0.0:
+                    log.info("worker %s is silent and nothing is subscribed to its subjects: gone, or moving "
+                             "to another NATS node; asked again for %.1fs", worker_id, RESUBSCRIBE_GRACE_S)
+            elif self.registry.confirm_gone(worker_id):
+                log.warning("worker %s is gone: nothing has been subscribed to its subjects for %.1fs",
+                            worker_id, since)
                 self.check()
         except Unreachable:
             log.info("worker %s is silent but still subscribed: slow, not dead", worker_id)
