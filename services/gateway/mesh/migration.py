@@ -138,9 +138,9 @@ class Migration:
             if since is None:
                 pass
             elif since < RESUBSCRIBE_GRACE_S:
-                if since == 0.0:
-                    log.info("worker %s is silent and nothing is subscribed to its subjects: gone, or moving "
-                             "to another NATS node; asked again for %.1fs", worker_id, RESUBSCRIBE_GRACE_S)
+                if since == 0.0:  # no new work meanwhile, whichever it is
+                    self.suspect(worker_id, "silent, and nothing is subscribed to its subjects: gone, or moving "
+                                 f"to another NATS node; asked again for {RESUBSCRIBE_GRACE_S:.1f}s")
             elif self.registry.confirm_gone(worker_id):
                 log.warning("worker %s is gone: nothing has been subscribed to its subjects for %.1fs",
                             worker_id, since)
