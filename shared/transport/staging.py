@@ -141,19 +141,10 @@ class StagingPool:
         (AnonHugePages in /proc/self/smaps; 0 when it cannot tell)."""
         if self._mapping is None:
             return 0
-        addr, inside = self.buf.data_ptr(), False
         try:
-            with open("/proc/self/smaps") as f:
-                for line in f:
-                    head = line.split()
-                    if head and "-" in head[0] and not head[0].endswith(":"):
-                        lo, hi = (int(x, 16) for x in head[0].split("-"))
-                        inside = lo <= addr < hi
-                    elif inside and head and head[0] == "AnonHugePages:":
-                        return int(head[1]) << 10
-        except (OSError, ValueError):
-            pass
-        return 0
+            return int(mapping_fields(self.buf.data_ptr()).get("AnonHugePages", "0 kB").split()[0]) << 10
+        except ValueError:
+            return 0
 
     @property
     def capacity(self) -> int:
@@ -171,6 +162,26 @@ class StagingPool:
 
     def free(self, slot: StagingSlot) -> None:
         self.alloc_.free(slot.offset)
+
+
+def mapping_fields(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds addr ({} when unreadable)."""
+    fields: dict[str, str] = {}
+    inside = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()
+                if head and "-" in head[0] and not head[0].endswith(":"):
+                    if inside:
+                        break
+                    lo, hi = (int(x, 16) for x in head[0].split("-"))
+                    inside = lo <= addr < hi
+                elif inside and head:
+                    fields[head[0].rstrip(":")] = " ".join(head[1:])
+    except (OSError, ValueError):
+        return {}
+    return fields
 
 
 class StagedReceive:

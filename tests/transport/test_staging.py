@@ -3,7 +3,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moemesh.shared.transport.staging import ALIGN, RangeAllocator, StagingPool
+from moemesh.shared.transport.staging import ALIGN, RangeAllocator, StagingPool, mapping_fields
 
 
 def test_alloc_free_coalesces_back_to_one_range():
@@ -54,22 +54,6 @@ def test_pool_slots_are_views_of_one_buffer():
     assert pool.bytes_used == 0
 
 
-def _mapping_flags(addr: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping holding addr."""
-    fields, inside = {}, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and not head[0].endswith(":"):
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                if inside:
-                    break
-                inside = lo <= addr < hi
-            elif inside and head:
-                fields[head[0].rstrip(":")] = " ".join(head[1:])
-    return fields
-
-
 def test_host_staging_sits_on_huge_page_eligible_memory():
     """Transfers between processes read the sender's pages through the kernel, and on
     4 KiB pages 1-16 MiB moved 1.6-1.7x slower here; the pool asks for huge pages."""
@@ -82,7 +66,7 @@ def test_host_staging_sits_on_huge_page_eligible_memory():
         pytest.skip("this kernel gives no transparent huge pages")
     pool = StagingPool(6 << 20)
     assert pool.buf.data_ptr() % (2 << 20) == 0 and pool.buf.numel() == 6 << 20
-    flags = _mapping_flags(pool.buf.data_ptr())
+    flags = mapping_fields(pool.buf.data_ptr())
     if "THPeligible" not in flags:
         pytest.skip("this kernel's smaps does not say whether a mapping may use huge pages")
     assert flags["THPeligible"] == "1"
