@@ -6,6 +6,9 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+# start-up placements of experts over a DEP instance's ranks (shared/eplb/placement.py)
+EXPERT_PLACEMENTS = ("linear", "round_robin")
+
 
 def default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname().split('.')[0]}-{os.getpid()}"
@@ -90,6 +93,9 @@ class WorkerConfig(ServiceConfig):
     dist_init: str = ""  # tcp://host:port, the same for every rank of the instance
     expert_parallel: bool = False  # implied by dp_size > 1; with 1 rank, redundant slots still rebalance
     eplb_redundant: int = 0  # redundant expert slots per rank
+    # The start-up placement of experts over the ranks (shared/eplb/placement.py):
+    # linear (rank r: a contiguous run) or round_robin (rank r: r, r + N, ...).
+    expert_placement: str = "linear"
     load_window_steps: int = 256
     load_publish_interval_s: float = 1.0
     dp_timeout_s: float = 60.0
@@ -128,6 +134,8 @@ class WorkerConfig(ServiceConfig):
             raise ValueError(f"mock_accept_rate must be at most 1 (or < 0: no draft head), got {self.mock_accept_rate}")
         if self.eplb_redundant < 0:
             raise ValueError("eplb_redundant must be >= 0")
+        if self.expert_placement not in EXPERT_PLACEMENTS:
+            raise ValueError(f"expert_placement must be one of {', '.join(EXPERT_PLACEMENTS)}, got {self.expert_placement!r}")
         if self.ucx_send_spin_us < 0:
             raise ValueError(f"ucx_send_spin_us must be >= 0, got {self.ucx_send_spin_us}")
         if self.engine not in ("model", "mock"):

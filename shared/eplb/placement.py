@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from moemesh.shared.config.common import EXPERT_PLACEMENTS
+
 FORMAT = "moemesh.eplb.placement/v1"
 
 
@@ -156,18 +158,32 @@ def instance_ratio(rank_loads: torch.Tensor) -> float:
     return float(rank_loads.mean(-1).sum()) / peak if peak > 0 else 1.0
 
 
-def naive_placement(num_layers: int, num_experts: int, num_ranks: int, num_redundant: int = 0) -> Placement:
-    """Contiguous placement: rank r holds experts r*E/R .. (r+1)*E/R - 1 in its first slots.
+def naive_placement(num_layers: int, num_experts: int, num_ranks: int, num_redundant: int = 0,
+                    strategy: str = "linear") -> Placement:
+    """The placement an instance starts with, before any balancing.
 
-    Its K redundant slots repeat the rank's own first K experts, so the redundancy
-    changes no rank's load: this is the placement an instance has before any balancing.
+    linear: rank r holds experts r*E/R .. (r+1)*E/R - 1 in its first slots.
+    round_robin: rank r holds experts r, r+R, r+2R, ... A grouped router (DeepSeek's
+    topk_group) sends a token to a few groups of consecutive experts; linear keeps a
+    group on one rank (or one node), so a token's pairs land on few ranks, which limits
+    cross-node traffic but makes each step's draw uneven across ranks. round_robin spreads
+    every group over all ranks: the draw evens out, at the price of each token reaching
+    more ranks. It suits an instance within one node.
+
+    Either way, a rank's K redundant slots repeat its own first K experts, so the
+    redundancy changes no rank's load.
     """
+    if strategy not in EXPERT_PLACEMENTS:
+        raise ValueError(f"expert placement must be one of {', '.join(EXPERT_PLACEMENTS)}, got {strategy!r}")
     if num_experts % num_ranks:
         raise ValueError(f"{num_experts} experts do not split evenly over {num_ranks} ranks")
     per_rank = num_experts // num_ranks
     if num_redundant > per_rank:
         raise ValueError(f"naive placement repeats a rank's own experts: K={num_redundant} > E/R={per_rank}")
-    own = torch.arange(num_experts).view(num_ranks, per_rank)  # [R, E/R]
+    if strategy == "linear":
+        own = torch.arange(num_experts).view(num_ranks, per_rank)  # [R, E/R]
+    else:
+        own = torch.arange(num_experts).view(per_rank, num_ranks).T  # [R, E/R]
     ranks = torch.cat([own, own[:, :num_redundant]], dim=1).flatten()  # [P]
     return Placement(ranks.expand(num_layers, -1).contiguous(), num_experts, num_ranks)
 

@@ -28,9 +28,9 @@ from moemesh.shared.eplb.placement import Placement, naive_placement
 from moemesh.shared.kernels.fused_moe import fused_moe
 
 
-def contiguous_phy2log(num_experts: int, num_ranks: int, redundant: int) -> torch.Tensor:
-    """The naive placement of one layer ([P]); see moemesh.shared.eplb.placement.naive_placement."""
-    return naive_placement(1, num_experts, num_ranks, redundant).phy2log[0]
+def start_phy2log(num_experts: int, num_ranks: int, redundant: int, strategy: str = "linear") -> torch.Tensor:
+    """The start-up placement of one layer ([P]); see moemesh.shared.eplb.placement.naive_placement."""
+    return naive_placement(1, num_experts, num_ranks, redundant, strategy).phy2log[0]
 
 
 def log2phy_of(phy2log: torch.Tensor, num_experts: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,11 +147,12 @@ class ExpertParallel:
             moe.runner = self.layers[lid]
 
     @classmethod
-    def naive(cls, model, rank: int, world: int, redundant: int, group=None) -> "ExpertParallel":
+    def naive(cls, model, rank: int, world: int, redundant: int, group=None,
+              strategy: str = "linear") -> "ExpertParallel":
         """The start-up placement, one naive row per MoE layer the model has. Sized from the
         model, not its config: a config may declare an MTP layer whose weights the
         checkpoint lacks, and the loader then builds the model without it."""
-        row = contiguous_phy2log(model.cfg.n_routed_experts, world, redundant)
+        row = start_phy2log(model.cfg.n_routed_experts, world, redundant, strategy)
         return cls(model, rank, world, row.repeat(len(model.moe_layers()), 1), group)
 
     def take_comm_s(self) -> float:
@@ -165,11 +166,11 @@ class ExpertParallel:
         return torch.stack([self.layers[l].phy2log for l in self.layer_ids])
 
     @staticmethod
-    def naive_slot_map(num_experts: int, rank: int, world: int, redundant: int):
+    def naive_slot_map(num_experts: int, rank: int, world: int, redundant: int, strategy: str = "linear"):
         """For the checkpoint loader, before the model exists: under the naive placement
         every MoE layer holds the same experts, so the map needs no list of layers.
         Returns (MoE layer id -> logical expert of each local slot, slots per rank)."""
-        row = contiguous_phy2log(num_experts, world, redundant)
+        row = start_phy2log(num_experts, world, redundant, strategy)
         S = row.numel() // world
         mine = row[rank * S : (rank + 1) * S].tolist()
         return (lambda layer: mine), S

@@ -69,7 +69,8 @@ class DepRuntime:
         mcfg = ModelConfig.from_dir(cfg.model)
         if mcfg.n_routed_experts % cfg.dp_size:
             raise ValueError(f"{mcfg.n_routed_experts} experts do not divide over {cfg.dp_size} ranks")
-        slots, S = ExpertParallel.naive_slot_map(mcfg.n_routed_experts, cfg.dp_rank, cfg.dp_size, cfg.eplb_redundant)
+        slots, S = ExpertParallel.naive_slot_map(mcfg.n_routed_experts, cfg.dp_rank, cfg.dp_size, cfg.eplb_redundant,
+                                                 cfg.expert_placement)
         ecfg = EngineConfig.for_worker(cfg, role)
         if cfg.engine == "mock":
             ranks = MockRanks(cfg.dp_rank, cfg.dp_size, cfg.mock_expert_share, seed=cfg.skew_seed)
@@ -78,7 +79,8 @@ class DepRuntime:
             self._mock = model
         else:
             model = load_model(cfg.model, ecfg.torch_dtype, cfg.device, expert_slots=slots, num_slots=S)
-        self.ep = ExpertParallel.naive(model, cfg.dp_rank, cfg.dp_size, cfg.eplb_redundant)
+        self.ep = ExpertParallel.naive(model, cfg.dp_rank, cfg.dp_size, cfg.eplb_redundant,
+                                       strategy=cfg.expert_placement)
         return LLMEngine(ecfg, model=model, lockstep=True)
 
     def attach(self, engine: LLMEngine, transport: KVTransport, staging: StagingPool) -> None:

@@ -25,6 +25,8 @@ def test_unknown_keys_and_bad_values_are_errors(tmp_path):
         load(DecodeConfig, "decode", None, {"model": "/m", "max_num_seqs": "lots"}, {})
     with pytest.raises(ConfigFileError, match="on_transfer_failure must be"):
         load(DecodeConfig, "decode", None, {"model": "/m", "on_transfer_failure": "pray"}, {})
+    with pytest.raises(ConfigFileError, match="expert_placement must be one of linear, round_robin"):
+        load(DecodeConfig, "decode", None, {"model": "/m", "expert_placement": "striped"}, {})
     with pytest.raises(ConfigFileError, match="model is required"):
         load(DecodeConfig, "decode", None, {}, {})
     with pytest.raises(ConfigFileError, match="not valid TOML"):

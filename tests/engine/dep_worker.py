@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 def run_rank(rank: int, world: int, init_method: str, model_dir: str, prompts: list[list[int]], redundant: int,
-             max_tokens: int, num_spec: int, out_q, phy2log=None) -> None:
-    """phy2log: [MoE layers, P] placement to switch to once loaded (default: the naive one)."""
+             max_tokens: int, num_spec: int, out_q, phy2log=None, placement: str = "linear") -> None:
+    """phy2log: [MoE layers, P] placement to switch to once loaded (default: the naive one,
+    by the `placement` strategy)."""
     import torch
 
     torch.set_num_threads(1)
@@ -21,12 +22,12 @@ def run_rank(rank: int, world: int, init_method: str, model_dir: str, prompts: l
     try:
         # The instance's start-up sizing, as DepRuntime.build_engine does it.
         cfg = ModelConfig.from_dir(model_dir)
-        slots, S = ExpertParallel.naive_slot_map(cfg.n_routed_experts, rank, world, redundant)
+        slots, S = ExpertParallel.naive_slot_map(cfg.n_routed_experts, rank, world, redundant, placement)
         if phy2log is not None:  # a checkpoint with its MTP layer: target layers, then MTP
             layer_ids = cfg.moe_layer_ids + [cfg.num_hidden_layers]
             slots = ExpertParallel.local_slot_map(phy2log, layer_ids, rank, world)
         model = load_model(model_dir, expert_slots=slots, num_slots=S)
-        ep = ExpertParallel.naive(model, rank, world, redundant) if phy2log is None else \
+        ep = ExpertParallel.naive(model, rank, world, redundant, strategy=placement) if phy2log is None else \
             ExpertParallel(model, rank, world, phy2log)
         eng = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=256, num_speculative_tokens=num_spec),
                         model=model, lockstep=True)

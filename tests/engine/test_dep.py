@@ -16,13 +16,13 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[0] + [rng.randrange(4, 970) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
 
 
-def _dep(model_dir, world, redundant, prompts, max_tokens, num_spec, phy2log=None, info=None):
+def _dep(model_dir, world, redundant, prompts, max_tokens, num_spec, phy2log=None, info=None, placement="linear"):
     """Outputs by request id of a DEP instance; `info` (a list) gets each rank's facts."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=run_rank, args=(r, world, init, model_dir, prompts, redundant, max_tokens,
-                                                  num_spec, q, phy2log)) for r in range(world)]
+                                                  num_spec, q, phy2log, placement)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -43,8 +43,9 @@ def _dep(model_dir, world, redundant, prompts, max_tokens, num_spec, phy2log=Non
     return outs
 
 
-@pytest.mark.parametrize("world,redundant,num_spec", [(2, 0, 1), (2, 1, 2), (4, 1, 1)])
-def test_dep_outputs_equal_dep1(tiny_engine_factory, tiny_model, world, redundant, num_spec):
+@pytest.mark.parametrize("world,redundant,num_spec,placement",
+                         [(2, 0, 1, "linear"), (2, 1, 2, "round_robin"), (4, 1, 1, "linear")])
+def test_dep_outputs_equal_dep1(tiny_engine_factory, tiny_model, world, redundant, num_spec, placement):
     prompts = _prompts(6 if world == 4 else 5)
     max_tokens = 8
     from moemesh.shared.protocol.messages import SamplingParams
@@ -56,7 +57,7 @@ def test_dep_outputs_equal_dep1(tiny_engine_factory, tiny_model, world, redundan
     while eng.has_unfinished():
         for o in eng.step():
             want[o.request_id] += o.new_token_ids
-    got = _dep(tiny_model, world, redundant, prompts, max_tokens, num_spec)
+    got = _dep(tiny_model, world, redundant, prompts, max_tokens, num_spec, placement=placement)
     assert got == want
 
 

@@ -15,6 +15,21 @@ def test_naive_is_contiguous_and_redundant_slots_repeat_own_experts():
     assert p.rank_loads(loads)[0].tolist() == [3, 7, 11, 15]
 
 
+def test_round_robin_deals_experts_over_ranks_and_spreads_every_group():
+    p = naive_placement(num_layers=1, num_experts=16, num_ranks=4, num_redundant=1, strategy="round_robin")
+    assert p.phy2log[0].view(4, 5).tolist() == [[0, 4, 8, 12, 0], [1, 5, 9, 13, 1], [2, 6, 10, 14, 2],
+                                                 [3, 7, 11, 15, 3]]
+    # 4 groups of 4 consecutive experts (DeepSeek's grouped router): linear puts a group on
+    # one rank, round_robin one expert of each group on every rank.
+    group_ranks = {"linear": set(), "round_robin": set()}
+    for strategy in group_ranks:
+        rank_of = naive_placement(1, 16, 4, 0, strategy).phy2log[0].argsort() // 4  # expert -> rank
+        group_ranks[strategy] = {len(set(rank_of[g * 4:(g + 1) * 4].tolist())) for g in range(4)}
+    assert group_ranks == {"linear": {1}, "round_robin": {4}}
+    with pytest.raises(ValueError, match="round_robin"):
+        naive_placement(1, 16, 4, 0, "striped")
+
+
 def test_rank_loads_split_an_expert_evenly_over_its_replicas():
     p = Placement(torch.tensor([[0, 1, 0, 2]]), num_experts=3, num_ranks=2)
     loads = torch.tensor([[10.0, 4.0, 6.0]])

@@ -14,7 +14,7 @@ import torch
 
 from moemesh.shared.protocol.messages import ExpertLoad, RebalanceReply, RebalanceRequest, SamplingParams, decode
 from moemesh.tools.launch.procs import free_port
-from moemesh.shared.model.expert_parallel import contiguous_phy2log
+from moemesh.shared.model.expert_parallel import start_phy2log
 from moemesh.shared.service.dep_runtime import tensor_bytes
 from moemesh.shared.service.nats_io import request
 from moemesh.shared.protocol.subjects import Subjects
@@ -43,7 +43,7 @@ def dep_mesh(tiny_model, tmp_path_factory):
 
 def _swap_halves() -> torch.Tensor:
     """Every expert changes rank: the largest move there is."""
-    naive = contiguous_phy2log(16, 2, 1)
+    naive = start_phy2log(16, 2, 1)
     return torch.cat([naive[9:], naive[:9]]).repeat(LAYERS, 1)
 
 

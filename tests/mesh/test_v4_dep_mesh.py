@@ -15,7 +15,7 @@ import nats
 import pytest
 import torch
 
-from moemesh.shared.model.expert_parallel import contiguous_phy2log
+from moemesh.shared.model.expert_parallel import start_phy2log
 from moemesh.shared.protocol.messages import ExpertLoad, SamplingParams, decode
 from moemesh.shared.protocol.subjects import Subjects
 from moemesh.shared.service.dep_runtime import tensor_from
@@ -54,7 +54,7 @@ def _want(offline, prompts, max_tokens) -> list[str]:
 
 def _swap_halves() -> torch.Tensor:
     """Every expert changes rank, in every layer: hash, learned and MTP."""
-    naive = contiguous_phy2log(EXPERTS, RANKS, REDUNDANT)
+    naive = start_phy2log(EXPERTS, RANKS, REDUNDANT)
     S = naive.numel() // RANKS
     return torch.cat([naive[S:], naive[:S]]).repeat(LAYERS, 1)
 

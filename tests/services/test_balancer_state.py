@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moemesh.services.balancer.state import InstanceView
-from moemesh.shared.model.expert_parallel import contiguous_phy2log
+from moemesh.shared.model.expert_parallel import start_phy2log
 from moemesh.shared.protocol.messages import ExpertLoad
 from moemesh.shared.service.dep_runtime import tensor_bytes
 
@@ -20,7 +20,7 @@ def _report(version: int, phy2log: torch.Tensor) -> ExpertLoad:
 
 
 def test_a_report_during_a_move_does_not_change_the_placement():
-    naive = contiguous_phy2log(E, R, 1).repeat(LAYERS, 1)
+    naive = start_phy2log(E, R, 1).repeat(LAYERS, 1)
     moved = naive.flip(1).contiguous()
     view = InstanceView.from_load(_report(0, naive))
     view.observe(_report(0, naive))

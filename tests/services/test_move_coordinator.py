@@ -9,7 +9,7 @@ import asyncio
 import nats
 
 from moemesh.services.balancer.mover import MoveCoordinator
-from moemesh.shared.model.expert_parallel import contiguous_phy2log
+from moemesh.shared.model.expert_parallel import start_phy2log
 from moemesh.shared.protocol.messages import MoveAbort, MoveCommit, MovePlan, MoveStaged, decode
 from moemesh.shared.protocol.subjects import Subjects
 
@@ -36,7 +36,7 @@ def test_a_commit_held_past_the_deadline_aborts_the_move_there(nats_url):
         await on("commit", MoveCommit)
         await on("abort", MoveAbort)
         await nc.flush()
-        new = contiguous_phy2log(8, 2, 0).repeat(2, 1).flip(1).contiguous()
+        new = start_phy2log(8, 2, 0).repeat(2, 1).flip(1).contiguous()
         # Bounded far below the 60 s delay: the move ends at its 1 s deadline.
         res = await asyncio.wait_for(mover.move("i", 2, 0, new), 15)
         await nc.flush()

@@ -63,6 +63,7 @@ class StreamBenchConfig:
     rebalance: bool = False  # run the points again after one live rebalance
     settle_s: float = 8.0  # after the rebalance: load before the points, so the window is fresh
     expert_share: float = 0.5  # mock_expert_share
+    expert_placement: str = "linear"  # the instance's start-up placement (DEP only)
     trace_file: str = ""  # every service's spans go here (tracing on); "": tracing off
 
     def __post_init__(self) -> None:
@@ -119,6 +120,7 @@ def run(cfg: StreamBenchConfig) -> dict:
     if cfg.dep > 1:
         # A window of ~2.5 s of 20 ms steps, published twice a second: each point's own.
         sets += (f"skew={cfg.skew}", f"draft_skew={cfg.draft_skew}", f"mock_expert_share={cfg.expert_share}",
+                 f"expert_placement={cfg.expert_placement}",
                  "load_window_steps=128", "load_publish_interval_s=0.5")
     up = UpConfig(model=cfg.model, port=0, decode_dp=cfg.dep, service_args=sets,
                   gateway_args=(f"max_inflight={top * 2}",), balancer=cfg.rebalance,
@@ -203,7 +205,8 @@ def table(r: dict) -> str:
     mtp = f", {drafts} drafts a step at accept rate {c['accept_rate']:g}" if drafts else ""
     dep = ""
     if c.get("dep", 1) > 1:
-        dep = f", DEP{c['dep']} (skew {c['skew'] or 'none'}, draft {c['draft_skew'] or 'none'})"
+        dep = (f", DEP{c['dep']} (skew {c['skew'] or 'none'}, draft {c['draft_skew'] or 'none'}, "
+               f"placement {c.get('expert_placement', 'linear')})")
     trace = ", tracing on" if c.get("trace_file") else ""
     head = (f"mock step {c['mock_step_ms']} ms{mtp}{dep}{trace}, osl {c['osl']}, {c['seconds']:g} s per point; "
             f"CPU us per output token of each process (gw+pre+dec+nats = mesh), client apart")

@@ -24,6 +24,8 @@ def register(bsub) -> None:
     b.add_argument("--draft-skew", default="", help="with --dep: the draft head's routing skew")
     b.add_argument("--expert-share", type=float, default=0.5,
                    help="with --dep: the part of a mock step that scales with a rank's expert load")
+    b.add_argument("--expert-placement", default="linear", choices=("linear", "round_robin"),
+                   help="with --dep: the start-up placement of experts over the ranks")
     b.add_argument("--rebalance", action="store_true",
                    help="with --dep: run the points again after one live rebalance by the balancer")
     b.add_argument("--settle-s", type=float, default=8.0,
@@ -44,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
                                        spec_tokens=args.spec_tokens, accept_rate=args.accept_rate,
                                        dep=args.dep, skew=args.skew, draft_skew=args.draft_skew,
                                        rebalance=args.rebalance, expert_share=args.expert_share,
+                                       expert_placement=args.expert_placement,
                                        settle_s=args.settle_s, trace_file=args.trace_file)
     except ValueError as e:
         print(f"moemesh: error: {e}", file=sys.stderr)
