@@ -53,7 +53,7 @@ class StopRule:
         return None
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself, not its fields: `seq in running` compares identity
 class Sequence:
     request_id: str
     token_ids: list[int]
