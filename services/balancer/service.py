@@ -85,10 +85,15 @@ class BalancerService(AsyncService):
     # ---- observing ----------------------------------------------------------------------
     async def _on_load(self, m: ExpertLoad, msg, ctx) -> None:
         view = self.instances.get(m.instance_id)
-        if view is None or view.dp_size != m.dp_size or view.layer_ids != list(m.layer_ids):
+        if view is None or (view.dp_size, view.layer_ids, view.num_experts, view.slots_per_rank) != \
+                (m.dp_size, list(m.layer_ids), m.num_experts, m.slots_per_rank):
             view = self.instances[m.instance_id] = InstanceView.from_load(m)
             self.deciders[m.instance_id] = Decider(self.cfg)
-        view.observe(m)
+        try:
+            view.observe(m)
+        except ValueError as e:
+            log.warning("instance %s: load report ignored: %s", m.instance_id, e)
+            return
         if view.complete:
             self._export_ratios(view)
 

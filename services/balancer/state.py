@@ -34,7 +34,14 @@ class InstanceView:
                    m.slots_per_rank)
 
     def observe(self, m: ExpertLoad) -> None:
-        self.loads_by_rank[m.rank] = tensor_from(m.counts, len(m.layer_ids))
+        """Takes a rank's report; raises ValueError for one whose counts or placement cannot
+        be right (the view keeps what it had)."""
+        counts = tensor_from(m.counts, len(m.layer_ids))
+        if bool((counts < 0).any()):
+            raise ValueError(f"rank {m.rank} reported negative expert counts")
+        if m.rank == 0 and m.phy2log:
+            Placement(tensor_from(m.phy2log, len(m.layer_ids)), m.num_experts, m.dp_size)  # every expert placed
+        self.loads_by_rank[m.rank] = counts
         self.seen_at[m.rank] = time.monotonic()
         # During a move the move's outcome sets the placement: a report from before the
         # switch would roll it back, one from after it would count the switch twice.

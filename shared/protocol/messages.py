@@ -696,6 +696,22 @@ class ExpertLoad:
     placement_version: int
     phy2log: bytes = b""  # int64 [len(layer_ids), dp_size * slots_per_rank], the placement in force
 
+    def __post_init__(self):
+        # The balancer sums these per rank and places experts by them: a report of the
+        # wrong shape would fail there, or move experts on rows that mean nothing.
+        if not 0 <= self.rank < self.dp_size:
+            raise ValueError(f"rank {self.rank} is not in [0, dp_size={self.dp_size})")
+        if self.num_experts < 1 or self.slots_per_rank < 1 or not self.layer_ids:
+            raise ValueError("num_experts, slots_per_rank and layer_ids must be positive and non-empty")
+        want = 8 * len(self.layer_ids) * self.num_experts
+        if len(self.counts) != want:
+            raise ValueError(f"counts is {len(self.counts)} bytes; {len(self.layer_ids)} layers of "
+                             f"{self.num_experts} int64 counts are {want}")
+        want = 8 * len(self.layer_ids) * self.dp_size * self.slots_per_rank
+        if self.phy2log and len(self.phy2log) != want:
+            raise ValueError(f"phy2log is {len(self.phy2log)} bytes; {len(self.layer_ids)} layers of "
+                             f"{self.dp_size} x {self.slots_per_rank} int64 slots are {want}")
+
 
 @dataclass
 class MovePlan:

@@ -83,6 +83,7 @@ def test_v4_dep2_serves_through_the_mesh_like_one_engine(v4_dep_mesh, v4_offline
 
 
 def test_ranks_report_every_v4_moe_layer_and_the_balancer_the_draft_apart(v4_dep_mesh):
+    _stream_all(v4_dep_mesh, PROMPTS[:2], 4)  # its own traffic: the test may run on a mesh nothing used yet
     reports = _loads(v4_dep_mesh)
     m = reports[0]
     assert list(m.layer_ids) == list(range(LAYERS)) and m.num_target_layers == LAYERS - 1

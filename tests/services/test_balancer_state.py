@@ -3,11 +3,13 @@ ranks hold while moves run back to back."""
 
 from __future__ import annotations
 
+import msgpack
+import pytest
 import torch
 
 from moemesh.services.balancer.state import InstanceView
 from moemesh.shared.model.expert_parallel import start_phy2log
-from moemesh.shared.protocol.messages import ExpertLoad
+from moemesh.shared.protocol.messages import ExpertLoad, ProtocolError, decode, encode
 from moemesh.shared.service.dep_runtime import tensor_bytes
 
 LAYERS, E, R = 3, 8, 2
@@ -31,3 +33,24 @@ def test_a_report_during_a_move_does_not_change_the_placement():
     view.moving = False
     view.observe(_report(1, moved))
     assert view.version == 1 and torch.equal(view.phy2log, moved)
+
+
+def test_a_report_of_the_wrong_shape_is_refused_on_arrival_and_negative_counts_are_ignored():
+    naive = start_phy2log(E, R, 1).repeat(LAYERS, 1)
+    good = _report(0, naive)
+    for field, value, words in (("counts", good.counts[:-8], "counts is"),
+                                ("phy2log", good.phy2log[:-8], "phy2log is"),
+                                ("rank", 2, "rank 2 is not in")):
+        raw = msgpack.unpackb(encode(good))
+        raw[field] = value
+        with pytest.raises(ProtocolError, match=words):
+            decode(msgpack.packb(raw), ExpertLoad)
+    view = InstanceView.from_load(good)
+    view.observe(good)
+    negative = torch.ones(LAYERS, E, dtype=torch.long)
+    negative[1, 3] = -4
+    report = _report(0, naive)
+    report.counts = tensor_bytes(negative)
+    with pytest.raises(ValueError, match="negative expert counts"):
+        view.observe(report)
+    assert int(view.loads().min()) == 1  # the rank's last good report stands
