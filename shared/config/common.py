@@ -135,7 +135,8 @@ class WorkerConfig(ServiceConfig):
         if self.eplb_redundant < 0:
             raise ValueError("eplb_redundant must be >= 0")
         if self.expert_placement not in EXPERT_PLACEMENTS:
-            raise ValueError(f"expert_placement must be one of {', '.join(EXPERT_PLACEMENTS)}, got {self.expert_placement!r}")
+            raise ValueError(f"expert_placement must be one of {', '.join(EXPERT_PLACEMENTS)}, "
+                             f"got {self.expert_placement!r}")
         if self.ucx_send_spin_us < 0:
             raise ValueError(f"ucx_send_spin_us must be >= 0, got {self.ucx_send_spin_us}")
         if self.engine not in ("model", "mock"):
