@@ -7,6 +7,7 @@ import sys
 
 
 def register(bsub) -> None:
+    from moemesh.shared.config.common import EXPERT_PLACEMENTS
     from moemesh.tools.cli.bench_io import ints
 
     b = bsub.add_parser("stream", help="host overhead of the serving path on the mock engine: share of the ideal "
@@ -24,7 +25,7 @@ def register(bsub) -> None:
     b.add_argument("--draft-skew", default="", help="with --dep: the draft head's routing skew")
     b.add_argument("--expert-share", type=float, default=0.5,
                    help="with --dep: the part of a mock step that scales with a rank's expert load")
-    b.add_argument("--expert-placement", default="linear", choices=("linear", "round_robin"),
+    b.add_argument("--expert-placement", default="linear", choices=EXPERT_PLACEMENTS,
                    help="with --dep: the start-up placement of experts over the ranks")
     b.add_argument("--rebalance", action="store_true",
                    help="with --dep: run the points again after one live rebalance by the balancer")
