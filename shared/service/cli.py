@@ -14,8 +14,6 @@ from typing import Any, Callable
 from moemesh.shared.config.common import default_worker_id
 from moemesh.shared.config.loader import ConfigFileError, load, parse_overrides
 from moemesh.shared.model.config import ConfigError as ModelConfigError
-from moemesh.shared.service.lifecycle import configure_logging, run
-from moemesh.shared.service.nats_io import NatsUnreachable
 
 _FLAGS = {  # the settings common enough for a flag of their own; --set reaches every other
     "model": "model directory (config.json, safetensors, tokenizer.json)",
@@ -58,6 +56,11 @@ def service_main(section: str, config_cls: type, make_service: Callable[[Any], A
         p = argparse.ArgumentParser(prog=f"moemesh {section}")
         add_arguments(p, config_cls)
         args = p.parse_args(argv)
+    # Here, not at the top: `moemesh`'s parser reads add_arguments for every service, and
+    # nats-py (aiohttp with it) would cost each command, --help included, 0.4 s to import.
+    from moemesh.shared.service.lifecycle import configure_logging, run
+    from moemesh.shared.service.nats_io import NatsUnreachable
+
     try:
         cfg = build_config(args, section, config_cls)
     except (ConfigFileError, ValueError) as e:

@@ -48,6 +48,15 @@ def test_version_and_help_on_every_flag():
     assert missing == []
 
 
+def test_the_command_line_imports_neither_torch_nor_nats_to_parse():
+    # Every command (moemesh up, --help, a bench) parses first: a subcommand that imports
+    # its tool to list choices made each of them wait 3 s for torch on this machine.
+    code = ("import sys; from moemesh.tools.cli.main import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'nats', 'numpy', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
 def test_a_busy_port_fails_at_once_naming_it(tiny_model):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

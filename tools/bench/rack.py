@@ -35,6 +35,7 @@ from moemesh.tools.bench import rack_moves
 from moemesh.tools.bench.chaos import _gateway_counters, _stats_of
 from moemesh.tools.bench.chaos_client import ChaosLoad, LoadClient
 from moemesh.tools.bench.env import environment
+from moemesh.tools.bench.rack_scenarios import SCENARIOS, RackScenario
 from moemesh.tools.launch.nats_server import NatsNode, client_urls, start_nats_cluster, start_nats_node
 from moemesh.tools.launch.procs import Child, ProcessGroup
 from moemesh.tools.launch.rack_net import CTL_DEV, DATA_DEV, Host, RackNetwork
@@ -45,37 +46,6 @@ BLOCK_SIZE = 16
 LEFTOVER_WITHIN_S = 40.0  # after the load: every block and staging byte is back by then
 
 
-@dataclass(frozen=True)
-class RackScenario:
-    name: str
-    # kill | stop (SIGSTOP, then SIGCONT) | cut (a host's data plane down, then up) |
-    # dark (a host dies as hardware does: both its links go silent, then its processes die,
-    # so no peer hears a reset or a closed connection; it never comes back)
-    # move (a live expert move on decode-i0, `target` killed once every rank has staged it;
-    # see tools/bench/rack_moves.py)
-    fault: str
-    target: str  # a process name, or a host (h1..h3: every process it runs)
-    duration_s: float = 0.0  # stop, cut: how long
-    stall_goal_s: float = 10.0
-    probe_turns: int = 1  # 2: the probes are second turns, whose prefill fetches its prefix
-    probe_s: float = 5.0  # probes go out for this long from `lead_s` before the fault
-    lead_s: float = 0.0
-    # straggler: a rank that is only slow keeps its streams (the mesh tells slow from dead:
-    # a dead process has nothing subscribed on NATS any more; see services/gateway/mesh/migration.py)
-
-
-SCENARIOS = {s.name: s for s in (
-    RackScenario("kill-rank", "kill", "decode-i0-r1"),
-    RackScenario("straggler", "stop", "decode-i0-r1", duration_s=3.0),
-    RackScenario("cut-data", "cut", "h3", duration_s=10.0, stall_goal_s=5.0),
-    RackScenario("nats-node", "kill", "nats-2", stall_goal_s=5.0),
-    RackScenario("kill-host", "kill", "h3"),
-    # The KV store's host (with decode-1) dies while second turns fetch their prefixes from
-    # it: each fetch gives up within transfer_timeout_s and the prefix is computed again.
-    RackScenario("store-host", "dark", "h3", probe_turns=2, probe_s=8.0, lead_s=2.0),
-    RackScenario("move-cut", "move", "balancer"),
-    RackScenario("move-cut-rank", "move", "decode-i0-r1"),
-)}
 MOVE_TIMEOUT_S = 4.0  # a cut move's ranks drop their staging after this
 MOVED_INSTANCE, MOVED_RANKS = "decode-i0", ("decode-i0-r0", "decode-i0-r1")
 PULL_SLACK_S = 0.5  # a fetch's wait beyond transfer_timeout_s: the event loop's own delays

@@ -7,7 +7,7 @@ import sys
 
 
 def register(bsub) -> None:
-    from moemesh.tools.bench.rack import SCENARIOS
+    from moemesh.tools.bench.rack_scenarios import SCENARIOS
 
     b = bsub.add_parser("rack", help="the mesh across three hosts (network namespaces; needs root) with a NATS "
                                      "cluster of three, and rack faults: a DEP rank killed or stopped, a host's "
