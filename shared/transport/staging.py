@@ -138,13 +138,16 @@ class StagingPool:
 
     def huge_page_bytes(self) -> int:
         """Bytes of this pool's host mapping the kernel backs with huge pages right now
-        (AnonHugePages in /proc/self/smaps; 0 when it cannot tell)."""
+        (AnonHugePages in /proc/self/smaps; 0 when it cannot tell). The kernel merges
+        adjacent anonymous mappings of the same flags into one entry, whose figure then
+        counts a neighbour's huge pages too: hence at most the pool's own size."""
         if self._mapping is None:
             return 0
         try:
-            return int(mapping_fields(self.buf.data_ptr()).get("AnonHugePages", "0 kB").split()[0]) << 10
+            granted = int(mapping_fields(self.buf.data_ptr()).get("AnonHugePages", "0 kB").split()[0]) << 10
         except ValueError:
             return 0
+        return min(granted, self.buf.numel())
 
     @property
     def capacity(self) -> int:
