@@ -1,6 +1,57 @@
-"""One rank of a DEP instance, run in a spawned process by the DEP tests."""
+"""One rank of a DEP instance, run in a spawned process by the DEP tests, and the pool of
+such processes the tests share: a rank process imports torch and the engine once and then
+runs one instance after another, each in a process group of its own."""
 
 from __future__ import annotations
+
+import traceback
+
+
+class RankPool:
+    """`size` spawned rank processes, each taking instances from its own queue. An instance
+    of `world` ranks runs on the first `world` of them; each gets run_rank's arguments
+    after (rank, world, init_method), and answers what run_rank puts on its queue."""
+
+    def __init__(self, size: int):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._out = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(size)]
+        self._procs = [ctx.Process(target=_serve, args=(q, self._out), daemon=True) for q in self._jobs]
+        for p in self._procs:
+            p.start()
+
+    def run(self, world: int, *args, timeout_s: float = 240, **kwargs) -> list[tuple]:
+        """Each rank's result, by rank. A rank that raised fails the call with its traceback;
+        one that never answers (a peer stuck in a collective) fails it after timeout_s."""
+        from moemesh.tools.launch.procs import free_port
+
+        assert world <= len(self._procs), f"an instance of {world} ranks on a pool of {len(self._procs)}"
+        init = f"tcp://127.0.0.1:{free_port()}"
+        for r in range(world):
+            self._jobs[r].put((r, world, init, args, kwargs))
+        results = [self._out.get(timeout=timeout_s) for _ in range(world)]
+        errors = [r[1] for r in results if r[0] == "error"]
+        assert not errors, "\n".join(errors)
+        return sorted(results, key=lambda r: r[0])
+
+    def close(self) -> None:
+        for q in self._jobs:
+            q.put(None)
+        for p in self._procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def _serve(jobs, out) -> None:
+    while (job := jobs.get()) is not None:
+        rank, world, init, args, kwargs = job
+        try:
+            run_rank(rank, world, init, *args, out_q=out, **kwargs)
+        except BaseException:  # its peers then fail too, by their collectives' timeout
+            out.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
 def run_rank(rank: int, world: int, init_method: str, model_dir: str, prompts: list[list[int]], redundant: int,

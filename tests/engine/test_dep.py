@@ -5,10 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch.multiprocessing as mp
 
-from moemesh.tools.launch.procs import free_port
-from tests.engine.dep_worker import run_rank
+from tests.engine.dep_worker import RankPool
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -16,24 +14,21 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[0] + [rng.randrange(4, 970) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
 
 
-def _dep(model_dir, world, redundant, prompts, max_tokens, num_spec, phy2log=None, info=None, placement="linear"):
+@pytest.fixture(scope="module")
+def ranks():
+    """Rank processes shared by this file's instances (one spawn, one torch import, each)."""
+    pool = RankPool(4)
+    yield pool
+    pool.close()
+
+
+def _dep(ranks, model_dir, world, redundant, prompts, max_tokens, num_spec, phy2log=None, info=None,
+         placement="linear"):
     """Outputs by request id of a DEP instance; `info` (a list) gets each rank's facts."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=run_rank, args=(r, world, init, model_dir, prompts, redundant, max_tokens,
-                                                  num_spec, q, phy2log, placement)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = [q.get(timeout=240) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    results = ranks.run(world, model_dir, prompts, redundant, max_tokens, num_spec, phy2log=phy2log,
+                        placement=placement)
     outs, steps = {}, set()
-    for rank, o, n, freed, facts in sorted(results, key=lambda r: r[0]):
+    for rank, o, n, freed, facts in results:
         if info is not None:
             info.append(facts)
         outs.update(o)
@@ -45,7 +40,7 @@ def _dep(model_dir, world, redundant, prompts, max_tokens, num_spec, phy2log=Non
 
 @pytest.mark.parametrize("world,redundant,num_spec,placement",
                          [(2, 0, 1, "linear"), (2, 1, 2, "round_robin"), (4, 1, 1, "linear")])
-def test_dep_outputs_equal_dep1(tiny_engine_factory, tiny_model, world, redundant, num_spec, placement):
+def test_dep_outputs_equal_dep1(ranks, tiny_engine_factory, tiny_model, world, redundant, num_spec, placement):
     prompts = _prompts(6 if world == 4 else 5)
     max_tokens = 8
     from moemesh.shared.protocol.messages import SamplingParams
@@ -57,11 +52,11 @@ def test_dep_outputs_equal_dep1(tiny_engine_factory, tiny_model, world, redundan
     while eng.has_unfinished():
         for o in eng.step():
             want[o.request_id] += o.new_token_ids
-    got = _dep(tiny_model, world, redundant, prompts, max_tokens, num_spec, placement=placement)
+    got = _dep(ranks, tiny_model, world, redundant, prompts, max_tokens, num_spec, placement=placement)
     assert got == want
 
 
-def test_dep_v4_outputs_equal_dep1_hash_layers_included(tiny_v4_model):
+def test_dep_v4_outputs_equal_dep1_hash_layers_included(ranks, tiny_v4_model):
     """DeepSeek-V4 under DEP2 with a redundant slot: every layer is MoE, the first two
     hash-routed, and all of them go through the all-to-all."""
     from moemesh.shared.engine.config import EngineConfig
@@ -76,7 +71,7 @@ def test_dep_v4_outputs_equal_dep1_hash_layers_included(tiny_v4_model):
     while eng.has_unfinished():
         for o in eng.step():
             want[o.request_id] += o.new_token_ids
-    assert _dep(tiny_v4_model, 2, 1, prompts, 8, 1) == want
+    assert _dep(ranks, tiny_v4_model, 2, 1, prompts, 8, 1) == want
 
 
 def _greedy(eng, prompts, max_tokens) -> dict[str, list[int]]:
@@ -91,7 +86,7 @@ def _greedy(eng, prompts, max_tokens) -> dict[str, list[int]]:
     return out
 
 
-def test_dep2_starts_on_a_checkpoint_whose_config_declares_an_mtp_layer_it_lacks(tiny_model, tmp_path):
+def test_dep2_starts_on_a_checkpoint_whose_config_declares_an_mtp_layer_it_lacks(ranks, tiny_model, tmp_path):
     """The config says one MTP layer; the weights have none. One engine starts with MTP
     off, and so must a DEP instance: its placement is sized from the model as loaded
     (two MoE layers), not from the config (three)."""
@@ -117,11 +112,11 @@ def test_dep2_starts_on_a_checkpoint_whose_config_declares_an_mtp_layer_it_lacks
     assert not eng.use_mtp
     want = _greedy(eng, prompts, 6)
     info: list[dict] = []
-    assert _dep(str(d), 2, 1, prompts, 6, 1, info=info) == want
+    assert _dep(ranks, str(d), 2, 1, prompts, 6, 1, info=info) == want
     assert [(i["num_moe_layers"], i["has_mtp"]) for i in info] == [(2, False), (2, False)]
 
 
-def test_a_skewed_hash_layer_is_balanced_through_replicas(tiny_v4_model):
+def test_a_skewed_hash_layer_is_balanced_through_replicas(ranks, tiny_v4_model):
     """A hash layer's routing follows the token ids, so only replicas can even it out.
     Prompts of tokens whose hash row puts expert 3 second make it hot in layer 0; the
     policy gives it a replica on each rank, the DEP2 ranks split its pairs between them,
@@ -162,7 +157,7 @@ def test_a_skewed_hash_layer_is_balanced_through_replicas(tiny_v4_model):
     assert before[0] < 0.8 and after[0] > before[0] + 0.15, (before, after)
 
     info: list[dict] = []
-    assert _dep(tiny_v4_model, world, redundant, prompts, 6, 1, phy2log=placed.phy2log, info=info) == want
+    assert _dep(ranks, tiny_v4_model, world, redundant, prompts, 6, 1, phy2log=placed.phy2log, info=info) == want
 
     # What the ranks ran, slot by slot ([L, P], rank 0's slots then rank 1's).
     ran = torch.tensor([sum((i["slot_tokens"][lid] for i in info), []) for lid in range(num_layers)])
