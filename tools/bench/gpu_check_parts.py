@@ -120,11 +120,8 @@ def env_part(m: Mode) -> Part:
     steps = [] if m.cpu else [Step(_mod("moemesh.tools.bench.gpu_env", "--install", "--out", str(out / "env-install.json")),
                                    900, 0, budgeted=False)]
     record = () if m.cpu else ("--install-record", str(out / "env-install.json"))
-    steps.append(Step(_mod("moemesh.tools.bench.gpu_env", "--device", m.device, *record, "--out", str(out / "env.json")),
-                      60, 10))
-    for name in ("tiny", "v4-tiny"):  # the random checkpoints the later parts share
-        steps.append(Step(_mod("moemesh.tools.cli.main", "init-model", m.model(name), "--preset", name, "--seed", "0"),
-                          60, 10))
+    steps.append(Step(_mod("moemesh.tools.bench.gpu_env", "--device", m.device, *record, "--out", str(out / "env.json"),
+                           "--models", str(m.work)), 120, 30))  # and the random checkpoints the later parts share
     return Part("env", "versions of torch, CUDA, Triton and the driver; the GPU; what was installed", tuple(steps),
                 lambda m, runs: own_verdict(m.out / "env.json", runs, "env.log"))
 

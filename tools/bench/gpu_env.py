@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--install", action="store_true", help="install what is missing (never with --device cpu)")
     ap.add_argument("--install-record", default="", help="the --install step's JSON, to merge in")
     ap.add_argument("--out", default="env.json")
+    ap.add_argument("--models", default="", help="then make the random checkpoints the later parts share here "
+                                                  f"({', '.join(MODELS)}, seed 0)")
     a = ap.parse_args(argv)
     if a.install:
         if a.device == "cpu":
@@ -157,7 +159,28 @@ def main(argv: list[str] | None = None) -> int:
     result["verdict"], result["reason"], result["summary"] = verdict(info, record)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(result["summary"] + (f"\nFAIL: {result['reason']}" if result["reason"] else ""))
-    return 0 if result["verdict"] == "pass" else 1
+    made = make_models(Path(a.models)) if a.models else True
+    return 0 if result["verdict"] == "pass" and made else 1
+
+
+# Made here, in the process that has torch imported already, not by one `moemesh
+# init-model` each: every process start pays for torch and transformers again (12 s of
+# the CPU check's 19 s of environment, here).
+MODELS = ("tiny", "v4-tiny")
+
+
+def make_models(work: Path) -> bool:
+    from moemesh.shared.checkpoint.writer import init_model
+
+    for name in MODELS:
+        t0 = time.monotonic()
+        try:
+            init_model(work / name, name, seed=0)
+        except Exception as e:  # the parts that need it say so too; this names the cause
+            print(f"FAIL: making the {name} checkpoint: {type(e).__name__}: {e}")
+            return False
+        print(f"wrote the {name} checkpoint to {work / name} in {time.monotonic() - t0:.1f} s")
+    return True
 
 
 if __name__ == "__main__":
