@@ -4,6 +4,7 @@ runs one instance after another, each in a process group of its own."""
 
 from __future__ import annotations
 
+import time
 import traceback
 
 
@@ -19,6 +20,7 @@ class RankPool:
         self._out = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(size)]
         self._procs = [ctx.Process(target=_serve, args=(q, self._out), daemon=True) for q in self._jobs]
+        self._job = 0
         for p in self._procs:
             p.start()
 
@@ -28,10 +30,16 @@ class RankPool:
         from moemesh.tools.launch.procs import free_port
 
         assert world <= len(self._procs), f"an instance of {world} ranks on a pool of {len(self._procs)}"
+        self._job += 1
         init = f"tcp://127.0.0.1:{free_port()}"
         for r in range(world):
-            self._jobs[r].put((r, world, init, args, kwargs))
-        results = [self._out.get(timeout=timeout_s) for _ in range(world)]
+            self._jobs[r].put((self._job, r, world, init, args, kwargs))
+        deadline = time.monotonic() + timeout_s
+        results = []
+        while len(results) < world:
+            job, result = self._out.get(timeout=max(0.0, deadline - time.monotonic()))
+            if job == self._job:  # not a late answer of an instance that timed out before
+                results.append(result)
         errors = [r[1] for r in results if r[0] == "error"]
         assert not errors, "\n".join(errors)
         return sorted(results, key=lambda r: r[0])
@@ -46,12 +54,23 @@ class RankPool:
 
 
 def _serve(jobs, out) -> None:
-    while (job := jobs.get()) is not None:
-        rank, world, init, args, kwargs = job
+    while (item := jobs.get()) is not None:
+        job, rank, world, init, args, kwargs = item
+        answer = _Answer(out, job)
         try:
-            run_rank(rank, world, init, *args, out_q=out, **kwargs)
+            run_rank(rank, world, init, *args, out_q=answer, **kwargs)
         except BaseException:  # its peers then fail too, by their collectives' timeout
-            out.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+            answer.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+
+
+class _Answer:
+    """run_rank's queue, its answers marked with the instance they belong to."""
+
+    def __init__(self, out, job: int):
+        self._out, self._job = out, job
+
+    def put(self, result: tuple) -> None:
+        self._out.put((self._job, result))
 
 
 def run_rank(rank: int, world: int, init_method: str, model_dir: str, prompts: list[list[int]], redundant: int,
