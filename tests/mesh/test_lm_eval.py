@@ -101,9 +101,11 @@ def test_lm_eval_loglikelihoods_are_transformers(nats_url, subject, tmp_path, mo
     tasks = _task_dir(tmp_path, items)
 
     def evaluate(url: str):
+        # include_defaults=False: only this task is indexed, not lm-eval's 14,000 built-in
+        # ones (11 s of YAML per test here, for tasks never run).
         lm = LocalCompletionsAPI(base_url=url + "/v1/completions", model="tiny", batch_size=2, max_retries=1)
         assert lm.tokenizer_backend == "remote"  # it found /tokenizer_info and /tokenize
-        res = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=TaskManager(include_path=tasks),
+        res = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=TaskManager(include_path=tasks, include_defaults=False),
                                       log_samples=True)
         # each sample's arguments: (context, continuation) per choice; encoded as lm-eval did
         pairs = [lm._encode_pair(*args) for inst in res["samples"][TASK] for args in inst["arguments"]]
