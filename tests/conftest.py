@@ -12,15 +12,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # order, and by default first reorders the files by how many tests they hold: files of one
 # long test (the GPU check's CPU rehearsal, the OpenAPI fuzz) came last, each on one worker
 # while the other had nothing left. The longest files (`--durations=0` summed by file,
-# 2026-12-07) go first instead, the rest as collected; scripts/test turns xdist's reorder off.
+# 2026-12-07, after the cuts of that day) go first instead, the rest as collected;
+# scripts/test turns xdist's reorder off.
 LONG_FIRST = (
-    "tests/bench/test_gpu_check.py", "tests/mesh/test_dep_mesh.py", "tests/mesh/test_openapi_fuzz.py",
-    "tests/mesh/test_up.py", "tests/kernels/test_engine_with_kernels.py", "tests/kernels/test_launches.py",
-    "tests/mesh/test_lm_eval.py", "tests/engine/test_dep.py", "tests/cli/test_startup.py",
-    "tests/bench/test_bench_tools.py", "tests/mesh/test_guidellm.py", "tests/mesh/test_trace_replay.py",
-    "tests/mesh/test_faults.py", "tests/bench/test_serve_e2e.py", "tests/mesh/test_dep_move_cuts.py",
-    "tests/oracle/test_v4_against_transformers.py", "tests/mesh/test_kv_reuse.py", "tests/services/test_migration.py",
-    "tests/mesh/test_v4_dep_mesh.py", "tests/cli/test_cli.py",
+    "tests/bench/test_gpu_check.py", "tests/mesh/test_dep_mesh.py", "tests/mesh/test_up.py",
+    "tests/mesh/test_openapi_fuzz.py", "tests/kernels/test_engine_with_kernels.py", "tests/bench/test_bench_tools.py",
+    "tests/mesh/test_faults.py", "tests/mesh/test_guidellm.py", "tests/oracle/test_v4_against_transformers.py",
+    "tests/mesh/test_trace_replay.py", "tests/bench/test_serve_e2e.py", "tests/mesh/test_dep_move_cuts.py",
+    "tests/kernels/test_launches.py", "tests/mesh/test_v4_dep_mesh.py", "tests/services/test_migration.py",
+    "tests/mesh/test_kv_reuse.py", "tests/cli/test_cli.py", "tests/mesh/test_transformers_checkpoint.py",
+    "tests/mesh/test_openai_api.py", "tests/services/test_parallel_sampling.py",
 )
 
 
