@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,32 @@ def _procs_mentioning(needle: str) -> list[int]:
             except OSError:
                 pass
     return out
+
+
+def _stat(pid: int) -> tuple[str, list[str]] | None:
+    """(command name, the fields after it) of a live process, None for a gone or zombie one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    rest = stat[stat.rindex(")") + 2:].split()
+    return None if rest[0] == "Z" else (stat[stat.index("(") + 1:stat.rindex(")")], rest)
+
+
+def _children_named(parent: int, prefix: str) -> list[tuple[int, str]]:
+    """(pid, start time) of `parent`'s live children whose name starts with `prefix`: the
+    start time tells a process apart from a later one given the same pid."""
+    out = []
+    for d in Path("/proc").iterdir():
+        st = _stat(int(d.name)) if d.name.isdigit() else None
+        if st and st[0].startswith(prefix) and int(st[1][1]) == parent:
+            out.append((int(d.name), st[1][19]))
+    return out
+
+
+def _started_at(pid: int) -> str | None:
+    st = _stat(pid)
+    return st[1][19] if st else None
 
 
 def _up(tmp_path, *args) -> subprocess.Popen:
@@ -63,9 +88,9 @@ def test_up_starts_answers_a_stream_and_stops_cleanly(tmp_path):
     """With two gateways (`--gateways 2`, on consecutive ports): each streams a completion
     from the same workers."""
     p = _up(tmp_path, "--gateways", "2")
-    url = nats_port = None
+    nats = []
     try:
-        url, nats_port, lines = _wait_up(p)
+        url, _, lines = _wait_up(p)
         urls = re.search(r"moemesh is up: ((?:http://\S+\s+)+)\(", "".join(lines)).group(1).split()
         port = int(url.rsplit(":", 1)[1])
         assert urls == [url, url.replace(f":{port}", f":{port + 1}")]
@@ -76,14 +101,16 @@ def test_up_starts_answers_a_stream_and_stops_cleanly(tmp_path):
         assert "curl" in "".join(lines)
         assert sorted(f.name for f in (tmp_path / "logs").glob("gateway*.log")) == ["gateway-0.log", "gateway-1.log"]
         assert _procs_mentioning(str(tmp_path / "home"))  # the workers run with the model made there
+        # Known by process, not by port: once this one is gone, another test's `up` may take 4222.
+        nats = _children_named(p.pid, "nats-server")
+        assert len(nats) == 1, nats
     finally:
         rc = _stop(p)
     assert rc == 0
     time.sleep(0.5)
     assert _procs_mentioning(str(tmp_path / "home")) == []
     assert _procs_mentioning(str(tmp_path / "logs")) == []
-    with socket.socket() as sock:
-        assert sock.connect_ex(("127.0.0.1", nats_port)) != 0, "the NATS server it started is still running"
+    assert not [pid for pid, t in nats if _started_at(pid) == t], "the NATS server it started is still running"
 
 
 def test_up_with_a_v4_model_folder_streams_a_completion(tmp_path, tiny_v4_model):
