@@ -27,6 +27,23 @@ def test_kv_transfer(tmp_path, tiny_model):
     row = res["results"][1]
     assert row["bytes"] == 1 << 20 and row["ucx_one_GBps"] > 0 and row["ucx_concurrent_GBps"] > 0
     assert res["machine_copy_GBps"] > 0 and "min_ratio_at_1MiB_plus" in res
+    assert res["machine_copy_pieces_GBps"] > 0 and res["pieces_bytes"] <= 1 << 20
+    assert res["min_ratio_at_1MiB_plus_pieces"]["one"] > 0
+    assert "pieces, with the stores a transfer makes" in out
+
+
+def test_the_copy_ceiling_knows_where_glibc_stores_past_the_cache():
+    """The one 256 MiB memcpy can take glibc's non-temporal path, which no transfer takes:
+    the bench reads the threshold and copies in pieces below it for the ordinary-store ceiling."""
+    from moemesh.tools.bench.kv_transfer import ceiling_piece, copy_bandwidth, parse_non_temporal_threshold
+
+    text = ("glibc.cpu.x86_rep_movsb_threshold: 0x840 (min: 0x100, max: 0xffffffffffffffff)\n"
+            "glibc.cpu.x86_non_temporal_threshold: 0xc000000 (min: 0x4040, max: 0xfffffffffffffff)\n")
+    assert parse_non_temporal_threshold(text) == 192 << 20
+    assert parse_non_temporal_threshold("glibc.malloc.mxfast: 0x0\n") is None
+    assert ceiling_piece(192 << 20) == 1 << 20 and ceiling_piece(None) == 1 << 20
+    assert ceiling_piece(1 << 20) == 512 << 10  # a small threshold: no piece crosses it
+    assert copy_bandwidth(4 << 20, 0.0, piece=1 << 20) > 0 and copy_bandwidth(1 << 20, 0.0, piece=4 << 20) > 0
 
 
 def test_kv_transfer_table_below_1mib():
