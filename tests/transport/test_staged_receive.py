@@ -4,10 +4,12 @@ only once nothing can land in it any more."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from moemesh.shared.transport import staging
 from moemesh.shared.transport.base import Transfer, TransferError, TransferState
 from moemesh.shared.transport.loopback import LoopbackHub, LoopbackTransport
 from moemesh.shared.transport.staging import StagedReceive, StagingPool
@@ -143,8 +145,15 @@ def test_a_failure_while_bytes_land_frees_the_staging_only_once_they_have_landed
     asyncio.run(go())
 
 
-def test_the_ask_and_the_bytes_share_one_timeout():
-    """A slow answer leaves the bytes what is left of the timeout, not a timeout of their own."""
+def test_the_ask_and_the_bytes_share_one_timeout(monkeypatch):
+    """A slow answer leaves the bytes what is left of the timeout, not a timeout of their own.
+    On the receive's own clock, which the ask moves on by 0.25 s: a real sleep of 0.2 s
+    could end a little before 0.2 s had passed on it (the loop's timers round to the
+    millisecond), and the test failed by that once."""
+    clock = SimpleNamespace(now=1000.0)
+    clock.monotonic = lambda: clock.now
+    monkeypatch.setattr(staging, "time", clock)
+
     async def go():
         a, b = await _pair()
         rx = StagedReceive(b, StagingPool(1 << 20), N)
@@ -157,12 +166,12 @@ def test_the_ask_and_the_bytes_share_one_timeout():
         rx.wait = wait
 
         async def slow_ask(tag):
-            await asyncio.sleep(0.2)
+            clock.now += 0.25
             return "asked"
 
         with pytest.raises(TransferError):
             await rx.run(slow_ask, 1.0)
-        assert given and given[0] <= 0.8  # the ask took at least 0.2 of the 1.0
+        assert given == [0.75]
         rx.release()
 
     asyncio.run(go())
