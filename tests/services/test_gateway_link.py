@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
+from moemesh.services.gateway.mesh import client
 from moemesh.services.gateway.mesh.client import LinkState
 
 
-def test_a_send_counts_against_the_worker_only_on_a_settled_link():
+def test_a_send_counts_against_the_worker_only_on_a_settled_link(monkeypatch):
+    # The link's own clock, moved by hand: on the wall clock a stall of 0.2 s between
+    # on_up() and the check after it would read as a settled link.
+    clock = SimpleNamespace(now=1000.0, time=time.time)
+    clock.monotonic = lambda: clock.now
+    monkeypatch.setattr(client, "time", clock)
     link = LinkState(settle_s=0.2)
     assert not link.is_up
     link.on_connected()
@@ -18,7 +25,9 @@ def test_a_send_counts_against_the_worker_only_on_a_settled_link():
     assert not link.steady_since(epoch)  # the send spanned an outage
     link.on_up()
     assert not link.steady_since(link.epoch)  # back, but the workers may not be re-subscribed
-    time.sleep(0.25)
+    clock.now += 0.19
+    assert not link.steady_since(link.epoch)
+    clock.now += 0.01
     assert link.steady_since(link.epoch) and not link.steady_since(epoch)
 
 
