@@ -28,7 +28,10 @@ def test_changes_of_several_steps_go_out_as_one_message_and_a_failed_send_is_sur
         pub.add([b"d"], [b"y"])
         await asyncio.sleep(0.1)
         pub.publish_soon()
-        await asyncio.sleep(0.1)
+        for _ in range(500):  # until the third is out (5 s at most), not a fixed wait a stall could outlast
+            if len(sent) == 3:
+                break
+            await asyncio.sleep(0.01)
         task.cancel()
         assert sent == [([b"a", b"b"], [b"x"]), ([b"c", b"d"], [b"y"]), ([], [])]
 
