@@ -6,6 +6,7 @@ request must then be served once and end normally, whichever workers the copies 
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import AsyncExitStack
 
 import nats
@@ -57,9 +58,9 @@ def test_copies_on_two_workers_end_the_request_normally(nats_url, tiny_model):
         common = dict(nats_url=nats_url, model=tiny_model, subject_prefix=prefix, served_model_name="tiny",
                       heartbeat_interval_s=0.25, staging_mb=16, num_kv_blocks=256, engine="mock", mock_step_ms=20.0)
         async with AsyncExitStack() as stack:
-            for w in ("prefill-a", "prefill-b"):
-                await stack.enter_async_context(PrefillService(PrefillConfig(worker_id=w, **common), None,
-                                                               lambda: LoopbackTransport(hub)))
+            pres = [await stack.enter_async_context(PrefillService(PrefillConfig(worker_id=w, **common), None,
+                                                                     lambda: LoopbackTransport(hub)))
+                    for w in ("prefill-a", "prefill-b")]
             dec = await stack.enter_async_context(DecodeService(DecodeConfig(worker_id="decode-r", **common), None,
                                                                 lambda: LoopbackTransport(hub)))
             nc = await nats.connect(nats_url)
@@ -76,7 +77,10 @@ def test_copies_on_two_workers_end_the_request_normally(nats_url, tiny_model):
 
             try:
                 await nc.subscribe(s.gateway_tokens("gw-r", "*"), cb=on_tokens)
-                await asyncio.sleep(0.6)  # the prefill workers have heard the decode worker's heartbeat
+                deadline = time.monotonic() + 10  # until the prefill workers have heard the decode worker's heartbeat
+                while not all(p.peers.live("decode") for p in pres):
+                    assert time.monotonic() < deadline, "no decode heartbeat heard"
+                    await asyncio.sleep(0.02)
                 job = _job("dup", "gw-r")
                 await asyncio.gather(request(nc, s.prefill_direct("prefill-a"), job, Ack, 5),
                                      request(nc, s.prefill_direct("prefill-b"), job, Ack, 5))
