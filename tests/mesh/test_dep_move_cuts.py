@@ -29,10 +29,14 @@ def _cut_once_staged(mesh, kill) -> threading.Thread:
     """Start a move; once both ranks have staged it, call kill(). Returns the thread that asked
     for the move, for the test to join: its request ends by its own timeout when the balancer
     that took it is gone, and a thread left asking would outlive the mesh and the test."""
+    subscribed = threading.Event()
+
     async def watch():
         nc = await nats.connect(mesh.nats_url)
         try:
             sub = await nc.subscribe(Subjects().eplb(mesh.decode_id, "staged"))
+            await nc.flush()  # the server has the subscription
+            subscribed.set()
             ranks = set()
             while len(ranks) < 2:
                 m = decode((await sub.next_msg(timeout=30)).data, MoveStaged)
@@ -60,7 +64,7 @@ def _cut_once_staged(mesh, kill) -> threading.Thread:
 
     watcher = threading.Thread(target=run, daemon=True)
     watcher.start()
-    time.sleep(0.5)  # subscribed before the plan goes out
+    assert subscribed.wait(30), "the watcher never subscribed"  # before the plan goes out
     mover.start()
     assert done.wait(40), f"the ranks never staged the move: {reply}"
     kill()
