@@ -24,6 +24,7 @@ import zlib
 import torch
 
 from moemesh.shared.engine.engine import LLMEngine
+from moemesh.shared.engine.host_copy import to_device
 from moemesh.shared.engine.snapshots import usable_depth
 
 
@@ -97,7 +98,7 @@ def scatter_and_register(engine: LLMEngine, blocks: list[int], hashes: list[byte
     if engine.hybrid:
         n = len(blocks)
         main = engine.kv.main
-        main[torch.tensor(blocks, device=main.device)] = buf[: n * engine.kv.layout.main_width].view(n, -1).to(main)
+        main[to_device(blocks, torch.long, main.device)] = buf[: n * engine.kv.layout.main_width].view(n, -1).to(main)
     else:
         engine.kv.import_blocks(blocks, buf.transpose(0, 1))
     for b, h in zip(blocks, hashes):

@@ -62,7 +62,7 @@ class Drafter:
         batch = build_batch(chunks, self.block_size, self.device, self.batcher, tables=self.tables,
                             row_keys=self.row_keys)  # may reorder the chunks
         rows = [r for ch in chunks for r in prev_rows[id(ch.seq)]]  # one index tensor, not one per sequence
-        prev = hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)] if rows else hidden[:0]
+        prev = hidden[host_copy.to_device(rows, torch.long, hidden.device)] if rows else hidden[:0]
         h = self.model.mtp_forward(batch, prev, self.kv)
         want = [ch for ch in chunks if ch.seq.status in _DRAFTING and ch.seq.in_decode and self.num_spec]
         parts: list[torch.Tensor] = []
@@ -71,7 +71,7 @@ class Drafter:
             live = [ch for ch in want if len(ch.seq.draft_ids) == step and self.budget(ch.seq) > step]
             if not live and not self.lockstep:
                 break
-            last = torch.tensor([ch.row + ch.q_len - 1 for ch in live], dtype=torch.long)
+            last = host_copy.to_device([ch.row + ch.q_len - 1 for ch in live], torch.long, h.device)
             if live:
                 drafts = self.model.mtp_logits(h[last]).argmax(dim=-1)  # stays on the device
                 parts.append(drafts)
@@ -108,7 +108,7 @@ class Drafter:
             rows += range(c.row + c.q_len - n, c.row + c.q_len)
             take += owner[2][:n]
         if rows:
-            ix = torch.tensor([rows, take], dtype=torch.long, device=self.pending.device)
+            ix = host_copy.to_device([rows, take], torch.long, self.pending.device)
             batch.input_ids[ix[0]] = self.pending[ix[1]]
 
     def resolve(self, values: torch.Tensor | None = None) -> None:

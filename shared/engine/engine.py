@@ -45,6 +45,7 @@ from moemesh.shared.engine.errors import NoCapacity, RequestError
 from moemesh.shared.engine.fork import ring_copies, take_copy
 from moemesh.shared.engine.grammar import GrammarRows, GrammarRuntime
 from moemesh.shared.engine.handoff import KVHandoff
+from moemesh.shared.engine.host_copy import to_device
 from moemesh.shared.engine.hybrid_batch import HybridBatcher
 from moemesh.shared.engine.hybrid_cache import HybridKVCache
 from moemesh.shared.engine.kv_cache import KVCache
@@ -429,10 +430,10 @@ class LLMEngine:
                 params.append(seq.params)
                 seq.token_ids.append(PLACEHOLDER)
         if rows and rows[-1] != len(rows) - 1:
-            step.sample_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+            step.sample_rows = to_device(rows, torch.long, self.device)
         if fill_rows:
-            step.fill_rows = torch.tensor(fill_rows, dtype=torch.long, device=self.device)
-            step.fill_from = torch.tensor(fill_from, dtype=torch.long, device=self.device)
+            step.fill_rows = to_device(fill_rows, torch.long, self.device)
+            step.fill_from = to_device(fill_from, torch.long, self.device)
         if any(p.seed is not None for p in params):
             step.generators = [s.generator_at(slot) for s, slot in zip(seqs, slots)]
         if any(p.logprobs is not None for p in params):

@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 
 from moemesh.shared.engine.block_manager import BlockManager
+from moemesh.shared.engine.host_copy import to_device
 from moemesh.shared.engine.sequence import Sequence, SeqStatus
 
 
@@ -120,5 +121,5 @@ def copy_blocks(kv, pairs: list[tuple[int, int]]) -> None:
     if not isinstance(kv, torch.Tensor):
         kv.copy_blocks(pairs)
         return
-    src, dst = (torch.tensor(x, dtype=torch.long, device=kv.device) for x in zip(*pairs))
+    src, dst = (to_device(x, torch.long, kv.device) for x in zip(*pairs))
     kv[:, dst] = kv[:, src]

@@ -1,9 +1,16 @@
-"""Reading device values on the host, the one wait a decode step may have.
+"""Moving a step's small values between host and device: reading device values on the
+host, the one wait a decode step may have, and putting host lists on the device, which
+must not wait at all.
 
 Each read of a device tensor (`.cpu()`, `.tolist()`, `.item()`) stops the host until
 the device has caught up. A step that needs several values (the target's logits and
 the MTP drafts proposed the step before) reads them here together: the copies are
 queued without waiting, then the host waits once.
+
+The other way, `torch.tensor(values, device=cuda)` copies with torch's default
+`non_blocking=False`, which synchronizes the stream: the host would wait for the
+forward queued before it. `to_device` copies without that wait: a pageable source is
+staged by the driver as the call returns, so the list may go at once.
 """
 
 from __future__ import annotations
@@ -28,3 +35,10 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     if any(t.is_cuda for t in dev):
         torch.cuda.current_stream(dev[0].device).synchronize()
     return out
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or nested lists) as a tensor on `device`, without waiting for the
+    device's queue. On the CPU, the tensor as made."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from moemesh.shared.engine.host_copy import to_device
 from moemesh.shared.model.v4.config import V4Config
 from moemesh.shared.model.v4.layout import V4Layout
 
@@ -56,14 +57,14 @@ class HybridKVCache:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """(source, destination) blocks' main rows: a forked child's copy of its parent's
         partial last block (engine/fork.py)."""
-        src, dst = (torch.tensor(x, dtype=torch.long, device=self.main.device) for x in zip(*pairs))
+        src, dst = (to_device(x, torch.long, self.main.device) for x in zip(*pairs))
         self.main[dst] = self.main[src]
 
     def copy_rings(self, pairs: list[tuple[int, int]]) -> None:
         """(source, destination) rings: take or restore boundary snapshots, or give forked
         children their parent's state. A whole ring moves: slot q % span means the same
         position in both."""
-        src, dst = (torch.tensor(x, dtype=torch.long, device=self.rings.device) for x in zip(*pairs))
+        src, dst = (to_device(x, torch.long, self.rings.device) for x in zip(*pairs))
         self.rings[dst] = self.rings[src]
 
     # ---- a request's state as one buffer --------------------------------------------
@@ -92,7 +93,7 @@ class HybridKVCache:
     def export_main(self, block_ids: list[int], out: torch.Tensor) -> None:
         """The blocks' main rows, in order, into `out` (len(block_ids) * main_width elements)."""
         if block_ids:
-            out.view(len(block_ids), -1).copy_(self.main[torch.tensor(block_ids, device=self.main.device)])
+            out.view(len(block_ids), -1).copy_(self.main[to_device(block_ids, torch.long, self.main.device)])
 
     def export_carry(self, ring: int, num_computed: int, out: torch.Tensor) -> None:
         """Each ring region's look-back before position num_computed, oldest first, into
@@ -118,7 +119,7 @@ class HybridKVCache:
     def import_main(self, block_ids: list[int], buf: torch.Tensor) -> None:
         """File main rows (export_main's layout) into the blocks, in order."""
         if block_ids:
-            self.main[torch.tensor(block_ids, device=self.main.device)] = buf.view(len(block_ids), -1).to(self.main)
+            self.main[to_device(block_ids, torch.long, self.main.device)] = buf.view(len(block_ids), -1).to(self.main)
 
     def import_carry(self, ring: int, num_computed: int, buf: torch.Tensor) -> None:
         """File a carry (export_carry's layout) into `ring` at the slots of its positions."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from moemesh.shared.engine.host_copy import to_device
 from moemesh.shared.kernels.kv_pack import kv_gather, kv_scatter
 from moemesh.shared.model.config import ModelConfig
 
@@ -36,12 +37,12 @@ class KVCache:
         return cfg.num_cache_layers * block_size * cfg.kv_cache_dim * dtype.itemsize
 
     def export_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        idx = torch.tensor(block_ids, device=self.tensor.device)
+        idx = to_device(block_ids, torch.long, self.tensor.device)
         return kv_gather(self.tensor, idx, out)
 
     def import_blocks(self, block_ids: list[int], buf: torch.Tensor) -> None:
         expect = (self.tensor.shape[0], len(block_ids), *self.tensor.shape[2:])
         if tuple(buf.shape) != expect:
             raise ValueError(f"KV buffer has shape {tuple(buf.shape)}, expected {expect}")
-        idx = torch.tensor(block_ids, device=self.tensor.device)
+        idx = to_device(block_ids, torch.long, self.tensor.device)
         kv_scatter(self.tensor, idx, buf)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moemesh.shared.engine.host_copy import to_device
 from moemesh.shared.engine.runner import Chunk
 from moemesh.shared.engine.sampler import LOGPROB_FLOOR
 from moemesh.shared.engine.sequence import Sequence
@@ -72,7 +73,7 @@ def score(model, hidden: torch.Tensor, rows: list[ScoreRows]) -> Scores:
     that token's rank, and the most likely tokens. Queued on the device, not waited for."""
     device = hidden.device
     index = torch.cat([torch.arange(r.row, r.row + r.n) for r in rows]).to(device)
-    targets = torch.tensor([t for r in rows for t in r.seq.token_ids[r.first : r.first + r.n]], device=device)
+    targets = to_device([t for r in rows for t in r.seq.token_ids[r.first : r.first + r.n]], torch.long, device)
     k = max(r.seq.prompt_logprobs.num_top for r in rows)
     parts = []
     for i in range(0, len(index), ROWS_PER_PASS):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from moemesh.shared.engine.host_copy import to_device
 from moemesh.shared.protocol.messages import SamplingParams, TokenLogprob
 
 
@@ -19,20 +20,21 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     greedy = [p.greedy for p in params]
     if any(greedy):
         onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(torch.tensor(greedy)[:, None], onehot, probs)
+        probs = torch.where(to_device(greedy, torch.bool, probs.device)[:, None], onehot, probs)
     return probs
 
 
 def _tempered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     N, V = logits.shape
+    dev = logits.device
     temps = [max(p.temperature, 1e-5) for p in params]
-    x = logits.float() / torch.tensor(temps, dtype=torch.float32)[:, None] if any(t != 1.0 for t in temps) \
+    x = logits.float() / to_device(temps, torch.float32, dev)[:, None] if any(t != 1.0 for t in temps) \
         else logits.float()
     if any(0 < p.top_k < V or p.top_p < 1 for p in params):
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params])
-        top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype)
+        top_k = to_device([p.top_k if 0 < p.top_k < V else V for p in params], torch.long, dev)
+        top_p = to_device([p.top_p for p in params], x.dtype, dev)
         sorted_x, idx = x.sort(dim=-1, descending=True)
-        ranks = torch.arange(V)[None, :]
+        ranks = torch.arange(V, device=dev)[None, :]
         drop = ranks >= top_k[:, None]
         probs_sorted = sorted_x.softmax(dim=-1)
         # keep the smallest prefix whose mass reaches top_p. The first token always stays,
@@ -68,7 +70,7 @@ def draw_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """draw() with its numbers given (u: [N] float64, on any device): probs is overwritten."""
     cdf = torch.cumsum(probs, dim=-1, out=probs) if probs.dtype == torch.float32 else probs.float().cumsum(-1)
     # The last entry is the row's total (1 up to rounding): scaling u by it never runs off the end.
-    target = (u.to(cdf.device) * cdf[:, -1].double()).float()[:, None]
+    target = (u.to(cdf.device, non_blocking=True) * cdf[:, -1].double()).float()[:, None]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return idx.clamp_(max=probs.shape[1] - 1)
 
@@ -81,7 +83,7 @@ def sample(
         return logits.argmax(dim=-1)
     tokens = draw(_tempered_probs(logits, params), generators)
     if any(greedy):
-        tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
+        tokens = torch.where(to_device(greedy, torch.bool, logits.device), logits.argmax(dim=-1), tokens)
     return tokens
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from moemesh.shared.engine.host_copy import to_device
 from moemesh.shared.engine.sampler import draw_with, processed_probs, uniforms
 from moemesh.shared.protocol.messages import SamplingParams
 
@@ -54,7 +55,7 @@ def verify_many(
     if not starts:
         return []
     k = max(len(ds) for ds in drafts)
-    ids = torch.tensor([ds + [0] * (k - len(ds)) for ds in drafts], dtype=torch.long, device=logits.device)
+    ids = to_device([ds + [0] * (k - len(ds)) for ds in drafts], torch.long, logits.device)
     accepted, last = verify_tensors(logits, starts, [len(ds) for ds in drafts], ids, params, generators)
     return [ds[:a] + [t] for ds, a, t in zip(drafts, accepted.tolist(), last.tolist())]
 
@@ -77,12 +78,12 @@ def verify_tensors(
     C, K = len(starts), draft_ids.shape[1]
     accepted = torch.zeros(C, dtype=torch.long, device=dev)
     last = torch.zeros(C, dtype=torch.long, device=dev)
-    nd = torch.tensor(num_drafts, dtype=torch.long, device=dev)
+    nd = to_device(num_drafts, torch.long, dev)
     cols = torch.arange(K, device=dev)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        g = torch.tensor(greedy, dtype=torch.long, device=dev)
-        at = torch.tensor([starts[i] for i in greedy], dtype=torch.long, device=dev)[:, None] \
+        g = to_device(greedy, torch.long, dev)
+        at = to_device([starts[i] for i in greedy], torch.long, dev)[:, None] \
             + torch.arange(K + 1, device=dev)
         best = logits.argmax(dim=-1)[at.clamp(max=logits.shape[0] - 1)]  # [G, K + 1]
         match = (best[:, :K] == draft_ids[g]) & (cols < nd[g][:, None])
@@ -91,7 +92,7 @@ def verify_tensors(
         last[g] = best.gather(1, a[:, None]).squeeze(1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        s = torch.tensor(sampled, dtype=torch.long, device=dev)
+        s = to_device(sampled, torch.long, dev)
         a, t = _verify_sampled(logits, [starts[i] for i in sampled], [num_drafts[i] for i in sampled], draft_ids[s],
                                [params[i] for i in sampled], [generators[i] for i in sampled])
         accepted[s], last[s] = a, t
@@ -108,12 +109,12 @@ def _verify_sampled(logits, starts, num_drafts, draft_ids, params, generators):
         firsts.append(len(rows))
         rows += range(r0, r0 + n + 1)
         row_params += [p] * (n + 1)
-    sel = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=dev)]
+    sel = logits if rows == list(range(logits.shape[0])) else logits[to_device(rows, torch.long, dev)]
     probs = processed_probs(sel, row_params)
     seq_of = [i for i, n in enumerate(num_drafts) for _ in range(n)]
     col_of = [j for n in num_drafts for j in range(n)]
-    nd = torch.tensor(num_drafts, dtype=torch.long, device=dev)
-    firsts_t = torch.tensor(firsts, dtype=torch.long, device=dev)
+    nd = to_device(num_drafts, torch.long, dev)
+    firsts_t = to_device(firsts, torch.long, dev)
     if seq_of:
         # The numbers: every draft's from the global generator, then a seeded sequence's
         # own from its generator (verify()'s order, which the seeded results depend on).
@@ -123,12 +124,12 @@ def _verify_sampled(logits, starts, num_drafts, draft_ids, params, generators):
             if g is not None and n:
                 u[k : k + n] = torch.rand(n, generator=g, dtype=torch.float64)
             k += n
-        si = torch.tensor(seq_of, dtype=torch.long, device=dev)
-        cj = torch.tensor(col_of, dtype=torch.long, device=dev)
+        si = to_device(seq_of, torch.long, dev)
+        cj = to_device(col_of, torch.long, dev)
         d = draft_ids[si, cj]
         p_draft = probs[firsts_t[si] + cj, d].double()
         ok = torch.zeros(S, K, dtype=torch.long, device=dev)
-        ok[si, cj] = (u.to(dev) < p_draft).long()
+        ok[si, cj] = (u.to(dev, non_blocking=True) < p_draft).long()
         a = ok.cumprod(dim=1).sum(dim=1)
     else:
         a = torch.zeros(S, dtype=torch.long, device=dev)

@@ -172,7 +172,7 @@ def run(step: MTPStep, model, kv, before_wait=None) -> None:
     dev = batch.input_ids.device
     rows = [c.row for c in step.chunks]
     K = max(step.num_drafts, default=0)
-    rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+    rows_t = host_copy.to_device(rows, torch.long, dev)
     at = (rows_t[:, None] + 1 + torch.arange(K, device=dev)).clamp(max=max(T - 1, 0))
     draft_ids = batch.input_ids[at]  # [C, K]: each row's drafts (settled), past them ignored
     gens = [seq.generator_at(start - sh + 1) if not p.greedy else None
@@ -221,7 +221,7 @@ def _settle(step: MTPStep, prev: MTPStep, batch: ForwardBatch) -> None:
             rows += range(c.row, c.row + c.q_len)
             back += [d] * c.q_len
     dev = batch.input_ids.device
-    t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+    t = lambda xs: host_copy.to_device(xs, torch.long, dev)  # noqa: E731
     batch.input_ids[t(first)] = prev.bonus[t(src)]
     if draft_rows:
         batch.input_ids[t(draft_rows)] = prev.drafts[t(draft_src)]

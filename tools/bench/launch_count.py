@@ -6,8 +6,10 @@ allocations are none (they launch nothing). A Triton kernel is one launch, and t
 the interpreter runs on its behalf (TRITON_INTERPRET=1, on a CPU) are not counted.
 
 A host sync is an op whose result the host must wait for on an asynchronous device:
-reading a value (`.item()`, `int(t)`, `bool(t)`), and the ops whose output size depends
-on the data (`nonzero`, boolean-mask indexing, `masked_select`, `unique`, ...).
+reading a value (`.item()`, `int(t)`, `bool(t)`), the ops whose output size depends
+on the data (`nonzero`, boolean-mask indexing, `masked_select`, `unique`, ...), and a
+copy from one device to another made with torch's default `non_blocking=False`, which
+synchronizes the stream (`torch.tensor(values, device=cuda)` is one).
 `.tolist()` and `.cpu()` of a CPU tensor do not dispatch, so on a CPU they are not seen:
 the count covers what the model does on the device, and the step's one read of its
 sampled ids is counted by the caller (bench/launches.py).
@@ -52,7 +54,20 @@ def _returns_tensor(func) -> bool:
     return any("Tensor" in str(r.type) for r in func._schema.returns)
 
 
-def _is_sync(func, args) -> bool:
+def _is_waiting_copy(func, args, kwargs) -> bool:
+    """A copy onto another device that the host waits for (a CPU run never makes one)."""
+    if func is aten._to_copy.default:
+        dst = kwargs.get("device")
+        return dst is not None and torch.device(dst) != args[0].device and not kwargs.get("non_blocking", False)
+    if func is aten.copy_.default:
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return args[0].device != args[1].device and not non_blocking
+    return False
+
+
+def _is_sync(func, args, kwargs=None) -> bool:
+    if _is_waiting_copy(func, args, kwargs or {}):
+        return True
     if func in _SYNC:
         return not (func is aten.repeat_interleave.Tensor and len(args) > 1)
     if func in _BOOL_INDEXED and len(args) > 1:
@@ -76,7 +91,7 @@ class LaunchCounter(TorchDispatchMode):
         if not self._paused:
             if not _is_free(func):
                 self.launches[self.scope][_name(func)] += 1
-            if _is_sync(func, args):
+            if _is_sync(func, args, kwargs):
                 self.syncs[self.scope][_name(func)] += 1
         return func(*args, **(kwargs or {}))
 
