@@ -54,6 +54,7 @@ def _check_cpu_run(out: Path, res: subprocess.CompletedProcess) -> dict:
     for m in engine["models"].values():
         assert m["fp32_equal_to_cpu"] is True and m["fp32"]["equal"] == m["fp32"]["of"] > 0
         assert m["bf16"]["pass"] is None and 0 <= m["bf16"]["transformers_share"] <= 1  # measured, judged on a GPU
+        assert m["sampled"]["lengths_ok"] and m["sampled"]["of"] > 0 and m["sampled"]["spec_tokens"] == 1
     mesh = json.loads((out / "mesh.json").read_text())
     assert mesh["stream"]["finish_reason"] == "length" and mesh["handoff"]["kv.transfer"][0]["bytes"] > 0
     assert {op["memory"] for ops in mesh["ucx"].values() for op in ops} == {"host"}
@@ -215,11 +216,15 @@ def test_engine_agreement_and_the_bf16_judgement():
     # the part's verdict names what failed, with transformers' top-2 gap where fp32 parted
     models = {"tiny": {"fp32_equal_to_cpu": False, "fp32": {"equal": 3, "of": 4, "first_diffs": [
                   {"prompt": 1, "first_diff_at": 2, "top2_gap": 0.0012}]},
-                       "bf16": engine_gpu.bf16_verdict(got, hf, 0.25, judged=True)},
+                       "bf16": engine_gpu.bf16_verdict(got, hf, 0.25, judged=True),
+                       "sampled": {**got, "spec_tokens": 1, "lengths_ok": True}},
               "v4-tiny": {"error": "RuntimeError: CUDA error"}}
-    verdict, reason, _ = engine_gpu.verdict(models)
+    verdict, reason, summary = engine_gpu.verdict(models)
     assert verdict == "fail" and "v4-tiny: RuntimeError" in reason and "differs from the CPU on 1 prompts" in reason
-    assert "top-2 gap there: 0.0012" in reason and "bf16" not in reason
+    assert "top-2 gap there: 0.0012" in reason and "bf16" not in reason and "sampled" not in reason
+    assert "sampled = CPU on 2/4 (not judged)" in summary  # sampled answers may part at a near-tie
+    models["tiny"]["sampled"]["lengths_ok"] = False
+    assert "tiny: a sampled answer came back short" in engine_gpu.verdict(models)[1]
 
 
 def test_prompts_spread_over_the_oracle_lengths():

@@ -10,6 +10,10 @@ prompts (lengths from the oracle's, hf_oracle.py) run:
    the same. transformers' bf16 against its fp32, on the same device and prompts, gives
    the share to meet; falling short of it by more than --bf16-tolerance fails. On a CPU
    both shares are recorded and not judged: the target is a GPU's.
+3. sampled: the same prompts, every other one sampled (seeded; temperature, top-k and
+   top-p), beside greedy ones, with the MTP draft head verifying one draft a step where
+   the model has one, fp32 on --device and on the CPU. An error fails the part; the share
+   of equal answers is recorded and not judged (a near-tie may draw differently).
 
 It writes JSON (--out) with a verdict and a one-line summary, and prints the summary.
 """
@@ -56,12 +60,23 @@ def prompt_set(vocab: int, n: int, seed: int) -> list[list[int]]:
     return [hf_oracle.draw_prompt(rng, k, vocab) for k in picks]
 
 
-def engine_ids(model_dir: str, device: str, dtype: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy ids of every prompt, batched through the engine as a worker configures it."""
+def sampled_params(n: int, new_tokens: int) -> list[SamplingParams]:
+    """Every other prompt greedy, the rest seeded and sampled three ways."""
+    kinds = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.3), dict(temperature=0.7, top_k=20)]
+    return [SamplingParams(max_tokens=new_tokens, ignore_eos=True, **({"temperature": 0} if i % 2 == 0 else
+                                                                       {**kinds[i // 2 % 3], "seed": i}))
+            for i in range(n)]
+
+
+def engine_ids(model_dir: str, device: str, dtype: str, prompts: list[list[int]], new_tokens: int,
+               params: list[SamplingParams] | None = None, spec_tokens: int = 0) -> list[list[int]]:
+    """Each prompt's ids (greedy unless params say), batched through the engine as a worker
+    configures it."""
     bs = math.lcm(16, getattr(ModelConfig.from_dir(model_dir), "block_multiple", 1))
-    blocks = sum(-(-(len(p) + new_tokens) // bs) + 1 for p in prompts) + 2
-    cfg = EngineConfig(model=model_dir, device=device, dtype=dtype, max_num_seqs=len(prompts), num_kv_blocks=blocks)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    blocks = sum(-(-(len(p) + new_tokens + spec_tokens) // bs) + 1 for p in prompts) + 2
+    cfg = EngineConfig(model=model_dir, device=device, dtype=dtype, max_num_seqs=len(prompts), num_kv_blocks=blocks,
+                       num_speculative_tokens=spec_tokens)
+    params = params or SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     out = [c.token_ids for c in LLM(cfg).generate(prompts, params)]
     gc.collect()  # the engine's graphs and cache, before the next run allocates its own
     if device.startswith("cuda"):
@@ -130,6 +145,10 @@ def check_model(name: str, model_dir: str, cfg: EngineCheckConfig) -> dict:
     run = {"cpu-float32": engine_ids(model_dir, "cpu", "float32", prompts, cfg.new_tokens)}
     for dtype in _DTYPES:
         run[f"device-{dtype}"] = engine_ids(model_dir, cfg.device, dtype, prompts, cfg.new_tokens)
+    sampled = sampled_params(len(prompts), cfg.new_tokens)
+    spec = 1 if ModelConfig.from_dir(model_dir).num_nextn_predict_layers else 0
+    for where in dict.fromkeys(("cpu", cfg.device)):
+        run[f"{where}-sampled"] = engine_ids(model_dir, where, "float32", prompts, cfg.new_tokens, sampled, spec)
     fp32 = agreement(run["device-float32"], run["cpu-float32"])
     explain(model_dir, prompts, run["cpu-float32"], fp32["first_diffs"])
     hf, hf_failed = _transformers_runs(model_dir, cfg, prompts)
@@ -140,6 +159,8 @@ def check_model(name: str, model_dir: str, cfg: EngineCheckConfig) -> dict:
         "model": name, "path": model_dir, "prompt_lens": [len(p) for p in prompts],
         "fp32_equal_to_cpu": fp32["equal"] == fp32["of"], "fp32": fp32, "bf16": bf16,
         "engine_fp32_vs_transformers_fp32": agreement(run["device-float32"], hf["float32"]) if hf else None,
+        "sampled": {"spec_tokens": spec, **agreement(run[f"{cfg.device}-sampled"], run["cpu-sampled"]),
+                    "lengths_ok": all(len(x) == cfg.new_tokens for x in run[f"{cfg.device}-sampled"])},
         "seconds": round(time.monotonic() - t0, 1),
     }
 
@@ -166,14 +187,18 @@ def verdict(models: dict[str, dict]) -> tuple[str, str, str]:
             + _gaps(m["fp32"]["first_diffs"]) for n, m in models.items() if not m["fp32_equal_to_cpu"]]
     bad += [f"{n}: bf16 agrees with fp32 on {m['bf16']['engine_share']:.0%}, transformers' on "
             f"{m['bf16']['transformers_share']:.0%}" for n, m in models.items() if m["bf16"]["pass"] is False]
+    bad += [f"{n}: a sampled answer came back short" for n, m in models.items()
+            if not m["sampled"]["lengths_ok"]]
     parts = []
     for n, m in models.items():
         b = m["bf16"]
         hf = f", transformers {b['transformers_share']:.0%}" if "transformers_share" in b else ""
         judged = "" if b["pass"] is not None else f" (not judged: {b['why']})" if "transformers_share" not in b \
             else " (not judged)"
+        sm = m["sampled"]
         parts.append(f"{n} fp32 = CPU on {m['fp32']['equal']}/{m['fp32']['of']}, "
-                     f"bf16 = fp32 on {b['engine_share']:.0%}{hf}{judged}")
+                     f"bf16 = fp32 on {b['engine_share']:.0%}{hf}{judged}, "
+                     f"sampled = CPU on {sm['equal']}/{sm['of']} (not judged)")
     return ("fail" if bad else "pass"), "; ".join(bad), "; ".join(parts)
 
 
