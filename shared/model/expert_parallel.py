@@ -84,17 +84,22 @@ class EPLayer:
         self.num_experts = num_experts
         self.comm_s = 0.0  # time inside collectives, mostly waiting for the slowest rank
         self.slots_per_rank = experts.gate_up_proj.shape[0]
-        self.slot_tokens = torch.zeros(self.slots_per_rank, dtype=torch.long)  # pairs each local slot ran
+        # What a step reads lives where the experts do: the routed ids, the receive buffers
+        # and the collectives (NCCL on a GPU) are there. The placement itself (phy2log) stays
+        # on the host, where the balancer and the moves read it.
+        self.device = dev = experts.gate_up_proj.device
+        self.slot_tokens = torch.zeros(self.slots_per_rank, dtype=torch.long, device=dev)  # pairs each local slot ran
         # Ranks start their deals on different replicas, so single-token steps spread too.
-        self.turn = torch.full((num_experts,), rank, dtype=torch.long)
+        self.turn = torch.full((num_experts,), rank, dtype=torch.long, device=dev)
         self.set_placement(phy2log)
 
     def set_placement(self, phy2log: torch.Tensor) -> None:
         if phy2log.numel() != self.slots_per_rank * self.world:
             raise ValueError(f"placement has {phy2log.numel()} slots, instance has {self.slots_per_rank * self.world}")
         self.phy2log = phy2log.clone()
-        self.log2phy, self.counts = log2phy_of(self.phy2log, self.num_experts, self.world)
-        self.one_each = bool((self.counts == 1).all())
+        log2phy, counts = log2phy_of(self.phy2log, self.num_experts, self.world)
+        self.one_each = bool((counts == 1).all())
+        self.log2phy, self.counts = log2phy.to(self.device), counts.to(self.device)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         T, K = ids.shape
@@ -111,11 +116,11 @@ class EPLayer:
         n_in = sum(recv)
         x_in = x.new_empty(n_in, x.shape[1])
         dist.all_to_all_single(x_in, x[order // K].contiguous(), recv, send, group=self.group)
-        slot_in = torch.empty(n_in, dtype=torch.long)
+        slot_in = torch.empty(n_in, dtype=torch.long, device=x.device)
         dist.all_to_all_single(slot_in, (dst % S).contiguous(), recv, send, group=self.group)
         t1 = time.perf_counter()
         self.slot_tokens += torch.bincount(slot_in, minlength=S)
-        ones = torch.ones(n_in, 1, dtype=weights.dtype)
+        ones = torch.ones(n_in, 1, dtype=weights.dtype, device=x.device)
         y = fused_moe(x_in, self.experts.gate_up_proj, self.experts.down_proj, slot_in[:, None], ones,
                       self.experts.swiglu_limit)
         y_back = x.new_empty(T * K, x.shape[1])

@@ -52,3 +52,21 @@ def test_with_one_replica_each_the_lookup_deals_as_the_round_robin_does():
         want = to_replicas(flat, log2phy, counts, dealt)
         assert to_replicas(flat, log2phy, counts, looked_up, one_each=True).tolist() == want.tolist()
         assert looked_up.tolist() == dealt.tolist()
+
+
+def test_what_a_step_reads_lives_on_the_experts_device():
+    """On a GPU the routed ids, the receive buffers and NCCL's all-to-alls are on the device,
+    so the deal's tables must be too; the placement itself stays on the host for the
+    balancer. Checked on torch's meta device, which rejects a host operand as CUDA does."""
+    from moemesh.shared.model.expert_parallel import EPLayer
+    from moemesh.shared.model.moe import Experts
+
+    meta = torch.device("meta")
+    layer = EPLayer(Experts(5, 4, 2).to(meta), PHY2LOG, 8, rank=0, world=2)
+    assert {t.device for t in (layer.log2phy, layer.counts, layer.turn, layer.slot_tokens)} == {meta}
+    assert layer.phy2log.device.type == "cpu" and not layer.one_each
+    layer.set_placement(torch.arange(10) % 8)  # a move: the new tables go where the old were
+    assert layer.log2phy.device == layer.counts.device == meta and not layer.one_each
+    one_each = EPLayer(Experts(4, 4, 2).to(meta), torch.arange(8), 8, rank=1, world=2)
+    assert one_each.one_each and to_replicas(torch.tensor([3, 5]).to(meta), one_each.log2phy, one_each.counts,
+                                             one_each.turn, True).device == meta
