@@ -9,8 +9,9 @@ queued without waiting, then the host waits once.
 
 The other way, `torch.tensor(values, device=cuda)` copies with torch's default
 `non_blocking=False`, which synchronizes the stream: the host would wait for the
-forward queued before it. `to_device` copies without that wait: a pageable source is
-staged by the driver as the call returns, so the list may go at once.
+forward queued before it. `to_device` copies from pinned memory without blocking, as the
+batch's inputs go (runner.py): the copy is queued behind the work before it, and the
+host goes on.
 """
 
 from __future__ import annotations
@@ -41,4 +42,6 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list (or nested lists) as a tensor on `device`, without waiting for the
     device's queue. On the CPU, the tensor as made."""
     t = torch.tensor(values, dtype=dtype)
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+    if device.type == "cpu":
+        return t
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
