@@ -9,9 +9,9 @@ queued without waiting, then the host waits once.
 
 The other way, `torch.tensor(values, device=cuda)` copies with torch's default
 `non_blocking=False`, which synchronizes the stream: the host would wait for the
-forward queued before it. `to_device` copies from pinned memory without blocking, as the
-batch's inputs go (runner.py): the copy is queued behind the work before it, and the
-host goes on.
+forward queued before it. `send` (and `to_device`, for a list) copies from pinned memory
+without blocking, as the batch's inputs go: the copy is queued behind the work before
+it, and the host goes on.
 """
 
 from __future__ import annotations
@@ -38,10 +38,15 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list (or nested lists) as a tensor on `device`, without waiting for the
-    device's queue. On the CPU, the tensor as made."""
-    t = torch.tensor(values, dtype=dtype)
+def send(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device's queue: on CUDA from
+    pinned memory, so the copy is queued behind the work before it. On the CPU, t itself."""
+    device = torch.device(device)
     if device.type == "cpu":
         return t
     return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or nested lists) as a tensor on `device`, as send() puts it there."""
+    return send(torch.tensor(values, dtype=dtype), device)

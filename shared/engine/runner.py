@@ -15,6 +15,7 @@ from dataclasses import dataclass, is_dataclass
 import numpy as np
 import torch
 
+from moemesh.shared.engine import host_copy
 from moemesh.shared.engine.block_table import BlockTables
 from moemesh.shared.engine.hybrid_batch import ROWWISE_MAX
 from moemesh.shared.engine.sequence import Sequence
@@ -163,7 +164,7 @@ def index_tensors(batch: ForwardBatch) -> list[tuple[object, object]]:
 def _to(batch: ForwardBatch, device) -> ForwardBatch:
     if torch.device(device).type == "cpu":
         return batch
-    return pack(batch, lambda flat: flat.pin_memory().to(device, non_blocking=True))
+    return pack(batch, lambda flat: host_copy.send(flat, device))
 
 
 def pack(batch: ForwardBatch, move) -> ForwardBatch:

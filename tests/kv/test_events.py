@@ -12,9 +12,12 @@ from moemesh.shared.protocol.registry import KVPeers
 def test_changes_of_several_steps_go_out_as_one_message_and_a_failed_send_is_survived():
     async def go():
         sent = []
+        third = asyncio.Event()
 
         async def send(stored, removed):
             sent.append((stored, removed))
+            if len(sent) == 3:
+                third.set()
             if len(sent) == 1:
                 raise ConnectionError("NATS reconnecting")
 
@@ -28,10 +31,7 @@ def test_changes_of_several_steps_go_out_as_one_message_and_a_failed_send_is_sur
         pub.add([b"d"], [b"y"])
         await asyncio.sleep(0.1)
         pub.publish_soon()
-        for _ in range(500):  # until the third is out (5 s at most), not a fixed wait a stall could outlast
-            if len(sent) == 3:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(third.wait(), 5)  # not a fixed wait a stall could outlast
         task.cancel()
         assert sent == [([b"a", b"b"], [b"x"]), ([b"c", b"d"], [b"y"]), ([], [])]
 

@@ -63,9 +63,11 @@ def prompt_set(vocab: int, n: int, seed: int) -> list[list[int]]:
 def sampled_params(n: int, new_tokens: int) -> list[SamplingParams]:
     """Every other prompt greedy, the rest seeded and sampled three ways."""
     kinds = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.3), dict(temperature=0.7, top_k=20)]
-    return [SamplingParams(max_tokens=new_tokens, ignore_eos=True, **({"temperature": 0} if i % 2 == 0 else
-                                                                       {**kinds[i // 2 % 3], "seed": i}))
-            for i in range(n)]
+    out = []
+    for i in range(n):
+        how = {"temperature": 0} if i % 2 == 0 else {**kinds[i // 2 % 3], "seed": i}
+        out.append(SamplingParams(max_tokens=new_tokens, ignore_eos=True, **how))
+    return out
 
 
 def engine_ids(model_dir: str, device: str, dtype: str, prompts: list[list[int]], new_tokens: int,
